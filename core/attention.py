@@ -1,0 +1,185 @@
+"""Attention modes: MHA, GQA(n), MQA, MLA and sliding window, as rewrites of a ModelSpec.
+
+Each mode's ``apply`` returns the spec whose KV cache that mode holds (the predictor reads its
+head counts, widths and windows); the engine converts a running model to the same shape.
+Adding a mode is one class here plus one entry in ``ATTENTION_MODES``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+from core.spec import SLIDING_ATTENTION, ModelSpec, SpecError
+
+
+class SettingsError(SpecError):
+    """A setting that is misspelled or does not fit the model. The message is for the user."""
+
+
+def int_arg(arg: str | None, what: str, spelled: str) -> int:
+    """Parse the numeric part of a spelling like ``gqa:2``; raise SettingsError naming the spelling."""
+    if arg is None or not arg.strip():
+        raise SettingsError(f"{spelled!r} needs a number, e.g. {what}")
+    try:
+        value = int(arg)
+    except ValueError as exc:
+        raise SettingsError(f"{spelled!r}: {arg!r} is not a whole number (e.g. {what})") from exc
+    if value <= 0:
+        raise SettingsError(f"{spelled!r}: the number must be positive")
+    return value
+
+
+# ------------------------------------------------------------------------------------------------
+# Attention modes: each rewrites the part of a ModelSpec that decides what the cache holds.
+
+
+@dataclass(frozen=True)
+class AttentionMode:
+    """Base of attention modes. ``apply`` returns the spec the cache of this mode corresponds to."""
+
+    name: ClassVar[str] = ""
+    help: ClassVar[str] = ""
+
+    @property
+    def key(self) -> str:
+        """Canonical spelling, as on the command line."""
+        return self.name
+
+    @classmethod
+    def parse(cls, arg: str | None, spelled: str) -> "AttentionMode":
+        if arg:
+            raise SettingsError(f"{spelled!r}: {cls.name} takes no argument")
+        return cls()
+
+    def check(self, spec: ModelSpec) -> None:
+        """Raise SettingsError when this mode cannot apply to ``spec``."""
+
+    def apply(self, spec: ModelSpec) -> ModelSpec:
+        raise NotImplementedError
+
+    def __str__(self) -> str:
+        return self.key
+
+
+def _with_kv_heads(spec: ModelSpec, kv_heads: int) -> ModelSpec:
+    """The spec with ``kv_heads`` K/V heads; k_proj/v_proj parameters change with it (one
+    ``hidden x head_dim`` matrix, plus a bias row when the model has one, per head per layer)."""
+    if spec.is_mla:
+        # Expanding MLA to per-head K/V: K is nope+rope wide, V is v_head_dim wide (DeepSeek's layout).
+        return replace(spec, num_kv_heads=kv_heads, head_dim=(spec.qk_nope_head_dim or 0) + (spec.qk_rope_head_dim or 0),
+                       kv_lora_rank=None)
+    bias = 1 if spec.config.get("attention_bias") or spec.model_type == "qwen2" else 0
+    delta = 2 * spec.num_layers * (kv_heads - spec.num_kv_heads) * spec.head_dim * (spec.hidden_size + bias)
+    return replace(spec, num_kv_heads=kv_heads, num_parameters=spec.num_parameters + delta)
+
+
+@dataclass(frozen=True)
+class MHA(AttentionMode):
+    name: ClassVar[str] = "mha"
+    help: ClassVar[str] = "multi-head: one K/V head per query head"
+
+    def apply(self, spec: ModelSpec) -> ModelSpec:
+        return _with_kv_heads(spec, spec.num_query_heads)
+
+
+@dataclass(frozen=True)
+class GQA(AttentionMode):
+    name: ClassVar[str] = "gqa"
+    help: ClassVar[str] = "grouped-query: N K/V heads shared by groups of query heads (N divides the query heads)"
+    kv_heads: int = 1
+
+    @property
+    def key(self) -> str:
+        return f"gqa:{self.kv_heads}"
+
+    @classmethod
+    def parse(cls, arg: str | None, spelled: str) -> "GQA":
+        return cls(int_arg(arg, "gqa:2", spelled))
+
+    def check(self, spec: ModelSpec) -> None:
+        if spec.num_query_heads % self.kv_heads:
+            choices = ", ".join(f"gqa:{n}" for n in spec.gqa_group_counts())
+            raise SettingsError(
+                f"gqa:{self.kv_heads} does not divide {spec.num_query_heads} query heads of {spec.label}; "
+                f"choose one of {choices}"
+            )
+
+    def apply(self, spec: ModelSpec) -> ModelSpec:
+        self.check(spec)
+        return _with_kv_heads(spec, self.kv_heads)
+
+
+@dataclass(frozen=True)
+class MQA(AttentionMode):
+    name: ClassVar[str] = "mqa"
+    help: ClassVar[str] = "multi-query: a single K/V head for all query heads"
+
+    def apply(self, spec: ModelSpec) -> ModelSpec:
+        return _with_kv_heads(spec, 1)
+
+
+def mla_dims(spec: ModelSpec) -> tuple[int, int]:
+    """(kv_lora_rank, qk_rope_head_dim) of the latent cache. A model without MLA gets DeepSeek-V3's
+    proportions for its own head size: rank 4 x head_dim (512 = 4 x 128), rope part head_dim / 2 (64)."""
+    if spec.is_mla:
+        return int(spec.kv_lora_rank or 0), int(spec.qk_rope_head_dim or 0)
+    return 4 * spec.head_dim, max(1, spec.head_dim // 2)
+
+
+@dataclass(frozen=True)
+class MLA(AttentionMode):
+    name: ClassVar[str] = "mla"
+    help: ClassVar[str] = "multi-head latent (DeepSeek-V2/V3): caches one compressed latent plus a rope key per token"
+
+    def apply(self, spec: ModelSpec) -> ModelSpec:
+        rank, rope = mla_dims(spec)
+        return replace(spec, kv_lora_rank=rank, qk_rope_head_dim=rope,
+                       qk_nope_head_dim=spec.qk_nope_head_dim or spec.head_dim,
+                       v_head_dim=spec.v_head_dim or spec.head_dim)
+
+
+@dataclass(frozen=True)
+class Window(AttentionMode):
+    name: ClassVar[str] = "window"
+    help: ClassVar[str] = "sliding window: every layer attends to (and caches) only the last W tokens"
+    window: int = 4096
+
+    @property
+    def key(self) -> str:
+        return f"window:{self.window}"
+
+    @classmethod
+    def parse(cls, arg: str | None, spelled: str) -> "Window":
+        return cls(int_arg(arg, "window:4096", spelled))
+
+    def apply(self, spec: ModelSpec) -> ModelSpec:
+        return replace(spec, sliding_window=self.window, layer_types=tuple([SLIDING_ATTENTION] * spec.num_layers))
+
+
+ATTENTION_MODES: list[type[AttentionMode]] = [MHA, GQA, MQA, MLA, Window]
+
+
+def parse_attention(text: str) -> AttentionMode:
+    """Parse ``mha``, ``gqa:N``, ``mqa``, ``mla`` or ``window:W``. Raises SettingsError."""
+    spelled = str(text).strip().lower()
+    name, _, arg = spelled.partition(":")
+    for mode in ATTENTION_MODES:
+        if mode.name == name:
+            return mode.parse(arg or None, spelled)
+    raise SettingsError(f"unknown attention mode {text!r}; use mha, gqa:N, mqa, mla or window:W")
+
+
+def native_attention(spec: ModelSpec) -> AttentionMode:
+    """The attention mode a model is built with (for Mistral-style all-sliding models: its window)."""
+    if spec.is_mla:
+        return MLA()
+    if spec.sliding_window and spec.num_full_layers == 0:
+        return Window(spec.sliding_window)
+    if spec.num_kv_heads == spec.num_query_heads:
+        return MHA()
+    if spec.num_kv_heads == 1:
+        return MQA()
+    return GQA(spec.num_kv_heads)
+
+

@@ -1,0 +1,170 @@
+"""The memory predictor: bytes of weights, KV cache and activations for a spec and run settings.
+
+KV bytes are exact (they mirror transformers' cache classes, see ``core.caches``). Weight bytes are
+exact for the parameters (count from a meta-device build). Activations are the peak of the
+transient tensors of one forward pass, an estimate whose dominant term (eager's scores) is exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.caches import kv_layout
+from core.settings import RunSettings, effective_spec
+from core.spec import ModelSpec, dtype_bytes
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Memory in bytes, split the same way for predictions and observations.
+
+    ``other`` is what is neither weights, KV nor activations (runtime context, allocator slack);
+    predictions leave it 0. A part that could not be measured is None, never 0.
+    """
+
+    weights: int | None
+    kv_cache: int | None
+    activations: int | None
+    other: int | None = 0
+
+    @property
+    def total(self) -> int:
+        return sum(v for v in (self.weights, self.kv_cache, self.activations, self.other) if v)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A predicted breakdown, with the activation peaks of prefill and of one decode step."""
+
+    context: int
+    breakdown: MemoryBreakdown
+    activations_prefill: int
+    activations_decode: int
+    kv_bytes_per_token: float
+
+    @property
+    def total(self) -> int:
+        return self.breakdown.total
+
+
+def weight_bytes(spec: ModelSpec, settings: RunSettings) -> int:
+    """Bytes of the parameters: count (meta-device exact, adjusted for K/V head changes) x dtype size."""
+    eff = effective_spec(spec, settings)
+    return int(eff.num_parameters * dtype_bytes(settings.weight_dtype or spec.dtype))
+
+
+def kv_elem_bytes(spec: ModelSpec, settings: RunSettings) -> float:
+    """Bytes per cached element: the KV dtype if set, else the weights' dtype (what HF caches store)."""
+    return dtype_bytes(settings.kv_dtype or settings.weight_dtype or spec.dtype)
+
+
+def kv_bytes(spec: ModelSpec, settings: RunSettings, tokens: int, prompt_tokens: int | None = None) -> int:
+    """Exact bytes the cache holds after ``tokens`` tokens (``prompt_tokens`` of them in the prefill).
+
+    The classic formula 2 x layers x kv_heads x head_dim x tokens x batch x bytes is the dynamic
+    full-attention case; windows, preallocation, quantization and MLA are handled per layer.
+    """
+    eff = effective_spec(spec, settings)
+    return settings.cache.kv_bytes(
+        kv_layout(eff), settings.batch, tokens, kv_elem_bytes(spec, settings),
+        max_context=settings.max_context or tokens, prompt_tokens=prompt_tokens,
+    )
+
+
+def activation_bytes(spec: ModelSpec, settings: RunSettings, q_len: int, kv_len: int) -> int:
+    """Peak transient bytes of one forward pass over ``q_len`` new tokens attending to ``kv_len``.
+
+    - eager (transformers ``eager_attention_forward``): scores = q @ k^T is materialised as
+      [batch, heads, q_len, kv_len] in the model dtype and softmax runs in fp32
+      (``softmax(..., dtype=torch.float32)``), so both exist at once in one layer: b*h*q*kv*(dtype+4).
+    - sdpa / flash: fused kernels never hold the q x kv matrix; their working set is the output
+      and the log-sum-exp rows, b*h*q*(head_dim + 1) fp32.
+    Around that: the residual stream and normed copy (2 x b*q*hidden), q/k/v projections, the MLP's
+    gate and up projections (2 x b*q*intermediate) and fp32 logits for the last position only
+    (generation passes logits_to_keep=1).
+    """
+    eff = effective_spec(spec, settings)
+    b = settings.batch
+    dt = dtype_bytes(settings.weight_dtype or spec.dtype)
+    heads = eff.num_query_heads
+    head_dim = eff.head_dim
+    inter = int(spec.config.get("intermediate_size") or 4 * spec.hidden_size)
+    attended = kv_len
+    if eff.sliding_window and eff.num_full_layers == 0:
+        attended = min(kv_len, eff.sliding_window + q_len)
+    if settings.attn_impl == "eager":
+        attention = b * heads * q_len * attended * (dt + FP32)
+    else:
+        attention = b * heads * q_len * (head_dim + 1) * FP32
+    qkv = b * q_len * (heads + 2 * eff.num_kv_heads) * head_dim * dt
+    stream = 2 * b * q_len * spec.hidden_size * dt
+    mlp = 2 * b * q_len * inter * dt
+    logits = b * spec.vocab_size * FP32
+    return int(stream + max(attention + qkv, mlp) + logits)
+
+
+def predict(spec: ModelSpec, settings: RunSettings, context: int, prompt_tokens: int | None = None) -> Prediction:
+    """Predicted memory after ``context`` tokens: weights + KV + the larger of the prefill and decode peaks.
+
+    ``prompt_tokens`` is how much of the context came in the prefill (default: all of it, as a
+    calculator's "load a context of N tokens" means).
+    """
+    prompt = context if prompt_tokens is None else min(prompt_tokens, context)
+    weights = weight_bytes(spec, settings)
+    kv = kv_bytes(spec, settings, context, prompt)
+    act_prefill = activation_bytes(spec, settings, prompt, prompt) if prompt > 0 else 0
+    act_decode = activation_bytes(spec, settings, 1, context)
+    return Prediction(
+        context=context,
+        breakdown=MemoryBreakdown(weights=weights, kv_cache=kv, activations=max(act_prefill, act_decode)),
+        activations_prefill=act_prefill,
+        activations_decode=act_decode,
+        kv_bytes_per_token=kv / context if context else 0.0,
+    )
+
+
+def max_context_that_fits(spec: ModelSpec, settings: RunSettings, memory_bytes: int, limit: int | None = None) -> int | None:
+    """Largest context (tokens) whose predicted total fits in ``memory_bytes``; None if not even one token.
+
+    Static caches preallocate their max context, so that is tied to the context being tried.
+    """
+    hi_limit = limit or max(spec.max_position_embeddings, 1)
+
+    def fits(n: int) -> bool:
+        s = settings.with_(max_context=n) if settings.cache.name == "static" else settings
+        return predict(spec, s, n).total <= memory_bytes
+
+    if not fits(1):
+        return None
+    lo, hi = 1, hi_limit
+    if fits(hi):
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def kv_overtakes_weights_at(spec: ModelSpec, settings: RunSettings, limit: int = 1 << 24) -> int | None:
+    """Smallest context at which the KV cache holds more bytes than the weights (None below ``limit``)."""
+    weights = weight_bytes(spec, settings)
+
+    def over(n: int) -> bool:
+        s = settings.with_(max_context=n) if settings.cache.name == "static" else settings
+        return kv_bytes(spec, s, n) > weights
+
+    if not over(limit):
+        return None
+    lo, hi = 0, limit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if over(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi

@@ -1,0 +1,82 @@
+"""Sample: one immutable observation of memory at one token (or one event), with its prediction.
+
+Samples flow from the generation loop to the CLI table, the window's plots and recordings.
+They carry their own settings, so a consumer never asks the worker what mode was active.
+Memory the hardware cannot report is None ("not available"), never 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+PHASE_PREFILL = "prefill"
+PHASE_DECODE = "decode"
+PHASE_EVENT = "event"  # a switch, a load, an error: no token was generated
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One row of the stream. Bytes are integers; times are seconds since the run started."""
+
+    token: int  # index of the last token in the sequence (prompt tokens count), -1 before any
+    phase: str  # prefill | decode | event
+    time_s: float
+    text: str  # the token's text (prefill: the prompt); for events, what happened
+    # settings in force, spelled as on the command line
+    attention: str
+    attn_impl: str
+    cache: str
+    kernel: str  # attention kernel that actually ran: eager, sdpa-math, sdpa-flash, flash_attention_2 ...
+    device: str
+    dtype: str
+    # observed
+    kv_bytes_observed: int | None
+    kv_bytes_storage: int | None  # bytes of the storage blocks the cache tensors keep alive
+    weights_bytes: int | None
+    allocator_allocated: int | None = None
+    allocator_reserved: int | None = None
+    allocator_peak: int | None = None
+    device_used: int | None = None  # NVML (whole device)
+    device_total: int | None = None
+    process_gpu: int | None = None  # NVML, this process
+    process_rss: int | None = None
+    # predicted for the same instant
+    kv_bytes_predicted: int | None = None
+    weights_predicted: int | None = None
+    activations_predicted: int | None = None
+    total_predicted: int | None = None
+    tokens_per_s: float | None = None
+    event: str | None = None  # for phase == event: "switch", "load", "error", "oom", "budget"...
+
+    @property
+    def is_event(self) -> bool:
+        return self.phase == PHASE_EVENT
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Sample":
+        """Build a Sample from a (possibly untrusted) dict: unknown keys are dropped, types checked."""
+        names = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in names}
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.name not in kwargs and f.default is dataclasses.MISSING]
+        if missing:
+            raise ValueError(f"sample is missing {', '.join(missing)}")
+        for key, value in kwargs.items():
+            if value is None:
+                continue
+            kind = names[key].type
+            if "int" in kind and "float" not in kind and not (isinstance(value, int) and not isinstance(value, bool)):
+                raise ValueError(f"sample field {key} must be an integer, got {value!r}")
+            if kind.startswith("float") and not isinstance(value, (int, float)):
+                raise ValueError(f"sample field {key} must be a number, got {value!r}")
+            if kind.startswith("str") and not isinstance(value, str):
+                raise ValueError(f"sample field {key} must be text, got {value!r}")
+        return cls(**kwargs)
+
+    def replace(self, **changes: Any) -> "Sample":
+        return dataclasses.replace(self, **changes)

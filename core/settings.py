@@ -1,0 +1,91 @@
+"""RunSettings: what the user chose for a run or a calculation, and parsing of live switches.
+
+Spellings are canonical and shared by the command line, recordings and the window: attention
+``mha``, ``gqa:2``, ``mqa``, ``mla``, ``window:256``; cache ``dynamic``, ``static``, ``quantized:4``,
+``quantized:hqq:2``, ``quantized:fp8``, ``offloaded``; attn-impl ``eager``, ``sdpa``, ``flash``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from core.attention import AttentionMode, SettingsError, native_attention, parse_attention
+from core.caches import CacheStrategy, Dynamic, parse_cache
+from core.spec import ModelSpec, canonical_dtype
+
+
+ATTN_IMPLS = ("eager", "sdpa", "flash")
+
+
+def parse_attn_impl(text: str) -> str:
+    spelled = str(text).strip().lower()
+    aliases = {"flash_attention_2": "flash", "fa2": "flash", "flash-attention": "flash"}
+    spelled = aliases.get(spelled, spelled)
+    if spelled not in ATTN_IMPLS:
+        raise SettingsError(f"unknown attention implementation {text!r}; use eager, sdpa or flash")
+    return spelled
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What the user chose for a run or a calculation. ``attention=None`` means as the model is built.
+
+    ``max_context`` is what a static cache preallocates (defaults to the context itself).
+    ``kv_dtype=None`` means the weights' dtype, as transformers' caches store K/V in the model dtype.
+    """
+
+    batch: int = 1
+    weight_dtype: str | None = None
+    kv_dtype: str | None = None
+    attention: AttentionMode | None = None
+    cache: CacheStrategy = Dynamic()
+    attn_impl: str = "sdpa"
+    max_context: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.batch <= 0:
+            raise SettingsError(f"batch must be positive, got {self.batch}")
+        if self.weight_dtype is not None:
+            object.__setattr__(self, "weight_dtype", canonical_dtype(self.weight_dtype))
+        if self.kv_dtype is not None:
+            object.__setattr__(self, "kv_dtype", canonical_dtype(self.kv_dtype))
+        if self.max_context is not None and self.max_context <= 0:
+            raise SettingsError(f"max context must be positive, got {self.max_context}")
+
+    def attention_key(self, spec: ModelSpec) -> str:
+        return (self.attention or native_attention(spec)).key
+
+    def with_(self, **changes) -> "RunSettings":
+        return dataclasses.replace(self, **changes)
+
+
+def parse_switch_value(key: str, value: str):
+    """Parse the value of a live switch ``KEY=VALUE`` (``attention``, ``attn-impl``, ``cache``)."""
+    k = key.strip().lower().replace("_", "-")
+    if k == "attention":
+        return "attention", parse_attention(value)
+    if k in ("attn-impl", "attn", "impl", "flash"):
+        if k == "flash":
+            v = value.strip().lower()
+            if v in ("on", "1", "true", "yes"):
+                return "attn_impl", "flash"
+            if v in ("off", "0", "false", "no"):
+                return "attn_impl", "sdpa"
+        return "attn_impl", parse_attn_impl(value)
+    if k == "cache":
+        return "cache", parse_cache(value)
+    raise SettingsError(f"unknown setting {key!r} to switch; use attention, attn-impl or cache")
+
+
+def effective_spec(spec: ModelSpec, settings: RunSettings) -> ModelSpec:
+    """The spec whose cache this run holds: the attention mode applied (checked) to the model."""
+    if settings.attention is None:
+        return spec
+    settings.attention.check(spec)
+    return settings.attention.apply(spec)
+
+

@@ -20,7 +20,7 @@ PHASE_EVENT = "event"  # a switch, a load, an error: no token was generated
 class Sample:
     """One row of the stream. Bytes are integers; times are seconds since the run started."""
 
-    token: int  # index of the last token in the sequence (prompt tokens count), -1 before any
+    token: int  # generated tokens so far: 0 for the prefill, 1 for the first decoded token
     phase: str  # prefill | decode | event
     time_s: float
     text: str  # the token's text (prefill: the prompt); for events, what happened
@@ -49,6 +49,7 @@ class Sample:
     total_predicted: int | None = None
     tokens_per_s: float | None = None
     event: str | None = None  # for phase == event: "switch", "load", "error", "oom", "budget"...
+    context_tokens: int = 0  # tokens in the sequence (prompt + generated) at this instant
 
     @property
     def is_event(self) -> bool:

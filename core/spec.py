@@ -365,6 +365,9 @@ def spec_from_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
     kv_lora_rank = cfg.get("kv_lora_rank")
     mla = {}
     if kv_lora_rank:
+        # Expanded per-head keys are nope + rope wide (DeepseekV3 sets config.head_dim to the rope
+        # part only, which is not the key width); values are v_head_dim wide.
+        head_dim = int(cfg.get("qk_nope_head_dim", 128)) + int(cfg.get("qk_rope_head_dim", 64))
         mla = dict(
             kv_lora_rank=_positive_int(kv_lora_rank, "kv_lora_rank", name),
             q_lora_rank=cfg.get("q_lora_rank"),

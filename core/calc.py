@@ -1,0 +1,139 @@
+"""`python main.py calc`: what will this context cost? A table (or JSON) from the predictor alone."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from core.caches import kv_layout
+from core.predict import Prediction, kv_elem_bytes, kv_overtakes_weights_at, max_context_that_fits, predict
+from core.settings import RunSettings, effective_spec
+from core.spec import ModelSpec, human_bytes
+
+#: Largest context the "what fits" search considers (the model's own maximum may be smaller; we
+#: still answer, and say it is beyond what the model was trained for).
+SEARCH_LIMIT = 1 << 24
+
+
+@dataclass(frozen=True)
+class CalcResult:
+    spec: ModelSpec
+    settings: RunSettings
+    rows: tuple[Prediction, ...]
+    gpu_memory: int | None
+    max_context: int | None
+    overtakes_at: int | None
+
+    def to_json(self) -> dict[str, Any]:
+        """The documented JSON shape: {"model", "rows": [{context, kv_cache_bytes, ...}], "max_context"}."""
+        return {
+            "model": self.spec.name,
+            "rows": [
+                {
+                    "context": p.context,
+                    "kv_cache_bytes": p.breakdown.kv_cache,
+                    "weights_bytes": p.breakdown.weights,
+                    "activation_bytes": p.breakdown.activations,
+                    "total_bytes": p.total,
+                }
+                for p in self.rows
+            ],
+            "max_context": self.max_context,
+        }
+
+
+def calculate(spec: ModelSpec, settings: RunSettings, contexts: list[int], gpu_memory: int | None = None) -> CalcResult:
+    """Predict every context; with ``gpu_memory``, also the largest context that fits in it."""
+    effective_spec(spec, settings)  # validates the attention mode against the model before any row
+    rows = []
+    for context in contexts:
+        s = settings.with_(max_context=settings.max_context or context) if settings.cache.name == "static" else settings
+        rows.append(predict(spec, s, context))
+    fits = max_context_that_fits(spec, settings, gpu_memory, limit=SEARCH_LIMIT) if gpu_memory else None
+    return CalcResult(spec, settings, tuple(rows), gpu_memory, fits, kv_overtakes_weights_at(spec, settings))
+
+
+def _gb(n: int) -> str:
+    """Decimal units, as model cards and the README speak of "16 GB of weights"."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _cell(n: int) -> str:
+    return f"{n:,} B ({_gb(n)})"
+
+
+def kv_formula(spec: ModelSpec, settings: RunSettings) -> str:
+    """The per-token KV formula with this model's numbers substituted (dynamic cache, full layers)."""
+    eff = effective_spec(spec, settings)
+    elem = kv_elem_bytes(spec, settings)
+    elem_txt = f"{elem:g} B"
+    if eff.is_mla:
+        rank, rope = eff.kv_lora_rank, eff.qk_rope_head_dim
+        per = eff.num_layers * (rank + rope) * elem * settings.batch
+        return (f"{eff.num_layers} layers x ({rank} latent + {rope} rope) x {settings.batch} batch x {elem_txt}"
+                f" = {per:,.0f} B per token")
+    layer = kv_layout(eff)[0]
+    per = eff.num_layers * layer.width * elem * settings.batch
+    if layer.k_dim == layer.v_dim:
+        return (f"2 (K,V) x {eff.num_layers} layers x {layer.heads} KV heads x {layer.k_dim} head_dim x "
+                f"{settings.batch} batch x {elem_txt} = {per:,.0f} B per token")
+    return (f"{eff.num_layers} layers x {layer.heads} KV heads x ({layer.k_dim} K + {layer.v_dim} V) x "
+            f"{settings.batch} batch x {elem_txt} = {per:,.0f} B per token")
+
+
+def render_table(result: CalcResult) -> str:
+    spec, settings = result.spec, result.settings
+    eff = effective_spec(spec, settings)
+    wdtype = settings.weight_dtype or spec.dtype
+    kvdtype = settings.kv_dtype or wdtype
+    lines = [
+        f"{spec.label}: {spec.num_layers} layers, {spec.num_query_heads} query heads, {spec.num_kv_heads} KV heads, "
+        f"head_dim {spec.head_dim}, {spec.num_parameters:,} parameters",
+        f"attention {settings.attention_key(spec)}, weights {wdtype}, KV {kvdtype}, batch {settings.batch}, "
+        f"cache {settings.cache.key}, attn-impl {settings.attn_impl}",
+    ]
+    if eff.sliding_window:
+        lines.append(f"sliding window {eff.sliding_window} tokens on {eff.num_sliding_layers} of {eff.num_layers} layers")
+    lines.append("KV per token: " + kv_formula(spec, settings))
+    lines.append("")
+    header = ("context", "KV cache", "weights", "activations (peak)", "total")
+    table = [header]
+    beyond = False
+    for p in result.rows:
+        mark = ""
+        if p.context > spec.max_position_embeddings:
+            mark, beyond = "*", True
+        b = p.breakdown
+        table.append((f"{p.context:,}{mark}", _cell(b.kv_cache or 0), _cell(b.weights or 0),
+                      _cell(b.activations or 0), _cell(p.total)))
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for i, row in enumerate(table):
+        lines.append("  ".join(cell.rjust(widths[j]) for j, cell in enumerate(row)))
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    lines.append("")
+    if beyond:
+        lines.append(f"* beyond the model's trained maximum of {spec.max_position_embeddings:,} tokens")
+    if result.overtakes_at is not None:
+        lines.append(f"The KV cache overtakes the weights at {result.overtakes_at:,} tokens.")
+    else:
+        lines.append("The KV cache stays smaller than the weights at every context up to 16M tokens.")
+    if result.gpu_memory is not None:
+        if result.max_context is None:
+            lines.append(f"Does not fit in {_gb(result.gpu_memory)} even at 1 token (the weights alone need "
+                         f"{_gb(result.rows[0].breakdown.weights or 0) if result.rows else '?'}).")
+        else:
+            note = ""
+            if result.max_context > spec.max_position_embeddings:
+                note = f" (beyond the model's trained maximum of {spec.max_position_embeddings:,})"
+            lines.append(f"Largest context that fits in {human_bytes(result.gpu_memory)} ({result.gpu_memory:,} B): "
+                         f"{result.max_context:,} tokens{note}.")
+    return "\n".join(lines)
+
+
+def render_json(result: CalcResult) -> str:
+    return json.dumps(result.to_json())

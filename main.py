@@ -1,0 +1,220 @@
+"""KV Scope entry point.
+
+    python main.py                      the window (falls back to the terminal view with no display)
+    python main.py calc ...             what a context costs, for any model config, nothing loaded
+    python main.py run ...              generate in the terminal with a live memory table
+    python main.py replay FILE          play a recording back in the window
+    python main.py export FILE --csv    recording -> CSV
+    python main.py --screenshot out.png [--tokens N] [run options]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+APP_VERSION = "0.1.0"
+
+
+class CliError(Exception):
+    """A bad command line or input: printed as one line on stderr, exit status 2."""
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="embedded",
+                   help="preset name (e.g. llama-3-8b), local config.json / model folder, or hub id (default: embedded)")
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
+    p.add_argument("--dtype", default=None, help="weights dtype: fp32, fp16, bf16 (default: the model's)")
+    p.add_argument("--attention", default=None, help="mha | gqa:N | mqa | mla | window:W (default: as the model is built)")
+    p.add_argument("--cache", default="dynamic", help="dynamic | static | quantized[:4|:2|:hqq:4|:fp8] | offloaded")
+    p.add_argument("--attn-impl", default="sdpa", help="eager | sdpa | flash (default sdpa)")
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    _add_model_options(p)
+    p.add_argument("--device", default="auto", help="auto | cuda | cuda:N | mps | cpu (default auto)")
+    p.add_argument("--tokens", type=int, default=None, help="tokens to generate (default 128; window: until stopped)")
+    p.add_argument("--prompt", default=None, help="prompt text")
+    p.add_argument("--prompt-file", default=None, help="read the prompt from a file")
+    p.add_argument("--max-context", default=None, help="context a static cache preallocates, e.g. 4096 or 4k")
+    p.add_argument("--record", default=None, metavar="FILE.jsonl", help="record every sample to a JSONL file")
+    p.add_argument("--switch", action="append", default=[], metavar="T:KEY=VALUE",
+                   help="change a setting at token T, e.g. 32:attention=mqa, 64:attn-impl=eager (repeatable)")
+    p.add_argument("--memory-budget", default=None, help="stop when the model's memory would exceed SIZE (e.g. 64MiB)")
+    p.add_argument("--snapshot", default=None, metavar="FILE", help="CUDA: save an allocator snapshot of the run")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow a hub model's own Python code (off by default)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvscope", description="KV Scope: see and predict the KV cache.")
+    parser.add_argument("--version", action="version", version=f"KV Scope {APP_VERSION}")
+    parser.add_argument("--screenshot", default=None, metavar="PNG", help="open the window, run, save a PNG, exit")
+    parser.add_argument("--self-test", action="store_true", help="load the embedded model, generate offscreen, exit 0")
+    _add_run_options(parser)
+    sub = parser.add_subparsers(dest="command")
+
+    calc = sub.add_parser("calc", help="predict memory for a model config and contexts (nothing is loaded)")
+    _add_model_options(calc)
+    calc.add_argument("--context", default="4096,32768,131072", help="comma-separated contexts: 4096,32768 or 4k,32K,128k")
+    calc.add_argument("--kv-dtype", default=None, help="KV cache dtype: fp16, bf16, fp8, int8, int4 (default: weights dtype)")
+    calc.add_argument("--max-context", default=None, help="what a static cache preallocates (default: each context)")
+    calc.add_argument("--gpu-memory", default=None, help="answer the largest context that fits, e.g. 24GiB")
+    calc.add_argument("--json", action="store_true", help="print one JSON object")
+
+    run = sub.add_parser("run", help="generate in the terminal with a live table of observed vs predicted memory")
+    _add_run_options(run)
+
+    replay = sub.add_parser("replay", help="play a recording back in the window (no model, no GPU)")
+    replay.add_argument("file")
+    replay.add_argument("--speed", type=float, default=1.0, help="playback speed factor (default 1)")
+    replay.add_argument("--screenshot", default=None, metavar="PNG")
+
+    export = sub.add_parser("export", help="export a recording")
+    export.add_argument("file")
+    export.add_argument("--csv", default=None, metavar="OUT.csv")
+    return parser
+
+
+def _settings_from(args: argparse.Namespace):
+    from core.attention import parse_attention
+    from core.caches import parse_cache
+    from core.settings import RunSettings, parse_attn_impl
+    from core.spec import parse_tokens
+
+    return RunSettings(
+        batch=args.batch,
+        weight_dtype=args.dtype,
+        kv_dtype=getattr(args, "kv_dtype", None),
+        attention=parse_attention(args.attention) if args.attention else None,
+        cache=parse_cache(args.cache),
+        attn_impl=parse_attn_impl(args.attn_impl),
+        max_context=parse_tokens(args.max_context) if args.max_context else None,
+    )
+
+
+def cmd_calc(args: argparse.Namespace) -> int:
+    from core.calc import calculate, render_json, render_table
+    from core.spec import load_spec, parse_size, parse_tokens
+
+    contexts = [parse_tokens(c) for c in str(args.context).split(",") if c.strip()]
+    if not contexts:
+        raise CliError("--context needs at least one token count, e.g. 4k,32k")
+    spec = load_spec(args.model)
+    settings = _settings_from(args)
+    gpu = parse_size(args.gpu_memory) if args.gpu_memory else None
+    result = calculate(spec, settings, contexts, gpu)
+    print(render_json(result) if args.json else render_table(result))
+    return 0
+
+
+def _run_request(args: argparse.Namespace):
+    from core.generate import DEFAULT_PROMPT, RunRequest, parse_switch
+    from core.spec import parse_size
+
+    prompt = args.prompt
+    if args.prompt_file:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as fh:
+                prompt = fh.read()
+        except OSError as exc:
+            raise CliError(f"cannot read --prompt-file {args.prompt_file}: {exc.strerror or exc}") from exc
+    if args.tokens is not None and args.tokens <= 0:
+        raise CliError("--tokens must be positive")
+    return RunRequest(
+        source=args.model,
+        device=args.device,
+        dtype=args.dtype or "auto",
+        prompt=prompt if prompt is not None else DEFAULT_PROMPT,
+        max_new_tokens=args.tokens if args.tokens is not None else 128,
+        settings=_settings_from(args),
+        switches=tuple(parse_switch(s) for s in args.switch),
+        record_path=args.record,
+        trust_remote_code=args.trust_remote_code,
+        memory_budget=parse_size(args.memory_budget) if args.memory_budget else None,
+        snapshot_path=args.snapshot,
+        seed=args.seed,
+    )
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from core.terminal import run_terminal
+
+    return run_terminal(_run_request(args))
+
+
+def cmd_gui(args: argparse.Namespace) -> int:
+    from ui.app import has_display, run_window
+
+    request = _run_request(args)
+    if args.screenshot or has_display():
+        return run_window(request, screenshot=args.screenshot, tokens=args.tokens)
+    print("kvscope: no display found (DISPLAY/WAYLAND_DISPLAY unset): running the terminal view instead. "
+          "Use QT_QPA_PLATFORM=offscreen with --screenshot to render the window without a display.", file=sys.stderr)
+    from core.terminal import run_terminal
+
+    return run_terminal(request)
+
+
+def cmd_self_test(args: argparse.Namespace) -> int:
+    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+    from ui.app import self_test
+
+    return self_test()
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from ui.app import has_display, run_replay
+
+    if not args.screenshot and not has_display():
+        raise CliError("replay needs a display (or --screenshot out.png to render offscreen)")
+    if args.speed <= 0:
+        raise CliError("--speed must be positive")
+    return run_replay(args.file, speed=args.speed, screenshot=args.screenshot)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from core.export import export_csv
+
+    if not args.csv:
+        raise CliError("export needs an output: --csv out.csv")
+    rows = export_csv(args.file, args.csv)
+    print(f"wrote {rows:,} samples to {args.csv}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.screenshot and not os.environ.get("DISPLAY") and not os.environ.get("WAYLAND_DISPLAY"):
+        os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+    commands = {"calc": cmd_calc, "run": cmd_run, "replay": cmd_replay, "export": cmd_export}
+    handler = commands.get(args.command or "", cmd_self_test if args.self_test else cmd_gui)
+    try:
+        return handler(args)
+    except KeyboardInterrupt:
+        print("kvscope: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `| head`: the reader left; not an error of ours
+        sys.stderr.close()
+        return 0
+    except Exception as exc:  # one line for the user; tracebacks only with KVSCOPE_DEBUG=1
+        if os.environ.get("KVSCOPE_DEBUG"):
+            raise
+        if not _is_user_error(exc):
+            print(f"kvscope: internal error: {type(exc).__name__}: {exc} (set KVSCOPE_DEBUG=1 for details)",
+                  file=sys.stderr)
+            return 1
+        print(f"kvscope: {exc}", file=sys.stderr)
+        return 2
+
+
+def _is_user_error(exc: Exception) -> bool:
+    """Errors whose message is written for the user (bad input, unloadable model, broken recording)."""
+    names = {"CliError", "SpecError", "SettingsError", "LoadError", "RecordingError", "BudgetExceeded", "GenerationError"}
+    return any(cls.__name__ in names for cls in type(exc).__mro__)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""The predictor's headline numbers, derived by hand, and the calc command that prints them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from core.attention import SettingsError, parse_attention
+from core.caches import Quantized, Static, parse_cache
+from core.predict import activation_bytes, kv_bytes, kv_overtakes_weights_at, max_context_that_fits, predict
+from core.settings import RunSettings
+from core.spec import SpecError, load_spec, parse_size, parse_tokens
+
+ROOT = Path(__file__).resolve().parent.parent
+FP16 = RunSettings(weight_dtype="fp16")
+
+
+@pytest.fixture(scope="module")
+def llama8b():
+    return load_spec("llama-3-8b")
+
+
+def test_worked_example_kv_bytes(llama8b):
+    # 2 x 32 layers x 8 KV heads x 128 head_dim x 2 bytes = 131,072 B (128 KiB) per token.
+    assert kv_bytes(llama8b, FP16, 1) == 131_072
+    assert kv_bytes(llama8b, FP16, 4096) == 536_870_912
+    assert kv_bytes(llama8b, FP16, 32768) == 4_294_967_296
+    assert kv_bytes(llama8b, FP16, 131072) == 17_179_869_184
+
+
+def test_worked_example_weights_and_crossover(llama8b):
+    # 8,030,261,248 parameters (meta-device count) x 2 bytes.
+    p = predict(llama8b, FP16, 4096)
+    assert llama8b.num_parameters == 8_030_261_248
+    assert p.breakdown.weights == 16_060_522_496
+    assert p.total == p.breakdown.weights + p.breakdown.kv_cache + p.breakdown.activations
+    # The cache passes the weights where tokens x 131072 > 16,060,522,496: at 122,533 tokens.
+    assert kv_overtakes_weights_at(llama8b, FP16) == 16_060_522_496 // 131_072 + 1 == 122_533
+
+
+def test_mha_gqa_mqa_ratios(llama8b):
+    mha = kv_bytes(llama8b, FP16.with_(attention=parse_attention("mha")), 4096)
+    gqa = kv_bytes(llama8b, FP16.with_(attention=parse_attention("gqa:8")), 4096)
+    mqa = kv_bytes(llama8b, FP16.with_(attention=parse_attention("mqa")), 4096)
+    assert mha == 4 * gqa == 32 * mqa
+    assert gqa == kv_bytes(llama8b, FP16, 4096)  # Llama-3-8B is gqa:8 as built
+
+
+def test_gqa_must_divide_query_heads(llama8b):
+    with pytest.raises(SettingsError, match="does not divide 32 query heads"):
+        kv_bytes(llama8b, FP16.with_(attention=parse_attention("gqa:3")), 10)
+
+
+def test_mha_conversion_changes_weight_count(llama8b):
+    # k_proj and v_proj grow from 8 to 32 heads: 2 x 32 layers x 24 heads x 128 x 4096 more parameters.
+    mha = predict(llama8b, FP16.with_(attention=parse_attention("mha")), 1)
+    assert mha.breakdown.weights == (8_030_261_248 + 2 * 32 * 24 * 128 * 4096) * 2
+
+
+def test_window_caps_and_static_preallocates(llama8b):
+    window = FP16.with_(attention=parse_attention("window:4096"))
+    # DynamicSlidingWindowLayer keeps W - 1 tokens.
+    assert kv_bytes(llama8b, window, 100_000) == 4095 * 131_072
+    static = FP16.with_(cache=Static(), max_context=8192)
+    assert kv_bytes(llama8b, static, 1) == kv_bytes(llama8b, static, 8000) == 8192 * 131_072
+    assert kv_bytes(llama8b, static, 0) == 0  # StaticLayer allocates lazily, on the first update
+
+
+def test_eager_materialises_scores_sdpa_does_not(llama8b):
+    eager = activation_bytes(llama8b, FP16.with_(attn_impl="eager"), 4096, 4096)
+    sdpa = activation_bytes(llama8b, FP16.with_(attn_impl="sdpa"), 4096, 4096)
+    scores = 1 * 32 * 4096 * 4096 * (2 + 4)  # fp16 scores + fp32 softmax of one layer
+    assert eager - sdpa >= scores - 32 * 4096 * 129 * 4 - 2 * 4096 * 14336 * 2
+    assert eager > 6 * sdpa
+
+
+def test_max_context_that_fits(llama8b):
+    budget = 24 * 2**30
+    n = max_context_that_fits(llama8b, FP16, budget, limit=1 << 24)
+    assert predict(llama8b, FP16, n).total <= budget < predict(llama8b, FP16, n + 1).total
+    assert max_context_that_fits(llama8b, FP16, 10 * 2**30) is None  # 16 GB of weights do not fit
+
+
+def test_quantized_keeps_residual_unquantized(llama8b):
+    q = RunSettings(weight_dtype="fp16", cache=parse_cache("quantized:4"))
+    assert isinstance(q.cache, Quantized)
+    # All prompt tokens are quantized by the prefill; 10 decoded tokens wait in the fp16 residual.
+    assert q.cache.split(110, 100) == (100, 10)
+    assert q.cache.split(100 + 128, 100) == (228, 0)
+    assert kv_bytes(llama8b, q, 4096) < kv_bytes(llama8b, FP16, 4096) / 3
+
+
+@pytest.mark.parametrize("text,value", [("24GiB", 24 * 2**30), ("1.5GB", 1_500_000_000), ("64MiB", 64 * 2**20),
+                                        ("4096", 4096), ("80g", 80 * 2**30)])
+def test_parse_size(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text,value", [("4096", 4096), ("4k", 4096), ("32K", 32768), ("128k", 131072)])
+def test_parse_tokens(text, value):
+    assert parse_tokens(text) == value
+
+
+@pytest.mark.parametrize("bad", ["", "-3", "4q", "1.5", "nan"])
+def test_parse_tokens_rejects(bad):
+    with pytest.raises(SpecError):
+        parse_tokens(bad)
+
+
+def _calc(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "main.py"), "calc", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+
+
+def test_calc_prints_worked_example():
+    out = _calc("--model", "llama-3-8b", "--context", "4k,32k,128k", "--dtype", "fp16")
+    assert out.returncode == 0, out.stderr
+    for figure in ("536,870,912 B", "4,294,967,296 B", "17,179,869,184 B", "16,060,522,496 B (16.06 GB)",
+                   "overtakes the weights at 122,533 tokens"):
+        assert figure in out.stdout
+
+
+def test_calc_json_shape():
+    out = _calc("--model", "LLAMA-3-8B", "--context", "4096,32768", "--gpu-memory", "24GiB", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["model"] == "llama-3-8b"
+    assert [r["context"] for r in data["rows"]] == [4096, 32768]
+    assert data["rows"][0]["kv_cache_bytes"] == 536_870_912
+    assert set(data["rows"][0]) == {"context", "kv_cache_bytes", "weights_bytes", "activation_bytes", "total_bytes"}
+    assert isinstance(data["max_context"], int) and data["max_context"] > 32768
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--attention", "gqa:3"), "does not divide 32 query heads"),
+    (("--context", "lots"), "cannot read token count"),
+    (("--gpu-memory", "24 parsecs"), "cannot read size"),
+    (("--cache", "quantized:3"), "quanto stores 2, 4 bits"),
+    (("--model", "no-such-preset"), "unknown model"),
+])
+def test_calc_bad_input_is_one_line(args, message):
+    out = _calc("--model", "llama-3-8b", *args) if "--model" not in args else _calc(*args)
+    assert out.returncode == 2
+    assert message in out.stderr and out.stderr.count("\n") == 1 and "Traceback" not in out.stderr

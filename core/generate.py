@@ -1,0 +1,638 @@
+"""The measuring engine: a real model generating token by token, every byte measured and predicted.
+
+``Engine`` owns the model, the live cache and the token ids. ``prefill()`` and ``step()`` each
+produce one ``Sample``; ``apply(key, value)`` switches attention mode, attention implementation
+or cache strategy between two tokens and returns the event ``Sample`` that marks it.
+``run_generation`` drives an Engine for a ``RunRequest`` (scripted switches, recording, memory
+budget, stop/pause polling); the terminal view and the Qt worker both use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from core.attention import MLA, AttentionMode, SettingsError, Window, native_attention, parse_attention
+from core.caches import CacheStrategy, Dynamic, Offloaded, Quantized, Static, parse_cache
+from core.measure import cache_bytes, model_weight_bytes
+from core.predict import activation_bytes, kv_bytes, predict, weight_bytes
+from core.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
+from core.settings import ATTN_IMPLS, RunSettings, effective_spec, parse_attn_impl, parse_switch_value
+from core.spec import ModelSpec, SpecError, human_bytes
+
+DEFAULT_PROMPT = "Every token keeps a key and a value in every layer, so the cache grows: "
+TOP_K = 40
+
+
+class GenerationError(RuntimeError):
+    """The run cannot go on (cache full, out of memory...). The message is for the user."""
+
+
+class BudgetExceeded(GenerationError):
+    """The memory budget would be exceeded by the next token."""
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """Everything a run needs, from the command line or the window."""
+
+    source: str = "embedded"
+    device: str = "auto"
+    dtype: str = "auto"
+    prompt: str = DEFAULT_PROMPT
+    max_new_tokens: int = 128
+    settings: RunSettings = field(default_factory=RunSettings)
+    switches: tuple[tuple[int, str, str], ...] = ()  # (after N generated tokens, key, value)
+    record_path: str | None = None
+    trust_remote_code: bool = False
+    memory_budget: int | None = None  # bytes the model may use: weights + KV + activations
+    snapshot_path: str | None = None
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the window shows about the loaded model and what it can switch to."""
+
+    label: str
+    source: str
+    device: str
+    device_name: str
+    dtype: str
+    spec: ModelSpec
+    total_memory: int | None
+    attention_choices: tuple[str, ...]
+    cache_choices: tuple[tuple[str, str | None], ...]
+    attn_impl_choices: tuple[str, ...]
+
+
+def parse_switch(text: str) -> tuple[int, str, str]:
+    """Parse ``T:KEY=VALUE`` (e.g. ``32:attention=mqa``); the value is validated now, not at token T."""
+    spelled = str(text).strip()
+    at, sep, rest = spelled.partition(":")
+    key, eq, value = rest.partition("=")
+    if not sep or not eq or not at.strip().isdigit():
+        raise SettingsError(f"--switch {spelled!r}: write T:KEY=VALUE, e.g. 32:attention=mqa or 64:attn-impl=eager")
+    parse_switch_value(key, value)
+    return int(at), key.strip().lower().replace("_", "-"), value.strip().lower()
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    if device == "mps":
+        return "Apple GPU (MPS)"
+    return "CPU (no GPU: host memory)"
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(torch.device(device))
+    elif device == "mps":
+        torch.mps.synchronize()
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+class Engine:
+    """A loaded model, its live cache and the tokens so far. Not thread-safe: one thread drives it."""
+
+    def __init__(self, loaded: Any, settings: RunSettings, probe: Any = None, seed: int = 0,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.loaded = loaded
+        self.spec: ModelSpec = loaded.spec
+        self.device: str = loaded.device
+        self.base_model = loaded.model
+        self.model = loaded.model
+        self.mla_model = None
+        self.probe = probe
+        self.clock = clock
+        self.t0 = clock()
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.settings = settings.with_(weight_dtype=loaded.dtype, kv_dtype=None)
+        self.mode: AttentionMode = native_attention(self.spec)
+        self.kernel = "sdpa"
+        self.cache = None
+        self.cache_base_tokens = 0  # tokens pushed in the cache's first update (quantized residual bookkeeping)
+        self.ids: torch.Tensor | None = None
+        self.prompt_tokens = 0
+        self.generated = 0
+        self.tokens_per_s: float | None = None
+        self._next_logits: torch.Tensor | None = None
+        self._last_step_s: float | None = None
+        self._weights_observed = model_weight_bytes(self.model)
+        self.budget_forecast_token: int | None = None
+        # Apply the requested starting settings to the model before the prefill.
+        if settings.attention is not None and settings.attention.key != self.mode.key:
+            self._set_attention(settings.attention, live=False)
+        self.settings = self.settings.with_(attention=self.mode)
+        self._set_attn_impl(settings.attn_impl)
+        self._check_cache_strategy(settings.cache)
+
+    # ---------------------------------------------------------------------------------- settings
+
+    @property
+    def seq_len(self) -> int:
+        return 0 if self.ids is None else int(self.ids.shape[1])
+
+    def _check_cache_strategy(self, strategy: CacheStrategy) -> None:
+        if strategy.needs_cuda and not self.device.startswith("cuda"):
+            raise SettingsError(f"the {strategy.key} cache needs CUDA (this run is on {self.device}): "
+                                "it moves layers between GPU and CPU memory")
+        if isinstance(strategy, Quantized) and self.mode.name == "window":
+            raise SettingsError("a quantized cache needs full-attention layers; transformers refuses it with a "
+                                "sliding window (switch attention away from window first)")
+        if isinstance(strategy, Quantized) and self.mode.name == "mla":
+            raise SettingsError("a quantized cache is not supported with MLA's latent cache here")
+        if isinstance(strategy, Quantized) and strategy.backend in ("quanto", "hqq"):
+            module = "optimum.quanto" if strategy.backend == "quanto" else "hqq"
+            try:
+                __import__(module)
+            except ImportError as exc:
+                raise SettingsError(f"the {strategy.backend} backend is not installed (pip install "
+                                    f"{'optimum-quanto' if strategy.backend == 'quanto' else 'hqq'})") from exc
+        self.settings = self.settings.with_(cache=strategy)
+
+    def max_context(self) -> int:
+        """What a static cache preallocates: the setting, else the model's maximum."""
+        return int(self.settings.max_context or self.spec.max_position_embeddings)
+
+    def _new_cache(self, strategy: CacheStrategy | None = None):
+        from transformers import DynamicCache, QuantizedCache, StaticCache
+
+        strategy = strategy or self.settings.cache
+        config = self.model.config
+        if isinstance(strategy, Static):
+            return StaticCache(config=config, max_cache_len=self.max_context())
+        if isinstance(strategy, Quantized):
+            if strategy.backend == "fp8":
+                return QuantizedCache(backend="fp8", config=config)
+            return QuantizedCache(backend=strategy.backend, config=config, nbits=strategy.nbits,
+                                  q_group_size=strategy.q_group_size, residual_length=strategy.residual_length)
+        if isinstance(strategy, Offloaded):
+            return DynamicCache(config=config, offloading=True)
+        return DynamicCache(config=config)
+
+    def _set_attn_impl(self, impl: str) -> None:
+        impl = parse_attn_impl(impl)
+        hf = "eager" if impl == "eager" else "sdpa"
+        kernel = "eager" if impl == "eager" else "sdpa"
+        if impl == "flash":
+            try:
+                import flash_attn  # noqa: F401
+
+                hf, kernel = "flash_attention_2", "flash_attention_2"
+            except ImportError:
+                kernel = "sdpa-flash" if self._flash_sdpa_works() else "sdpa (flash kernel unavailable here)"
+        for model in {id(m): m for m in (self.model, self.base_model, self.mla_model) if m is not None}.values():
+            model.set_attn_implementation(hf)
+        self.kernel = kernel
+        self.settings = self.settings.with_(attn_impl=impl)
+
+    def _flash_sdpa_works(self) -> bool:
+        """Whether SDPA's flash backend accepts this device/dtype (tried on a small causal problem)."""
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        dtype = next(self.model.parameters()).dtype
+        q = torch.zeros(1, 2, 4, self.spec.head_dim, device=self.device, dtype=dtype)
+        try:
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+            return True
+        except RuntimeError:
+            return False
+
+    def _kernel_context(self):
+        if self.kernel == "sdpa-flash":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
+        return contextlib.nullcontext()
+
+    def _set_attention(self, mode: AttentionMode, live: bool) -> str:
+        """Convert the model (and, when ``live``, the cache) to ``mode``. Returns what happened, for the event."""
+        from core import convert
+
+        mode.check(self.spec)
+        if isinstance(mode, MLA):
+            if self.mla_model is None:
+                self.mla_model = convert.build_mla_twin(self.base_model.config, seed=0,
+                                                        dtype=next(self.base_model.parameters()).dtype,
+                                                        device=self.device, source_model=self.base_model)
+                self.mla_model.eval()
+                self.mla_model.set_attn_implementation(
+                    "eager" if self.settings.attn_impl == "eager" else "sdpa")
+            self.model = self.mla_model
+            self.mode = mode
+            self.settings = self.settings.with_(attention=mode)
+            self._weights_observed = model_weight_bytes(self.model)
+            if live:
+                return self._rerun("MLA is a different model (latent cache)")
+            return "mla"
+        previous = self.mode
+        window = mode.window if isinstance(mode, Window) else None
+        # Window keeps the model's own K/V heads; MHA/GQA/MQA set theirs (Window.apply leaves them).
+        target = mode.apply(self.spec).num_kv_heads
+        exact = convert.set_kv_heads(self.base_model, target)
+        self.model = convert.with_window(self.base_model, window)
+        self._set_attn_impl(self.settings.attn_impl)
+        self.mode = mode
+        self.settings = self.settings.with_(attention=mode)
+        self._weights_observed = model_weight_bytes(self.model)
+        if not live or self.cache is None:
+            return mode.key
+        if previous.name == "mla":
+            return self._rerun("leaving MLA's latent cache")
+        if self._lost_tokens_if_unwindowed(previous) > 0 and window is None:
+            return self._rerun(f"the {previous.key} cache no longer holds the earliest tokens")
+        note = "exact (heads repeated)" if exact else "approximate (heads mean-pooled)"
+        try:
+            old_heads = convert.cache_heads(self.cache)
+            if old_heads is not None and old_heads != target:
+                exact = convert.convert_cache_kv_heads(self.cache, old_heads, target) and exact
+                note = "exact (heads repeated)" if exact else "approximate (heads mean-pooled)"
+            if isinstance(mode, Window) or isinstance(previous, Window):
+                if isinstance(self.settings.cache, Dynamic):
+                    convert.convert_cache_window(self.cache, window, self.model.config)
+                else:
+                    fresh = self._new_cache()
+                    convert.refill_cache(fresh, convert.dense_kv(self.cache), seq_length=self.seq_len)
+                    self.cache = fresh
+                note = f"cache trimmed to the last {window - 1} tokens" if window else "full attention"
+        except (SettingsError, NotImplementedError, RuntimeError) as exc:
+            return self._rerun(f"the live cache could not be converted ({exc})")
+        return f"cache converted in place, {note}"
+
+    def _lost_tokens_if_unwindowed(self, previous: AttentionMode) -> int:
+        if not isinstance(previous, Window):
+            return 0
+        return max(0, self.seq_len - (previous.window - 1))
+
+    def _rerun(self, why: str) -> str:
+        """Rebuild the cache by running every token so far through the current model (no new token)."""
+        self.cache = self._new_cache()
+        self.cache_base_tokens = self.seq_len
+        if self.ids is not None and self.seq_len:
+            with torch.inference_mode(), self._kernel_context():
+                out = self.model(input_ids=self.ids, cache=self.cache, use_cache=True, logits_to_keep=1)
+            self._next_logits = out.logits[:, -1, :].float()
+            self.cache = out.cache if getattr(out, "cache", None) is not None else self.cache
+        return f"re-ran {self.seq_len} tokens: {why}"
+
+    def apply(self, key: str, value: str | AttentionMode | CacheStrategy) -> Sample:
+        """Switch a setting between two tokens. Returns the event Sample (also on a refused switch)."""
+        t = self.clock()
+        name, parsed = parse_switch_value(key, value) if isinstance(value, str) else (
+            {"attention": "attention", "cache": "cache"}.get(key, "attn_impl"), value)
+        before = {"attention": self.mode.key, "attn_impl": self.settings.attn_impl, "cache": self.settings.cache.key}
+        with torch.inference_mode():
+            if name == "attention":
+                detail = self._set_attention(parsed, live=True)
+            elif name == "attn_impl":
+                self._set_attn_impl(parsed)
+                detail = f"kernel {self.kernel}"
+            else:
+                detail = self._switch_cache(parsed)
+        after = {"attention": self.mode.key, "attn_impl": self.settings.attn_impl, "cache": self.settings.cache.key}
+        label = name.replace("_", "-")
+        text = f"{label}: {before[name]} -> {after[name]} ({detail})"
+        return self._sample(PHASE_EVENT, text, event="switch", step_s=self.clock() - t)
+
+    def _switch_cache(self, strategy: CacheStrategy) -> str:
+        from core import convert
+
+        old_strategy = self.settings.cache
+        self._check_cache_strategy(strategy)
+        if self.cache is None or self.seq_len == 0:
+            return "takes effect at the prefill"
+        if isinstance(strategy, Static) and self.seq_len >= self.max_context():
+            self.settings = self.settings.with_(cache=old_strategy)
+            raise SettingsError(f"a static cache of {self.max_context():,} tokens cannot hold the {self.seq_len:,} so far")
+        fresh = self._new_cache(strategy)
+        try:
+            convert.refill_cache(fresh, convert.dense_kv(self.cache), seq_length=self.seq_len)
+        except (SettingsError, NotImplementedError, RuntimeError) as exc:
+            return self._rerun(f"the cache could not be moved across ({exc})")
+        self.cache = fresh
+        self.cache_base_tokens = self.seq_len
+        gc.collect()
+        return "cache moved across" + (" (quantized: lossy)" if isinstance(strategy, Quantized) else "")
+
+    # ---------------------------------------------------------------------------------- tokens
+
+    def prefill(self, prompt_ids: torch.Tensor, text: str) -> Sample:
+        """Run the prompt (ids [batch, n]) through the model; the cache is built here."""
+        if prompt_ids.ndim != 2 or prompt_ids.shape[1] == 0:
+            raise GenerationError("the prompt is empty: give at least one token of text")
+        if isinstance(self.settings.cache, Static) and prompt_ids.shape[1] >= self.max_context():
+            raise GenerationError(f"the prompt ({prompt_ids.shape[1]:,} tokens) does not fit a static cache of "
+                                  f"{self.max_context():,}; raise --max-context")
+        self.ids = prompt_ids.to(self.device)
+        self.prompt_tokens = int(prompt_ids.shape[1])
+        self.cache = self._new_cache()
+        self.cache_base_tokens = self.prompt_tokens
+        self._reset_peak()
+        t = self.clock()
+        with torch.inference_mode(), self._kernel_context():
+            out = self.model(input_ids=self.ids, cache=self.cache, use_cache=True, logits_to_keep=1)
+        _sync(self.device)
+        dt = self.clock() - t
+        self._next_logits = out.logits[:, -1, :].float()
+        return self._sample(PHASE_PREFILL, text, step_s=dt)
+
+    def _sample_next(self) -> torch.Tensor:
+        logits = self._next_logits
+        top = torch.topk(logits, k=min(TOP_K, logits.shape[-1]), dim=-1)
+        probs = torch.softmax(top.values.cpu(), dim=-1)
+        choice = torch.multinomial(probs, 1, generator=self.generator)
+        return top.indices.cpu().gather(-1, choice).to(self.device)
+
+    def step(self) -> Sample:
+        """Generate one token (for every sequence of the batch) and measure."""
+        if self._next_logits is None or self.ids is None:
+            raise GenerationError("prefill first")
+        if isinstance(self.settings.cache, Static) and self.seq_len >= self.max_context():
+            raise GenerationError(f"the static cache is full at {self.max_context():,} tokens (its preallocated size)")
+        token = self._sample_next()
+        self._reset_peak()
+        t = self.clock()
+        with torch.inference_mode(), self._kernel_context():
+            out = self.model(input_ids=token, cache=self.cache, use_cache=True, logits_to_keep=1)
+        _sync(self.device)
+        dt = self.clock() - t
+        self.ids = torch.cat([self.ids, token], dim=1)
+        self._next_logits = out.logits[:, -1, :].float()
+        self.generated += 1
+        rate = 1.0 / dt if dt > 0 else None
+        if rate is not None:
+            self.tokens_per_s = rate if self.tokens_per_s is None else 0.8 * self.tokens_per_s + 0.2 * rate
+        return self._sample(PHASE_DECODE, self.loaded.tokenizer.decode([int(token[0, 0])]), step_s=dt)
+
+    def _reset_peak(self) -> None:
+        if self.probe is not None and hasattr(self.probe, "reset_peak"):
+            self.probe.reset_peak()
+
+    def predicted_kv(self, tokens: int | None = None) -> int:
+        n = self.seq_len if tokens is None else tokens
+        settings = self.settings.with_(max_context=self.max_context()) if isinstance(self.settings.cache, Static) \
+            else self.settings
+        return kv_bytes(self.spec, settings, n, prompt_tokens=min(self.cache_base_tokens, n))
+
+    def _sample(self, phase: str, text: str, event: str | None = None, step_s: float | None = None) -> Sample:
+        observed = cache_bytes(self.cache) if self.cache is not None else None
+        reading = self.probe.read() if self.probe is not None else None
+        n = self.seq_len
+        pred = predict(self.spec, self.settings.with_(max_context=self.max_context())
+                       if isinstance(self.settings.cache, Static) else self.settings, max(n, 1),
+                       prompt_tokens=min(self.cache_base_tokens, max(n, 1)) or None)
+        kv_pred = self.predicted_kv() if self.cache is not None else 0
+        act = pred.activations_prefill if phase == PHASE_PREFILL else pred.activations_decode
+        return Sample(
+            token=self.generated,
+            phase=phase,
+            time_s=self.clock() - self.t0,
+            text=text,
+            attention=self.mode.key,
+            attn_impl=self.settings.attn_impl,
+            cache=self.settings.cache.key,
+            kernel=self.kernel,
+            device=self.device,
+            dtype=self.loaded.dtype,
+            kv_bytes_observed=observed.logical if observed else (0 if self.cache is None else None),
+            kv_bytes_storage=observed.storage if observed else None,
+            weights_bytes=self._weights_observed,
+            allocator_allocated=getattr(reading, "allocator_allocated", None),
+            allocator_reserved=getattr(reading, "allocator_reserved", None),
+            allocator_peak=getattr(reading, "allocator_peak", None),
+            device_used=getattr(reading, "device_used", None),
+            device_total=getattr(reading, "device_total", None),
+            process_gpu=getattr(reading, "process_gpu", None),
+            process_rss=getattr(reading, "process_rss", None),
+            kv_bytes_predicted=kv_pred,
+            weights_predicted=pred.breakdown.weights,
+            activations_predicted=act,
+            total_predicted=(pred.breakdown.weights or 0) + kv_pred + act,
+            tokens_per_s=self.tokens_per_s,
+            event=event,
+            context_tokens=n,
+        )
+
+    def event(self, kind: str, text: str) -> Sample:
+        """An event Sample (load, error, oom, budget...) carrying the current measurements."""
+        return self._sample(PHASE_EVENT, text, event=kind)
+
+    def free_cache(self) -> None:
+        """Drop the cache (after an out-of-memory error) and return its memory to the device."""
+        self.cache = None
+        self._next_logits = None
+        gc.collect()
+        if self.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+    def budget_forecast(self, budget: int, max_tokens: int) -> int | None:
+        """Generated-token index at which weights + KV + decode activations first exceed ``budget``."""
+        weights = self._weights_observed
+        for extra in range(0, max_tokens + 1):
+            n = self.seq_len + extra
+            act = activation_bytes(self.spec, self.settings, 1, n)
+            if weights + self.predicted_kv(n) + act > budget:
+                return self.generated + extra
+        return None
+
+
+# ---------------------------------------------------------------------------------------- driver
+
+
+def model_info(loaded: Any, engine: Engine, probe: Any = None) -> ModelInfo:
+    """What can be shown and switched for this loaded model."""
+    spec = loaded.spec
+    attention = ["mha"] + [f"gqa:{n}" for n in reversed(spec.gqa_group_counts()) if 1 < n < spec.num_query_heads]
+    attention += ["mqa", "mla", f"window:{max(16, min(256, spec.max_position_embeddings // 4))}"]
+    caches: list[tuple[str, str | None]] = [("dynamic", None), ("static", None)]
+    for key in ("quantized:4", "quantized:2", "quantized:hqq:4", "quantized:fp8"):
+        reason = None
+        try:
+            strat = parse_cache(key)
+            if strat.backend in ("quanto", "hqq"):
+                __import__("optimum.quanto" if strat.backend == "quanto" else "hqq")
+        except ImportError:
+            reason = "backend not installed"
+        caches.append((key, reason))
+    caches.append(("offloaded", None if loaded.device.startswith("cuda") else "needs CUDA"))
+    total = None
+    if loaded.device.startswith("cuda"):
+        total = int(torch.cuda.get_device_properties(torch.device(loaded.device)).total_memory)
+    else:
+        import psutil
+
+        total = int(psutil.virtual_memory().total)
+    return ModelInfo(label=loaded.label, source=loaded.source, device=loaded.device,
+                     device_name=_device_name(loaded.device), dtype=loaded.dtype, spec=spec, total_memory=total,
+                     attention_choices=tuple(attention), cache_choices=tuple(caches), attn_impl_choices=ATTN_IMPLS)
+
+
+@dataclass
+class RunHooks:
+    """How a driver talks to its host (terminal or Qt worker). All optional."""
+
+    emit: Callable[[Sample], None] = lambda s: None
+    loaded: Callable[[ModelInfo], None] = lambda info: None
+    progress: Callable[[str], None] = lambda text: None
+    # Returns pending (key, value) switches; may block while paused. Called between tokens.
+    poll: Callable[[], list[tuple[str, str]]] = lambda: []
+    should_stop: Callable[[], bool] = lambda: False
+
+
+def run_generation(request: RunRequest, hooks: RunHooks) -> list[Sample]:
+    """Load the model, prefill, generate ``max_new_tokens`` tokens with scripted and live switches.
+
+    Every Sample goes to ``hooks.emit`` and, with ``request.record_path``, to the recording
+    (written and flushed sample by sample). Returns the prefill and the last decode Sample.
+    Raises GenerationError/BudgetExceeded/LoadError/SettingsError with user-facing messages; the
+    recording stays complete up to then.
+    """
+    from core.loading import load_model
+    from core.probes import MemoryProbe
+
+    loaded = load_model(request.source, device=request.device, dtype=request.dtype,
+                        trust_remote_code=request.trust_remote_code, progress=hooks.progress)
+    probe = MemoryProbe(device=loaded.device)
+    writer = None
+    try:
+        engine = Engine(loaded, request.settings, probe=probe, seed=request.seed)
+        info = model_info(loaded, engine, probe)
+        hooks.loaded(info)
+        if request.record_path:
+            from core.recording import RecordingWriter, header_for
+
+            import main as _main_mod  # noqa: F401  (app version lives in main.py)
+
+            writer = RecordingWriter(request.record_path, header_for(
+                loaded.spec, loaded.device, _settings_dict(request, engine), getattr(_main_mod, "APP_VERSION", "?")))
+
+        def emit(sample: Sample) -> None:
+            if writer is not None:
+                writer.write(sample)
+            hooks.emit(sample)
+
+        emit(engine.event("load", f"loaded {loaded.label} on {info.device_name} ({loaded.dtype})"))
+        snapshot = _start_snapshot(request, loaded.device)
+        return _loop(request, engine, hooks, emit, snapshot)
+    finally:
+        if writer is not None:
+            writer.close()
+        probe.close()
+
+
+def _settings_dict(request: RunRequest, engine: Engine) -> dict[str, Any]:
+    return {
+        "attention": engine.mode.key, "attn_impl": engine.settings.attn_impl, "cache": engine.settings.cache.key,
+        "batch": engine.settings.batch, "max_new_tokens": request.max_new_tokens,
+        "max_context": engine.max_context(), "dtype": engine.loaded.dtype, "source": request.source,
+        "switches": [list(s) for s in request.switches], "memory_budget": request.memory_budget,
+    }
+
+
+def _start_snapshot(request: RunRequest, device: str):
+    if not request.snapshot_path:
+        return None
+    if not device.startswith("cuda"):
+        raise SettingsError("--snapshot records the CUDA allocator's history; this run is on " + device)
+    from core.probes import allocator_snapshot_start
+
+    allocator_snapshot_start()
+    return request.snapshot_path
+
+
+def _loop(request: RunRequest, engine: Engine, hooks: RunHooks, emit: Callable[[Sample], None],
+          snapshot: str | None) -> list[Sample]:
+    tok = engine.loaded.tokenizer
+    encoded = tok(request.prompt, return_tensors="pt", add_special_tokens=True)["input_ids"]
+    if encoded.shape[1] == 0:
+        raise GenerationError("the prompt is empty: give at least one token of text")
+    ids = encoded.repeat(engine.settings.batch, 1)
+    scripted = sorted(request.switches)
+    kept: list[Sample] = []
+    try:
+        first = engine.prefill(ids, request.prompt)
+    except Exception as exc:
+        if _is_oom(exc):
+            return _out_of_memory(engine, emit, exc, "prefill")
+        raise
+    emit(first)
+    kept.append(first)
+    budget = request.memory_budget
+    if budget is not None:
+        forecast = engine.budget_forecast(budget, request.max_new_tokens)
+        if forecast is not None:
+            emit(engine.event("forecast", f"memory budget {human_bytes(budget)} forecast to be reached at token "
+                                          f"{forecast}"))
+        engine.budget_forecast_token = forecast
+    try:
+        while engine.generated < request.max_new_tokens:
+            if hooks.should_stop():
+                emit(engine.event("stop", f"stopped by the user at token {engine.generated}"))
+                break
+            pending = [(k, v) for at, k, v in scripted if at == engine.generated]
+            scripted = [s for s in scripted if s[0] != engine.generated]
+            for key, value in pending + list(hooks.poll()):
+                try:
+                    emit(engine.apply(key, value))
+                except (SettingsError, SpecError) as exc:
+                    emit(engine.event("refused", f"{key}={value} refused: {exc}"))
+            if hooks.should_stop():
+                continue
+            if budget is not None:
+                _check_budget(engine, budget, emit)
+            try:
+                sample = engine.step()
+            except Exception as exc:
+                if _is_oom(exc):
+                    return kept + _out_of_memory(engine, emit, exc, f"decode at token {engine.generated + 1}")
+                raise
+            emit(sample)
+            kept = [first, sample]
+    finally:
+        if snapshot:
+            from core.probes import allocator_snapshot_save
+
+            allocator_snapshot_save(snapshot)
+    return kept
+
+
+def _check_budget(engine: Engine, budget: int, emit: Callable[[Sample], None]) -> None:
+    """Before each token: weights + observed KV + next-token KV growth + predicted activations <= budget."""
+    n_next = engine.seq_len + 1
+    observed = cache_bytes(engine.cache).logical if engine.cache is not None else 0
+    growth = engine.predicted_kv(n_next) - engine.predicted_kv()
+    need = engine._weights_observed + observed + max(0, growth) + activation_bytes(engine.spec, engine.settings, 1, n_next)
+    if need > budget:
+        forecast = engine.budget_forecast_token
+        text = (f"memory budget {human_bytes(budget)} reached at token {engine.generated + 1} "
+                f"(needs {human_bytes(need)}); the forecast said token {forecast}")
+        emit(engine.event("budget", text))
+        raise BudgetExceeded(text)
+
+
+def _out_of_memory(engine: Engine, emit: Callable[[Sample], None], exc: BaseException, where: str) -> list[Sample]:
+    predicted = engine.predicted_kv() if engine.cache is not None else None
+    engine.free_cache()
+    text = (f"out of memory in {where} ({str(exc).splitlines()[0][:160]}); cache freed. "
+            f"The predictor had said KV {human_bytes(predicted)}")
+    sample = engine.event("oom", text)
+    emit(sample)
+    raise GenerationError(text)
+
+
+def iter_run(request: RunRequest) -> Iterator[Sample]:
+    """Convenience for tests and scripts: all samples of a run, in order (blocks until done)."""
+    out: list[Sample] = []
+    run_generation(request, RunHooks(emit=out.append))
+    yield from out

@@ -1,0 +1,101 @@
+"""`python main.py run`: the terminal view — a live table of observed vs predicted memory per token."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from typing import TextIO
+
+from core.generate import GenerationError, ModelInfo, RunHooks, RunRequest, run_generation
+from core.sample import PHASE_EVENT, Sample
+from core.spec import human_bytes
+
+COLUMNS = ("token", "phase", "KV observed", "KV predicted", "match", "allocator", "device used", "RSS", "tok/s")
+
+
+def _fmt(n: int | None) -> str:
+    return "n/a" if n is None else human_bytes(n)
+
+
+class TerminalView:
+    """Prints one row per token and one line per event, then a summary."""
+
+    def __init__(self, out: TextIO = sys.stdout, every: int = 1) -> None:
+        self.out = out
+        self.every = max(1, every)
+        self.samples = 0
+        self.mismatches = 0
+        self.first: Sample | None = None
+        self.last: Sample | None = None
+        self.events: list[Sample] = []
+        self.max_abs_error = 0
+
+    def loaded(self, info: ModelInfo) -> None:
+        spec = info.spec
+        print(f"{info.label} — {spec.num_layers} layers, {spec.num_query_heads} query heads, "
+              f"{spec.num_kv_heads} KV heads, head_dim {spec.head_dim}, {spec.num_parameters:,} parameters",
+              file=self.out)
+        print(f"device {info.device_name} ({info.device}), dtype {info.dtype}, memory {_fmt(info.total_memory)}",
+              file=self.out)
+        print("  ".join(f"{c:>13}" for c in COLUMNS), file=self.out, flush=True)
+
+    def emit(self, s: Sample) -> None:
+        if s.phase == PHASE_EVENT:
+            self.events.append(s)
+            print(f"  -- [{s.event}] token {s.token}: {s.text}", file=self.out, flush=True)
+            return
+        self.samples += 1
+        self.first = self.first or s
+        self.last = s
+        match = s.kv_bytes_observed == s.kv_bytes_predicted
+        if not match:
+            self.mismatches += 1
+            if s.kv_bytes_observed is not None and s.kv_bytes_predicted is not None:
+                self.max_abs_error = max(self.max_abs_error, abs(s.kv_bytes_observed - s.kv_bytes_predicted))
+        if s.token % self.every and s.phase != "prefill":
+            return
+        row = (str(s.token), s.phase, f"{s.kv_bytes_observed:,}" if s.kv_bytes_observed is not None else "n/a",
+               f"{s.kv_bytes_predicted:,}" if s.kv_bytes_predicted is not None else "n/a", "yes" if match else "NO",
+               _fmt(s.allocator_allocated), _fmt(s.device_used), _fmt(s.process_rss),
+               f"{s.tokens_per_s:.1f}" if s.tokens_per_s else "-")
+        print("  ".join(f"{c:>13}" for c in row), file=self.out, flush=True)
+
+    def summary(self) -> None:
+        last = self.last
+        if last is None:
+            return
+        print("", file=self.out)
+        print(f"generated {last.token} tokens ({last.context_tokens} in context); attention {last.attention}, "
+              f"attn-impl {last.attn_impl} ({last.kernel}), cache {last.cache}", file=self.out)
+        print(f"KV cache: observed {_fmt(last.kv_bytes_observed)} ({last.kv_bytes_observed:,} B), predicted "
+              f"{_fmt(last.kv_bytes_predicted)}; observed == predicted at {self.samples - self.mismatches} of "
+              f"{self.samples} samples" + (f" (largest gap {self.max_abs_error:,} B)" if self.mismatches else ""),
+              file=self.out)
+        print(f"weights {_fmt(last.weights_bytes)}; predicted total {_fmt(last.total_predicted)}; "
+              f"process RSS {_fmt(last.process_rss)}; switches {sum(1 for e in self.events if e.event == 'switch')}",
+              file=self.out, flush=True)
+
+
+def run_terminal(request: RunRequest, out: TextIO = sys.stdout) -> int:
+    """Run a generation with the live table. Ctrl+C stops cleanly (the recording is kept)."""
+    view = TerminalView(out)
+    stopping = {"flag": False}
+
+    def on_sigint(signum, frame):  # first Ctrl+C: stop between tokens; second: default behaviour
+        stopping["flag"] = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        run_generation(request, RunHooks(emit=view.emit, loaded=view.loaded,
+                                         progress=lambda t: print(t, file=sys.stderr, flush=True),
+                                         should_stop=lambda: stopping["flag"]))
+    except GenerationError:
+        view.summary()
+        raise
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    view.summary()
+    if request.record_path:
+        print(f"recorded to {request.record_path}", file=out)
+    return 0

@@ -14,7 +14,7 @@ import argparse
 import os
 import sys
 
-APP_VERSION = "0.1.0"
+from core import __version__ as APP_VERSION
 
 
 class CliError(Exception):

@@ -510,12 +510,12 @@ def run_generation(request: RunRequest, hooks: RunHooks) -> list[Sample]:
         info = model_info(loaded, engine, probe)
         hooks.loaded(info)
         if request.record_path:
+            from core import __version__
             from core.recording import RecordingWriter, header_for
 
-            import main as _main_mod  # noqa: F401  (app version lives in main.py)
-
+            device = {"name": loaded.device, "device_name": info.device_name, "total_memory": info.total_memory}
             writer = RecordingWriter(request.record_path, header_for(
-                loaded.spec, loaded.device, _settings_dict(request, engine), getattr(_main_mod, "APP_VERSION", "?")))
+                loaded.spec, device, _settings_dict(request, engine), __version__))
 
         def emit(sample: Sample) -> None:
             if writer is not None:

@@ -546,3 +546,34 @@ def iter_samples(path: str | os.PathLike[str], *, strict: bool = False) -> Itera
     """Stream the Samples of a recording. Header problems raise RecordingError here, at the call;
     damaged lines are skipped (see RecordingReader; use it directly to learn what was skipped)."""
     return iter(RecordingReader(path, strict=strict))
+
+
+def spec_from_header(header: Mapping[str, Any]):
+    """The ModelSpec a recording's header describes (for replay's labels and calculator), validated.
+
+    Raises RecordingError when the header's model block is missing fields or has absurd values.
+    """
+    from core.spec import ModelSpec
+
+    model = header.get("model")
+    if not isinstance(model, Mapping):
+        raise RecordingError("bad header: model must be an object")
+    fields = {f.name: f for f in dataclasses.fields(ModelSpec) if f.name != "config"}
+    kwargs: dict[str, Any] = {}
+    for name, f in fields.items():
+        if name not in model:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:  # type: ignore[misc]
+                raise RecordingError(f"bad header: model.{name} is missing")
+            continue
+        value = model[name]
+        if name == "layer_types":
+            if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
+                raise RecordingError("bad header: model.layer_types must be a list of strings")
+            value = tuple(value)
+        elif f.type.startswith("int") and value is not None:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise RecordingError(f"bad header: model.{name} must be a non-negative integer, got {value!r}")
+        kwargs[name] = value
+    if kwargs.get("num_layers", 0) <= 0 or kwargs.get("num_query_heads", 0) <= 0:
+        raise RecordingError("bad header: the model has no layers or no heads")
+    return ModelSpec(**kwargs)

@@ -112,8 +112,18 @@ def test_parse_tokens_rejects(bad):
 
 
 def _calc(*args: str) -> subprocess.CompletedProcess:
+    """The real command line, in a child process (one test: entry point, exit code, streams)."""
     return subprocess.run([sys.executable, str(ROOT / "main.py"), "calc", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=120)
+                          cwd=ROOT, timeout=300)
+
+
+def _calc_inproc(capsys, *args: str) -> tuple[int, str, str]:
+    """main.main in this process: the same code path, without paying torch's import per test."""
+    import main
+
+    code = main.main(["calc", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
 def test_calc_prints_worked_example():
@@ -124,10 +134,11 @@ def test_calc_prints_worked_example():
         assert figure in out.stdout
 
 
-def test_calc_json_shape():
-    out = _calc("--model", "LLAMA-3-8B", "--context", "4096,32768", "--gpu-memory", "24GiB", "--json")
-    assert out.returncode == 0, out.stderr
-    data = json.loads(out.stdout)
+def test_calc_json_shape(capsys):
+    code, stdout, stderr = _calc_inproc(capsys, "--model", "LLAMA-3-8B", "--context", "4096,32768",
+                                        "--gpu-memory", "24GiB", "--json")
+    assert code == 0, stderr
+    data = json.loads(stdout)
     assert data["model"] == "llama-3-8b"
     assert [r["context"] for r in data["rows"]] == [4096, 32768]
     assert data["rows"][0]["kv_cache_bytes"] == 536_870_912
@@ -142,7 +153,15 @@ def test_calc_json_shape():
     (("--cache", "quantized:3"), "quanto stores 2, 4 bits"),
     (("--model", "no-such-preset"), "unknown model"),
 ])
-def test_calc_bad_input_is_one_line(args, message):
-    out = _calc("--model", "llama-3-8b", *args) if "--model" not in args else _calc(*args)
-    assert out.returncode == 2
-    assert message in out.stderr and out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+def test_calc_bad_input_is_one_line(capsys, args, message):
+    code, _, stderr = _calc_inproc(capsys, *(args if "--model" in args else ("--model", "llama-3-8b", *args)))
+    assert code == 2
+    assert message in stderr and stderr.count("\n") == 1 and "Traceback" not in stderr
+
+
+def test_calc_every_preset(capsys):
+    from core.spec import preset_names
+
+    for name in preset_names():
+        code, stdout, stderr = _calc_inproc(capsys, "--model", name, "--context", "1k")
+        assert code == 0 and "KV per token" in stdout, (name, stderr)

@@ -121,7 +121,8 @@ class MemoryProbe:
         self._nvml_state = "untried"  # untried | ready | failed
         self._nvml_note: str | None = None
         self._handle: Any = None
-        self._handle_note: str | None = None
+        self._handle_note: str | None = None  # a lasting reason there is no handle (no such GPU)
+        self._last_handle_error: str | None = None
         self._mem_v2 = True
         self._mem_v2_seen = False
         self._process = psutil.Process(os.getpid())
@@ -185,7 +186,8 @@ class MemoryProbe:
                 return None
             self._handle = nvml.nvmlDeviceGetHandleByIndex(index)
         except nvml.NVMLError as exc:
-            self._handle_note = f"NVML could not open {self.device}: {exc}"
+            # Possibly transient (a GPU being reset): say so now, try again at the next reading.
+            self._last_handle_error = f"NVML could not open {self.device}: {exc}"
             return None
         return self._handle
 
@@ -265,9 +267,10 @@ class MemoryProbe:
         if not self._nvml_ready():
             notes.append(self._nvml_note or NOTE_NO_NVML)
             return
+        self._last_handle_error = None
         handle = self._device_handle()
         if handle is None:
-            notes.append(self._handle_note or "NVML: no handle for this device")
+            notes.append(self._handle_note or self._last_handle_error or "NVML: no handle for this device")
             return
         nvml = self._nvml
         try:

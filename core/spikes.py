@@ -255,3 +255,76 @@ def attribute_cause(spike: Spike, context: Iterable[Event], *, process_rise: int
         if kind == EVENT_DECODE and ("dynamic" in event.detail or not event.detail):
             return CAUSE_DYNAMIC
     return CAUSE_UNKNOWN
+
+
+#: Where "this process's memory" comes from, best first: NVML's figure for this PID, else what the
+#: torch allocator holds (N/A per-process on WSL), else host RSS (CPU runs).
+PROCESS_SOURCES = ("process_gpu", "allocator_reserved", "process_rss")
+
+
+class SpikeMonitor:
+    """Spikes with causes from a stream of ``MemoryReading``s plus the app's events.
+
+    Watches two series: ``device`` (NVML device used) and ``process`` (this process: the first of
+    ``PROCESS_SOURCES`` that the first readings carry, kept for the whole run so that a change of
+    source is never mistaken for a spike). A process spike is reported with the cause from the
+    events near it. A device spike is reported only when this process did not rise with it
+    ("another process") — or when there is no process series at all — so one allocation of our
+    own is never listed twice.
+    """
+
+    def __init__(self, min_rise_bytes: int = 64 << 20, window_s: float = 0.5, min_rise_fraction: float = 0.0,
+                 baseline_s: float = 2.0, keep_events_s: float = 60.0) -> None:
+        self._device = SpikeDetector("device", min_rise_bytes, window_s, min_rise_fraction, baseline_s)
+        self._process = SpikeDetector("process", min_rise_bytes, window_s, min_rise_fraction, baseline_s)
+        self.process_source: str | None = None
+        self._events: deque[Event] = deque()
+        self._keep_events_s = keep_events_s
+        self._history_s = window_s * 2 + baseline_s
+        self._proc_points: deque[tuple[float, int]] = deque()
+
+    def add_event(self, event: Event) -> None:
+        """Record something the app did (load, prefill, switch, ...), in time order."""
+        self._events.append(event)
+        while self._events and self._events[0].time_s < event.time_s - self._keep_events_s:
+            self._events.popleft()
+
+    def feed(self, reading) -> list[Spike]:  # reading: core.probes.MemoryReading (kept duck-typed)
+        """Add one reading; return the spikes that ended with it, causes attached."""
+        t = reading.time_s
+        if self.process_source is None:
+            self.process_source = next((s for s in PROCESS_SOURCES if getattr(reading, s) is not None), None)
+        proc_value = getattr(reading, self.process_source) if self.process_source else None
+        if proc_value is not None:
+            self._proc_points.append((t, int(proc_value)))
+            while self._proc_points and self._proc_points[0][0] < t - self._history_s:
+                self._proc_points.popleft()
+        out: list[Spike] = []
+        spike = self._process.feed(t, proc_value)
+        if spike is not None:
+            out.append(spike.with_cause(attribute_cause(spike, self._events)))
+        spike = self._device.feed(t, reading.device_used)
+        if spike is not None:
+            out.extend(self._device_spike(spike))
+        return out
+
+    def flush(self) -> list[Spike]:
+        """End of the run: spikes still rising at the last reading."""
+        out: list[Spike] = []
+        spike = self._process.flush()
+        if spike is not None:
+            out.append(spike.with_cause(attribute_cause(spike, self._events)))
+        spike = self._device.flush()
+        if spike is not None:
+            out.extend(self._device_spike(spike))
+        return out
+
+    def _device_spike(self, spike: Spike) -> list[Spike]:
+        if not self._proc_points:  # nothing to compare with: the events are all we know
+            return [spike.with_cause(attribute_cause(spike, self._events))]
+        times = [p[0] for p in self._proc_points]
+        values = [p[1] for p in self._proc_points]
+        start = spike.start_s if spike.start_s is not None else spike.time_s
+        process_rise = rise_between(times, values, start, spike.time_s)
+        cause = attribute_cause(spike, self._events, process_rise=process_rise)
+        return [spike.with_cause(cause)] if cause == CAUSE_OTHER_PROCESS else []

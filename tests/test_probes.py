@@ -228,3 +228,13 @@ def test_snapshot_needs_cuda(tmp_path):
     assert not (tmp_path / "snap.pickle").exists()
     with pytest.raises(ProbeError, match="max_entries must be positive"):
         allocator_snapshot_start(max_entries=0)
+
+
+def test_failure_before_the_first_handle_is_retried():
+    nvml = two_gpus()
+    nvml.fail = fake_pynvml.NVML_ERROR_GPU_IS_LOST
+    probe = MemoryProbe("cuda:0", nvml=nvml)
+    r = probe.read()
+    assert r.device_used is None and "NVML could not open cuda:0: GPU is lost" in r.notes
+    nvml.fail = None
+    assert probe.read().device_used == 10 * GiB

@@ -153,3 +153,35 @@ def test_device_rise_without_this_process_is_another_process():
 def test_rise_between_with_no_points_is_none():
     assert rise_between([0.0, 1.0], [1, 2], 5.0, 6.0) is None
     assert rise_between([0.0, 1.0, 2.0], [5, 3, 9], 0.0, 2.0) == 6
+
+
+def reading(t: float, device: int | None, process_gpu: int | None = None, rss: int | None = None):
+    from core.probes import MemoryReading
+    return MemoryReading(time_s=t, device_used=device, process_gpu=process_gpu, process_rss=rss)
+
+
+def test_monitor_reports_own_spikes_once_and_others_as_another_process():
+    from core.spikes import SpikeMonitor
+    mon = SpikeMonitor(min_rise_bytes=64 * MiB)
+    mon.add_event(Event(1.98, EVENT_PREFILL, "eager, 2048 tokens"))
+    found: list[Spike] = []
+    for t in times(6):
+        own = GiB + (512 * MiB if t >= 2.0 else 0)
+        other = 2 * GiB if t >= 4.0 else 0  # a second process allocates 2 GiB at 4 s
+        found += mon.feed(reading(t, device=3 * GiB + own + other, process_gpu=own, rss=200 * MiB))
+    found += mon.flush()
+    assert mon.process_source == "process_gpu"
+    assert [(s.series, round(s.time_s, 2), s.rise_bytes) for s in found] == [
+        ("process", 2.0, 512 * MiB), ("device", 4.0, 2 * GiB)]
+    assert found[0].cause.startswith("prefill activations") and "2048 tokens" in found[0].cause
+    assert found[1].cause == CAUSE_OTHER_PROCESS
+
+
+def test_monitor_on_cpu_watches_rss():
+    from core.spikes import SpikeMonitor
+    mon = SpikeMonitor(min_rise_bytes=32 * MiB)
+    mon.add_event(Event(0.9, EVENT_SWITCH, "attention=mha"))
+    found = [s for t in times(3) for s in mon.feed(reading(t, device=None, rss=300 * MiB + (100 * MiB if t >= 1.0 else 0)))]
+    assert mon.process_source == "process_rss"
+    assert len(found) == 1 and found[0].series == "process" and found[0].rise_bytes == 100 * MiB
+    assert found[0].cause.startswith("mode switch: attention=mha")

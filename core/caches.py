@@ -156,29 +156,90 @@ class Quantized(CacheStrategy):
     def split(self, tokens: int, prompt_tokens: int) -> tuple[int, int]:
         """(quantized tokens, residual full-precision tokens) after ``tokens`` tokens.
 
-        QuantizedLayer.update: the first update (the prefill) quantizes everything; each later token
-        joins the residual, and when residual + new reaches ``residual_length`` all of it is
-        requantized and the residual emptied. Fp8QuantizedLayer keeps no residual.
+        Mirrors ``QuantizedLayer.update`` (transformers 5.24): the first update (the prefill)
+        quantizes all ``prompt_tokens`` and leaves the residual empty; each later single-token update
+        joins the residual, except that when ``residual + 1 >= residual_length`` everything
+        (quantized + residual + new) is requantized and the residual emptied. So after k decode
+        tokens the residual holds ``k % residual_length`` tokens. ``Fp8QuantizedLayer.update``
+        keeps no residual: new tokens are quantized with the frozen scale and appended.
         """
         if self.backend == "fp8":
             return tokens, 0
-        residual = (tokens - prompt_tokens) % self.residual_length
+        residual = max(tokens - prompt_tokens, 0) % self.residual_length
         return tokens - residual, residual
 
     def quantized_bytes(self, batch: int, heads: int, tokens: int, dim: int, elem_bytes: float) -> int:
-        """Bytes of one quantized K or V tensor of shape [batch, heads, tokens, dim]."""
+        """Bytes of one quantized K or V tensor of shape [batch, heads, tokens, dim] (payload + scales + zero-points).
+
+        ``elem_bytes`` is the model dtype's size: the dtype quanto and hqq keep scales and
+        zero-points in. Quantization is along axis 0 (transformers' ``axis_key=axis_value=0``).
+        Raises SettingsError for a shape the backend itself refuses to quantize.
+        """
         n = batch * heads * tokens * dim
+        if n <= 0:
+            return 0
+        g = self.q_group_size
         if self.backend == "fp8":
-            # Fp8QuantizedLayer._quantize: float8_e4m3fn data + one fp32 per-tensor scale.
+            # Fp8QuantizedLayer._quantize: (tensor.float() / scale).to(float8_e4m3fn) -> 1 byte per
+            # element, and scale = amax().float() / fp8_max, a 0-dim fp32 tensor (4 bytes), frozen
+            # after the prefill and kept beside the data as (data, scale).
             return n + 4
-        # Group-wise integer codes packed into bytes, plus a scale and a zero-point per group in the
-        # model dtype (KIVI-style asymmetric quantization, q_group_size elements per group).
-        groups = math.ceil(n / self.q_group_size)
-        return math.ceil(n * self.nbits / 8) + 2 * groups * int(elem_bytes)
+        if self.backend == "quanto":
+            return self._quanto_bytes(batch, n, g, elem_bytes)
+        return self._hqq_bytes(n, g, elem_bytes)
+
+    def _quanto_bytes(self, batch: int, n: int, g: int, elem_bytes: float) -> int:
+        # QuantoQuantizedLayer._quantize -> MaxOptimizer(tensor, qint{2,4}, axis=0, g) and
+        # quantize_weight(...) -> WeightQBitsTensor(_data=PackedTensor, _scale, _shift).
+        # optimum/quanto/tensor/grouped.py group(): the tensor is viewed as (n // g, g) rows, and
+        # raises unless g divides the elements per batch row (heads * tokens * dim).
+        per_row = n // batch
+        if g > per_row or per_row % g:
+            raise SettingsError(
+                f"quanto cannot quantize a K/V tensor of {per_row} elements per sequence in groups of {g} "
+                f"(heads x tokens x head_dim must be a multiple of {g})"
+            )
+        groups = n // g
+        # packed.py pack_weights(): 8 // bits codes per uint8 along dim 0, so the (groups, g) codes
+        # become ceil(groups / (8 // bits)) rows of g bytes (padding when groups is not a multiple).
+        per_byte = 8 // self.nbits
+        payload = math.ceil(groups / per_byte) * g
+        # affine_optimizer.py AffineOptimizer.__call__: with a single group the axis becomes None and
+        # MaxOptimizer reduces over dim 0, giving a (1, g) scale and shift; otherwise (groups, 1).
+        scales = g if groups == 1 else groups
+        # scale (max - min) / (qmax - qmin) and shift -min, both in the tensor's dtype.
+        return payload + 2 * math.ceil(scales * elem_bytes)
+
+    def _hqq_bytes(self, n: int, g: int, elem_bytes: float) -> int:
+        # HQQQuantizedLayer._quantize -> hqq.core.quantize.Quantizer.quantize(axis=0, group_size=g)
+        # asserts g divides the element count, reshapes to (g, n // g) and packs along dim 0
+        # (hqq/core/bitpack.py), then Quantizer.cuda casts scale and zero to compute_dtype.
+        if n % g:
+            raise SettingsError(
+                f"hqq cannot quantize a K/V tensor of {n} elements in groups of {g} "
+                f"(batch x heads x tokens x head_dim must be a multiple of {g})"
+            )
+        columns = n // g
+        if self.nbits == 3:
+            # pack_3bit_32: rows padded to a multiple of 10, ten 3-bit codes per int32.
+            rows_bytes = 4 * math.ceil(g / 10)
+        else:
+            # pack_8bit_u8 / pack_4bit_u8 / pack_2bit_u8 / pack_1bit_u8: 8 // nbits codes per uint8,
+            # int(g / (8 // nbits)) rows; a group size that does not split evenly cannot be packed.
+            per_byte = 8 // self.nbits
+            if g % per_byte:
+                raise SettingsError(f"hqq cannot pack {self.nbits}-bit codes in groups of {g}; use a multiple of {per_byte}")
+            rows_bytes = g // per_byte
+        # meta["scale"] (the inverted scale) and meta["zero"]: one per column, shape (1, n // g),
+        # in compute_dtype = the cache's dtype (HQQQuantizedLayer sets meta["compute_dtype"]).
+        return rows_bytes * columns + 2 * math.ceil(columns * elem_bytes)
 
     def layer_bytes(self, layer, batch, tokens, elem_bytes, max_context, prompt_tokens):
         if layer.window is not None:
             raise SettingsError("a quantized cache needs full-attention layers (transformers refuses sliding ones)")
+        # BaseQuantizedLayer: the quantized K and V (_quantized_keys/_quantized_values), each quantized
+        # separately, plus the residual keys/values in the model dtype (empty tensors, 0 bytes, after
+        # the prefill and after each flush; fp8 never fills them).
         quantized, residual = self.split(tokens, prompt_tokens)
         q = sum(self.quantized_bytes(batch, layer.heads, quantized, d, elem_bytes) for d in (layer.k_dim, layer.v_dim))
         return q + _dense(batch, layer.heads, residual, layer.k_dim + layer.v_dim, elem_bytes)

@@ -1,0 +1,126 @@
+"""Entry points main.py calls: ``has_display()`` and ``run_window(request, screenshot, tokens)``."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import replace
+
+#: How long a --screenshot run may take before it gives up (loading included).
+SCREENSHOT_TIMEOUT_S = 600.0
+
+
+def has_display() -> bool:
+    """Whether a window can be shown: on Linux a DISPLAY/WAYLAND_DISPLAY, or Qt's offscreen platform."""
+    if os.environ.get("QT_QPA_PLATFORM", "").startswith(("offscreen", "minimal", "vnc")):
+        return True
+    if sys.platform.startswith("linux") or "bsd" in sys.platform:
+        return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+    return True  # Windows and macOS always have a window system
+
+
+def _application():
+    from PySide6.QtWidgets import QApplication
+
+    app = QApplication.instance()
+    if app is None:
+        app = QApplication(sys.argv[:1])
+        app.setOrganizationName("KVScope")
+        app.setApplicationName("KV Scope")
+    return app
+
+
+def _settle(app, window, rounds: int = 6) -> None:
+    """Let layouts, the redraw timer's work and axis re-layouts finish before a grab."""
+    for _ in range(rounds):
+        window._redraw()
+        app.processEvents()
+        time.sleep(0.01)
+    window.refresh_stats()
+    app.processEvents()
+
+
+def run_window(request=None, screenshot: str | None = None, tokens: int | None = None, *,
+               presenter: bool = False, size: tuple[int, int] | None = None, settings=None) -> int:
+    """Open the window. With ``request`` the run starts at once.
+
+    With ``screenshot``: generate ``tokens`` tokens (default: the request's max_new_tokens) with the
+    request's settings and scripted switches, let the plots redraw, save a PNG of the whole window
+    to ``screenshot`` and return 0 (1 if the run failed; the PNG then shows the error).
+    """
+    app = _application()
+    from PySide6.QtCore import QEventLoop, QSettings, QTimer
+
+    from ui.main_window import MainWindow
+
+    if screenshot is not None and settings is None:
+        # A screenshot must not depend on (or change) the user's remembered window and settings.
+        settings = QSettings(os.path.join(_temp_dir(), "kvscope-screenshot.ini"), QSettings.Format.IniFormat)
+        settings.clear()
+    window = MainWindow(settings=settings)
+    if screenshot is not None:
+        window.resize(*(size or (1600, 1000)))
+    elif size:
+        window.resize(*size)
+    if presenter:
+        window.set_presenter(True, fullscreen=screenshot is None)
+    window.show()
+
+    if screenshot is None:
+        if request is not None:
+            window.apply_request(request)
+            window.start_run(request)
+        return app.exec()
+
+    from core.generate import RunRequest
+
+    request = request or RunRequest()
+    if tokens is not None:
+        request = replace(request, max_new_tokens=max(int(tokens), 1))
+    window.apply_request(request)
+    wanted_switches = sum(1 for at, _k, _v in request.switches if at < request.max_new_tokens)
+    loop = QEventLoop()
+    outcome = {"timeout": False}
+
+    def check(_n: int = 0) -> None:
+        if window.decode_tokens >= request.max_new_tokens and window.switch_events >= wanted_switches:
+            loop.quit()
+
+    window.samples_added.connect(check)
+    window.run_finished.connect(loop.quit)
+    timer = QTimer()
+    timer.setSingleShot(True)
+    timer.timeout.connect(lambda: (outcome.__setitem__("timeout", True), loop.quit()))
+    timer.start(int(SCREENSHOT_TIMEOUT_S * 1000))
+    if not window.start_run(request):
+        code = 1
+    else:
+        loop.exec()
+        code = 0
+    timer.stop()
+    window.shutdown()
+    # Drain the queued samples and the finished signal, then draw every curve and number.
+    _settle(app, window)
+    if outcome["timeout"]:
+        print(f"kvscope: gave up after {SCREENSHOT_TIMEOUT_S:.0f} s with {window.decode_tokens} tokens",
+              file=sys.stderr)
+        code = 2
+    elif window.last_error:
+        print(f"kvscope: {window.last_error}", file=sys.stderr)
+        code = 1
+    try:
+        path = window.save_screenshot(screenshot)
+    finally:
+        window.close()
+    if path is None:
+        print(f"kvscope: could not save {screenshot}: {window.error_label.text()}", file=sys.stderr)
+        return 1
+    print(f"saved {path} ({window.decode_tokens} tokens, {window.switch_events} switches)")
+    return code
+
+
+def _temp_dir() -> str:
+    import tempfile
+
+    return tempfile.gettempdir()

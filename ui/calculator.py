@@ -1,0 +1,703 @@
+"""The calculator tab: what a context costs for any model, from the predictor alone (no weights).
+
+A spec is loaded in a pool thread (the first one imports transformers, which takes seconds);
+after that every slider move recomputes in well under a frame: ``core.predict.predict`` is about
+0.1 ms, the chart is 72 of those and "the largest context that fits" is a binary search.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import QObject, QRunnable, QSettings, Qt, QThreadPool, Signal
+from PySide6.QtGui import QColor, QFont
+from PySide6.QtWidgets import (
+    QComboBox,
+    QFileDialog,
+    QFormLayout,
+    QFrame,
+    QGridLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QLabel,
+    QPushButton,
+    QSizePolicy,
+    QSlider,
+    QVBoxLayout,
+    QWidget,
+)
+
+from core.attention import SettingsError, native_attention, parse_attention
+from core.caches import kv_layout, parse_cache
+from core.predict import kv_bytes, kv_elem_bytes, max_context_that_fits, predict
+from core.settings import RunSettings, effective_spec
+from core.spec import ModelSpec, SpecError, human_bytes, load_spec, parse_size, preset_names
+from ui.plots import BytesAxis, format_tokens
+from ui.theme import Theme, theme as make_theme
+
+log = logging.getLogger(__name__)
+
+WEIGHT_DTYPES = ("float32", "bfloat16", "float16", "float8", "int8", "int4")
+KV_DTYPES = (None, "float32", "bfloat16", "float16", "float8", "int8", "int4", "int2")
+CACHES = ("dynamic", "static", "quantized:4", "quantized:2", "quantized:fp8")
+MEMORY_CHOICES = ("8 GiB  laptop GPU", "12 GiB  RTX 4070", "16 GiB  RTX 4080", "24 GiB  RTX 4090",
+                  "32 GiB  RTX 5090", "48 GiB  L40S", "80 GiB  A100 / H100", "141 GiB  H200",
+                  "192 GiB  B200")
+MIN_CONTEXT_CEILING = 128 * 1024  # the slider reaches at least 128K, beyond a shorter model's max (flagged)
+SLIDER_STEPS = 1000
+CHART_POINTS = 72
+
+
+def attention_choices(spec: ModelSpec) -> list[str]:
+    """Attention modes for a model, from the most KV to the least: mha, gqa:N (N descending), mqa, mla, window."""
+    out = ["mha"]
+    out += [f"gqa:{n}" for n in sorted(spec.gqa_group_counts(), reverse=True) if 1 < n < spec.num_query_heads]
+    out += ["mqa", "mla"]
+    out.append(f"window:{spec.sliding_window or 4096}")
+    native = native_attention(spec).key
+    if native not in out:
+        out.insert(0, native)
+    return out
+
+
+def kv_formula(spec: ModelSpec, settings: RunSettings, tokens: int) -> str:
+    """The KV formula with this model's numbers and ``tokens`` substituted, ending in the exact bytes.
+
+    The classic product is exact for a dynamic cache of full-attention layers; windows, static
+    preallocation and quantization are spelled out on a second line with the predictor's bytes.
+    """
+    eff = effective_spec(spec, settings)
+    elem = kv_elem_bytes(spec, settings)
+    b = settings.batch
+    exact = kv_bytes(spec, settings, tokens)
+    layers = kv_layout(eff)
+    elem_txt = f"{elem:g} B"
+    x = " \u00d7 "
+    if eff.is_mla:
+        rank, rope = eff.kv_lora_rank, eff.qk_rope_head_dim
+        product = int(math.ceil(eff.num_layers * (rank + rope) * tokens * b * elem))
+        text = (f"{eff.num_layers} layers{x}({rank} latent + {rope} rope){x}{tokens:,} tokens{x}{b} batch"
+                f"{x}{elem_txt}")
+    else:
+        layer = layers[0]
+        width = f"{layer.k_dim} head_dim" if layer.k_dim == layer.v_dim else f"({layer.k_dim} K + {layer.v_dim} V)/2"
+        product = int(math.ceil(eff.num_layers * layer.width * tokens * b * elem))
+        text = f"2{x}{eff.num_layers} layers{x}{layer.heads} KV heads{x}{width}{x}{tokens:,} tokens{x}{b} batch{x}{elem_txt}"
+    text += f"\n= {product:,} B  ({human_bytes(product)})"
+    notes = []
+    windows = {layer.window for layer in layers if layer.window}
+    if windows:
+        w = min(windows)
+        n_sliding = sum(1 for layer in layers if layer.window)
+        notes.append(f"{n_sliding} of {len(layers)} layers keep only a window of {w:,} tokens")
+    if settings.cache.name == "static":
+        notes.append(f"static cache preallocates {format_tokens(settings.max_context or tokens)} tokens")
+    if settings.cache.name == "quantized":
+        notes.append(f"{settings.cache.key} stores packed codes + scales, residual tokens unquantized")
+    if exact != product or notes:
+        text += f"\ncache holds {exact:,} B  ({human_bytes(exact)})" + (f": {'; '.join(notes)}" if notes else "")
+    return text
+
+
+class _SpecSignals(QObject):
+    done = Signal(int, object, str)  # request id, ModelSpec or None, error message
+    warmed = Signal()
+
+
+class _WarmJob(QRunnable):
+    """Imports transformers once, before anything else may import it from another thread.
+
+    transformers' lazy package is not safe to initialise from two threads at once (a second thread
+    sees a half-initialised module: "cannot import name 'AutoConfig'"). The window runs this first
+    and starts the generation thread only after it finished.
+    """
+
+    def __init__(self, signals: _SpecSignals) -> None:
+        super().__init__()
+        self.signals = signals
+
+    def run(self) -> None:
+        try:
+            import transformers  # noqa: F401
+            from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
+            from transformers.cache_utils import DynamicCache  # noqa: F401
+        except Exception:  # the spec loads report their own errors
+            log.exception("importing transformers")
+        finally:
+            self.signals.warmed.emit()
+
+
+class _SpecJob(QRunnable):
+    """Loads a spec off the UI thread (transformers' first import and a hub fetch take seconds)."""
+
+    def __init__(self, request_id: int, source: str, signals: _SpecSignals) -> None:
+        super().__init__()
+        self.request_id, self.source, self.signals = request_id, source, signals
+
+    def run(self) -> None:
+        try:
+            spec = load_spec(self.source)
+        except SpecError as exc:
+            self.signals.done.emit(self.request_id, None, str(exc))
+        except Exception as exc:  # never a silent dead job; the message is shown in the tab
+            log.exception("loading spec %s", self.source)
+            self.signals.done.emit(self.request_id, None, f"{type(exc).__name__}: {exc}")
+        else:
+            self.signals.done.emit(self.request_id, spec, "")
+
+
+class TokensLog2Axis(pg.AxisItem):
+    """x axis whose values are log2(tokens), labelled in tokens (1K, 32K, 128K)."""
+
+    def tickValues(self, minVal, maxVal, size):  # noqa: N802 (pyqtgraph API)
+        lo, hi = math.floor(minVal), math.ceil(maxVal)
+        step = 1
+        while (hi - lo) / step > max(size / 55.0, 2):
+            step += 1
+        major = [v for v in range(lo, hi + 1) if v % step == 0 and minVal <= v <= maxVal]
+        return [(step, major)]
+
+    def tickStrings(self, values, scale, spacing):  # noqa: N802 (pyqtgraph API)
+        return [format_tokens(2 ** int(round(v))) for v in values]
+
+
+@dataclass(frozen=True)
+class CalcState:
+    """What the tab shows after an update (for tests and the window's screenshot checks)."""
+
+    context: int
+    settings: RunSettings
+    weights: int
+    kv: int
+    activations: int
+    total: int
+    memory: int | None
+    max_fit: int | None
+
+
+class _Slider(QWidget):
+    """A labelled discrete slider over ``values`` with a text for the current one."""
+
+    changed = Signal()
+
+    def __init__(self, title: str, tooltip: str) -> None:
+        super().__init__()
+        self.values: list = [None]
+        self.fmt = str
+        layout = QHBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        self.slider = QSlider(Qt.Orientation.Horizontal)
+        self.slider.setMinimumWidth(160)
+        self.value_label = QLabel()
+        self.value_label.setMinimumWidth(110)
+        self.value_label.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+        layout.addWidget(self.slider, 1)
+        layout.addWidget(self.value_label)
+        self.title = title
+        self.setToolTip(tooltip)
+        self.slider.valueChanged.connect(self._moved)
+
+    def set_values(self, values: list, fmt=str, current=None) -> None:
+        self.values, self.fmt = list(values), fmt
+        self.slider.blockSignals(True)
+        self.slider.setRange(0, len(self.values) - 1)
+        index = self.values.index(current) if current in self.values else 0
+        self.slider.setValue(index)
+        self.slider.blockSignals(False)
+        self.value_label.setText(self.fmt(self.value()))
+
+    def value(self):
+        return self.values[min(self.slider.value(), len(self.values) - 1)]
+
+    def set_value(self, value) -> None:
+        if value in self.values:
+            self.slider.setValue(self.values.index(value))
+
+    def _moved(self) -> None:
+        self.value_label.setText(self.fmt(self.value()))
+        self.changed.emit()
+
+
+class CalculatorTab(QWidget):
+    """Preset / config / hub id in, sliders for the settings, a stacked chart and the numbers out."""
+
+    updated = Signal(object)  # CalcState
+    spec_loaded = Signal(object)  # ModelSpec
+
+    def __init__(self, theme: Theme | None = None, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.theme = theme or make_theme("dark")
+        self.spec: ModelSpec | None = None
+        self.state: CalcState | None = None
+        self.pool = QThreadPool(self)
+        self.pool.setMaxThreadCount(1)
+        self._signals = _SpecSignals()
+        self._signals.done.connect(self._spec_done)
+        self._signals.warmed.connect(self._on_warmed)
+        self.warm = False
+        self._request_id = 0
+        self._specs: dict[str, ModelSpec] = {}
+        self._detected: tuple[int, str] | None = None
+        self._chart_key = None
+        self._fit_key = None
+        self._fit: int | None = None
+
+        # ---- inputs
+        self.model_combo = QComboBox()
+        self.model_combo.setEditable(True)
+        self.model_combo.addItems(preset_names())
+        self.model_combo.setToolTip("A preset, a path to a config.json or a model folder, or a Hugging Face hub id "
+                                    "(org/name; the config alone is fetched). Press Enter to load.")
+        self.model_combo.lineEdit().returnPressed.connect(lambda: self.load_model(self.model_combo.currentText()))
+        self.model_combo.activated.connect(lambda _i: self.load_model(self.model_combo.currentText()))
+        browse = QPushButton("Config\u2026")
+        browse.setToolTip("Choose a config.json (or a model folder's config)")
+        browse.clicked.connect(self._browse)
+        self.model_status = QLabel("")
+        self.model_status.setObjectName("statNote")
+        self.model_status.setWordWrap(True)
+
+        self.context = _Slider("Context", "Tokens in the cache (prompt + generated), on a log scale.")
+        self.batch = _Slider("Batch", "Sequences generated at once; KV and activations scale with it.")
+        self.dtype = _Slider("Weights dtype", "Element type of the weights (int4/int8: quantized weights).")
+        self.kv_dtype = _Slider("KV dtype", "Element type of the cached K/V; 'as weights' is what transformers' "
+                                             "caches store by default.")
+        self.attention = _Slider("Attention", "Attention mode: how many K/V heads (or a latent, or a window) "
+                                              "each layer caches per token.")
+        self.batch.set_values([2 ** i for i in range(9)], lambda v: f"{v}")
+        self.dtype.set_values(list(WEIGHT_DTYPES), str, "bfloat16")
+        self.kv_dtype.set_values(list(KV_DTYPES), lambda v: "as weights" if v is None else v)
+        self.cache_combo = QComboBox()
+        self.cache_combo.addItems(CACHES)
+        self.cache_combo.setToolTip("Cache strategy: dynamic grows per token; static preallocates the context; "
+                                    "quantized stores 4/2-bit or fp8 codes.")
+        self.memory_combo = QComboBox()
+        self.memory_combo.setEditable(True)
+        self.memory_combo.addItems(MEMORY_CHOICES)
+        self.memory_combo.setCurrentText("24 GiB  RTX 4090")
+        self.memory_combo.setToolTip("GPU memory to fit into: detected from the loaded model's device, picked, "
+                                     "or typed (e.g. 24GiB, 80 GB).")
+        self.memory_combo.currentTextChanged.connect(lambda _t: self.recompute())
+
+        self.context.changed.connect(self.recompute)
+        self.cache_combo.currentIndexChanged.connect(lambda _i: self._settings_changed())
+        for s in (self.batch, self.dtype, self.kv_dtype, self.attention):
+            s.changed.connect(self._settings_changed)
+
+        inputs = QGroupBox("Model and settings")
+        form = QFormLayout(inputs)
+        model_row = QHBoxLayout()
+        model_row.addWidget(self.model_combo, 1)
+        model_row.addWidget(browse)
+        form.addRow("Model", model_row)
+        form.addRow("", self.model_status)
+        form.addRow("Context", self.context)
+        form.addRow("Batch", self.batch)
+        form.addRow("Weights", self.dtype)
+        form.addRow("KV dtype", self.kv_dtype)
+        form.addRow("Attention", self.attention)
+        form.addRow("Cache", self.cache_combo)
+        form.addRow("GPU memory", self.memory_combo)
+
+        # ---- outputs
+        self.headline = QLabel("Loading\u2026")
+        self.headline.setObjectName("headline")
+        self.headline.setWordWrap(True)
+        self.fits_label = QLabel("")
+        self.fits_label.setToolTip("The largest context whose predicted total (weights + KV + activation peak) "
+                                   "fits in the GPU memory above (core.predict.max_context_that_fits).")
+        self.fits_label.setObjectName("headline")
+        self.numbers = {}
+        numbers_box = QGroupBox("Breakdown at this context")
+        grid = QGridLayout(numbers_box)
+        tips = {
+            "weights": "Parameters x bytes per element (parameter count from a meta-device build of the config).",
+            "kv": "Exact bytes of the KV cache for this context, mirroring transformers' cache classes.",
+            "activations": "Peak transient bytes of one forward pass (the larger of the prefill and one decode step).",
+            "total": "weights + KV + activations: what must fit on the GPU (plus the runtime's own few hundred MiB).",
+            "per_token": "KV bytes added per token of context.",
+        }
+        names = {"weights": "Weights", "kv": "KV cache", "activations": "Activations (peak)", "total": "Total",
+                 "per_token": "KV per token"}
+        for row, key in enumerate(names):
+            name = QLabel(names[key])
+            name.setObjectName("statName")
+            value = QLabel("\u2014")
+            value.setObjectName("statValue")
+            value.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+            for w in (name, value):
+                w.setToolTip(tips[key])
+            grid.addWidget(name, row, 0)
+            grid.addWidget(value, row, 1)
+            self.numbers[key] = value
+        self.formula_label = QLabel("")
+        self.formula_label.setObjectName("formula")
+        self.formula_label.setWordWrap(True)
+        self.formula_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.formula_label.setToolTip("The KV-cache formula with this model's numbers substituted; the result is "
+                                      "the exact bytes a dynamic cache of full-attention layers holds.")
+        self.error_label = QLabel("")
+        self.error_label.setObjectName("error")
+        self.error_label.setWordWrap(True)
+
+        self.chart = pg.PlotWidget(axisItems={"left": BytesAxis(orientation="left"),
+                                              "bottom": TokensLog2Axis(orientation="bottom")})
+        self.chart.setMinimumHeight(260)
+        self.chart.setToolTip("Predicted memory vs context (log scale), stacked: weights, KV cache, activation "
+                              "peak. Horizontal line: the GPU's memory. Vertical lines: this context, the "
+                              "largest that fits and the model's trained maximum.")
+        plot = self.chart.getPlotItem()
+        plot.setMenuEnabled(False)
+        plot.hideButtons()
+        plot.setMouseEnabled(x=False, y=False)
+        self._legend = plot.addLegend(offset=(10, 10))
+        self._zero = pg.PlotDataItem()
+        self._layers = {k: pg.PlotDataItem() for k in ("weights", "kv", "activations")}
+        self._fills = {}
+        self._swatches = {}
+        lower = self._zero
+        for key, name in (("weights", "weights"), ("kv", "KV cache"), ("activations", "activations")):
+            plot.addItem(self._layers[key])
+            fill = pg.FillBetweenItem(lower, self._layers[key])
+            plot.addItem(fill)
+            self._fills[key] = fill
+            # A legend sample of a FillBetweenItem crashes pyqtgraph 0.14's ItemSample; a filled
+            # stand-in curve (never added to the plot) draws the same swatch.
+            swatch = pg.PlotDataItem([0], [0], fillLevel=0)
+            self._swatches[key] = swatch
+            self._legend.addItem(swatch, name)
+            lower = self._layers[key]
+        self.memory_line = pg.InfiniteLine(angle=0, movable=False, label="", labelOpts={"position": 0.02,
+                                           "anchors": [(0, 1), (0, 1)]})
+        self.context_line = pg.InfiniteLine(angle=90, movable=False, label="", labelOpts={"position": 0.95,
+                                            "anchors": [(1, 0), (1, 0)]})
+        self.fit_line = pg.InfiniteLine(angle=90, movable=False, label="", labelOpts={"position": 0.80,
+                                        "anchors": [(0, 0), (0, 0)]})
+        self.trained_line = pg.InfiniteLine(angle=90, movable=False, label="", labelOpts={"position": 0.65,
+                                            "anchors": [(1, 0), (1, 0)]})
+        for line in (self.memory_line, self.context_line, self.fit_line, self.trained_line):
+            plot.addItem(line, ignoreBounds=line is not self.memory_line)
+
+        right = QVBoxLayout()
+        right.addWidget(self.headline)
+        right.addWidget(self.fits_label)
+        right.addWidget(numbers_box)
+        formula_box = QGroupBox("KV cache formula")
+        fl = QVBoxLayout(formula_box)
+        fl.addWidget(self.formula_label)
+        right.addWidget(formula_box)
+        right.addWidget(self.error_label)
+        right.addStretch(1)
+
+        top = QHBoxLayout()
+        left_col = QVBoxLayout()
+        left_col.addWidget(inputs)
+        left_col.addStretch(1)
+        top.addLayout(left_col, 5)
+        top.addLayout(right, 4)
+        outer = QVBoxLayout(self)
+        outer.addLayout(top, 0)
+        outer.addWidget(self.chart, 1)
+        inputs.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Maximum)
+        self.apply_theme(self.theme)
+
+    # ---------------------------------------------------------------------------------------------
+    # model
+
+    warmed = Signal()
+
+    def warm_up(self) -> None:
+        """Import transformers in the pool thread (first job; spec loads queue behind it)."""
+        if not self.warm and not getattr(self, "_warming", False):
+            self._warming = True
+            self.pool.start(_WarmJob(self._signals))
+
+    def _on_warmed(self) -> None:
+        self.warm = True
+        self.warmed.emit()
+
+    def load_model(self, source: str) -> None:
+        """Load a spec (preset, config path, hub id) in the background; the tab updates when it arrives."""
+        source = source.strip()
+        if not source:
+            return
+        if source in self._specs:
+            self.set_spec(self._specs[source])
+            return
+        self.warm_up()
+        self._request_id += 1
+        self.model_status.setText(f"loading {source}\u2026")
+        if self.model_combo.currentText() != source:
+            self.model_combo.setCurrentText(source)
+        self.pool.start(_SpecJob(self._request_id, source, self._signals))
+        self._pending_source = source
+
+    def _spec_done(self, request_id: int, spec: ModelSpec | None, error: str) -> None:
+        if request_id != self._request_id:
+            return  # a newer model was asked for meanwhile
+        if spec is None:
+            self.model_status.setText("")
+            self.error_label.setText(error)
+            return
+        self._specs[self._pending_source] = spec
+        self.set_spec(spec)
+
+    def set_spec(self, spec: ModelSpec, source: str | None = None) -> None:
+        """Show ``spec`` (also used for the model the Live tab loaded)."""
+        if source:
+            self._specs[source] = spec
+            if self.model_combo.findText(source) < 0:
+                self.model_combo.addItem(source)
+            self.model_combo.setCurrentText(source)
+        self.spec = spec
+        self.error_label.setText("")
+        ceiling = max(spec.max_position_embeddings, MIN_CONTEXT_CEILING)
+        self._context_values = sorted({int(round(2 ** (math.log2(ceiling) * i / SLIDER_STEPS)))
+                                       for i in range(SLIDER_STEPS + 1)} | {2 ** k for k in range(int(math.log2(ceiling)) + 1)})
+        current = self.context.value() if self.context.values != [None] else 4096
+        current = min(self._context_values, key=lambda v: abs(v - (current or 4096)))
+        self.context.set_values(self._context_values, lambda v: f"{format_tokens(v)} tokens", current)
+        self.dtype.set_values(list(WEIGHT_DTYPES), str, spec.dtype if spec.dtype in WEIGHT_DTYPES else "bfloat16")
+        choices = attention_choices(spec)
+        self.attention.set_values(choices, str, native_attention(spec).key)
+        self.model_status.setText(
+            f"{spec.label}: {spec.num_layers} layers, {spec.num_query_heads} query / {spec.num_kv_heads} KV heads "
+            f"of {spec.head_dim}, {spec.num_parameters / 1e9:.2f} B parameters, trained to "
+            f"{format_tokens(spec.max_position_embeddings)} tokens")
+        self._chart_key = None
+        self.spec_loaded.emit(spec)
+        self.recompute()
+
+    def set_context(self, tokens: int) -> None:
+        """Move the context slider to the value nearest ``tokens``."""
+        if self.spec is None:
+            return
+        nearest = min(self._context_values, key=lambda v: abs(v - tokens))
+        self.context.set_value(nearest)
+
+    def set_detected_memory(self, total: int | None, device_name: str) -> None:
+        """Offer the memory of the device the Live tab loaded onto (selected when it is a GPU)."""
+        if not total:
+            return
+        text = f"{human_bytes(total)}  {device_name} (detected)"
+        if self.memory_combo.findText(text) < 0:
+            self.memory_combo.insertItem(0, text)
+        self.memory_combo.setCurrentText(text)
+
+    def _browse(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Model config", "", "config (*.json);;all files (*)")
+        if path:
+            self.model_combo.setCurrentText(path)
+            self.load_model(path)
+
+    # ---------------------------------------------------------------------------------------------
+    # compute
+
+    def memory_bytes(self) -> int | None:
+        """The GPU memory typed or picked (the leading size of the combo's text), or None if unreadable."""
+        text = self.memory_combo.currentText().strip()
+        if not text:
+            return None
+        head = text.split("  ")[0].split("(")[0].strip()
+        try:
+            return parse_size(head)
+        except SpecError:
+            return None
+
+    def current_settings(self) -> RunSettings:
+        context = self.context.value()
+        cache = parse_cache(self.cache_combo.currentText())
+        return RunSettings(batch=self.batch.value(), weight_dtype=self.dtype.value(), kv_dtype=self.kv_dtype.value(),
+                           attention=parse_attention(self.attention.value()), cache=cache,
+                           max_context=context if cache.name == "static" else None)
+
+    def _settings_changed(self) -> None:
+        self._chart_key = None
+        self.recompute()
+
+    def recompute(self) -> None:
+        """Update every number, the formula and the chart for the current inputs (about a millisecond)."""
+        spec = self.spec
+        if spec is None:
+            return
+        try:
+            settings = self.current_settings()
+            context = int(self.context.value())
+            p = predict(spec, settings, context)
+            memory = self.memory_bytes()
+            ceiling = self._context_values[-1]
+            fit_key = (spec, settings.with_(max_context=None), memory, ceiling)
+            if fit_key != self._fit_key:
+                # Depends on everything but the context slider: cached so dragging it stays cheap.
+                self._fit_key = fit_key
+                self._fit = max_context_that_fits(spec, settings.with_(max_context=None), memory,
+                                                  limit=ceiling) if memory else None
+            fit = self._fit
+            formula = kv_formula(spec, settings, context)
+        except SpecError as exc:  # SettingsError too: e.g. quantized cache on sliding layers
+            self.error_label.setText(str(exc))
+            return
+        self.error_label.setText("")
+        b = p.breakdown
+        self.state = CalcState(context, settings, int(b.weights or 0), int(b.kv_cache or 0), int(b.activations or 0),
+                               p.total, memory, fit)
+        n = self.numbers
+        n["weights"].setText(human_bytes(b.weights))
+        n["kv"].setText(human_bytes(b.kv_cache))
+        n["activations"].setText(human_bytes(b.activations))
+        n["total"].setText(human_bytes(p.total))
+        per_token = kv_bytes(spec, settings.with_(cache=parse_cache("dynamic")), 1)
+        n["per_token"].setText(human_bytes(per_token))
+        t = self.theme
+        beyond = context > spec.max_position_embeddings
+        fits_now = memory is not None and p.total <= memory
+        verdict = "" if memory is None else (f"<span style='color:{t.curves['allocated']}'>fits</span>" if fits_now
+                                             else f"<span style='color:{t.error}'>does not fit</span>")
+        self.headline.setText(
+            f"{human_bytes(p.total)} at {format_tokens(context)} tokens"
+            + (f" \u2014 {verdict} in {human_bytes(memory)}" if memory else "")
+            + (f"<br><span style='font-size:{t.font_pt}pt;color:{t.warning}'>beyond {spec.label}'s trained "
+               f"context of {format_tokens(spec.max_position_embeddings)}</span>" if beyond else ""))
+        if memory is None:
+            self.fits_label.setText("<span style='font-size:small'>type a GPU memory size to see what fits</span>")
+        elif fit is None:
+            self.fits_label.setText(f"Weights alone do not fit in {human_bytes(memory)}")
+        else:
+            more = "+" if fit >= ceiling else ""
+            self.fits_label.setText(f"Largest context that fits: {fit:,}{more} tokens")
+        self.formula_label.setText(formula)
+        self._update_chart(spec, settings, context, memory, fit)
+        self.updated.emit(self.state)
+
+    def _chart_start(self) -> int:
+        """The chart shows the last 10 doublings below the ceiling: where memory actually moves."""
+        return max(1, self._context_values[-1] >> 10)
+
+    def _update_chart(self, spec: ModelSpec, settings: RunSettings, context: int, memory: int | None,
+                      fit: int | None) -> None:
+        key = (spec, settings.with_(max_context=None))
+        ceiling = self._context_values[-1]
+        if key != self._chart_key:
+            self._chart_key = key
+            xs = np.unique(np.round(np.geomspace(self._chart_start(), ceiling, CHART_POINTS)).astype(np.int64))
+            w, kv, act = [], [], []
+            for n in xs:
+                s = settings.with_(max_context=int(n)) if settings.cache.name == "static" else settings
+                p = predict(spec, s, int(n))
+                w.append(p.breakdown.weights or 0)
+                kv.append(p.breakdown.kv_cache or 0)
+                act.append(p.breakdown.activations or 0)
+            lx = np.log2(xs.astype(float))
+            w, kv, act = (np.asarray(a, dtype=float) for a in (w, kv, act))
+            self._zero.setData(lx, np.zeros_like(lx))
+            self._layers["weights"].setData(lx, w)
+            self._layers["kv"].setData(lx, w + kv)
+            self._layers["activations"].setData(lx, w + kv + act)
+            self.chart.getPlotItem().setXRange(math.log2(self._chart_start()), math.log2(ceiling), padding=0.01)
+        self.context_line.setValue(math.log2(context))
+        self.context_line.label.setFormat(format_tokens(context))
+        self.trained_line.setValue(math.log2(spec.max_position_embeddings))
+        self.trained_line.label.setFormat(f"trained max {format_tokens(spec.max_position_embeddings)}")
+        self.trained_line.setVisible(spec.max_position_embeddings < ceiling)
+        if memory:
+            self.memory_line.setValue(memory)
+            self.memory_line.label.setFormat(f"GPU {human_bytes(memory)}")
+            self.memory_line.setVisible(True)
+        else:
+            self.memory_line.setVisible(False)
+        if fit is not None and fit < ceiling:
+            self.fit_line.setValue(math.log2(max(fit, 1)))
+            self.fit_line.label.setFormat(f"fits up to {format_tokens(fit)}")
+            self.fit_line.setVisible(True)
+        else:
+            self.fit_line.setVisible(False)
+
+    # ---------------------------------------------------------------------------------------------
+    # looks and settings
+
+    def apply_theme(self, theme: Theme) -> None:
+        self.theme = theme
+        self.chart.setBackground(theme.background)
+        plot = self.chart.getPlotItem()
+        font = QFont()
+        font.setPointSize(theme.axis_pt)
+        for side in ("left", "bottom"):
+            axis = plot.getAxis(side)
+            axis.setTickFont(font)
+            axis.setTextPen(theme.muted)
+            axis.setPen(theme.border)
+        plot.showGrid(x=True, y=True, alpha=theme.grid_alpha)
+        plot.setLabel("bottom", "context (tokens, log scale)", **{"color": theme.muted, "font-size": f"{theme.axis_pt}pt"})
+        self._legend.setLabelTextColor(theme.text)
+        self._legend.setLabelTextSize(f"{theme.font_pt}pt")
+        for key, fill in self._fills.items():
+            color = QColor(theme.curves[key])
+            self._layers[key].setPen(pg.mkPen(color, width=max(1.0, theme.line_width / 2)))
+            color.setAlpha(170)
+            fill.setBrush(pg.mkBrush(color))
+            self._swatches[key].setPen(pg.mkPen(theme.curves[key]))
+            self._swatches[key].setBrush(pg.mkBrush(color))
+        self._zero.setPen(None)
+        lines = ((self.memory_line, theme.curves["budget"], Qt.PenStyle.SolidLine),
+                 (self.context_line, theme.curves["context"], Qt.PenStyle.SolidLine),
+                 (self.fit_line, theme.curves["allocated"], Qt.PenStyle.DashLine),
+                 (self.trained_line, theme.muted, Qt.PenStyle.DotLine))
+        label_font = QFont()
+        label_font.setPointSize(theme.font_pt)
+        label_font.setBold(True)
+        for line, color, style in lines:
+            line.setPen(pg.mkPen(color, width=theme.marker_width + 0.5, style=style))
+            line.label.setColor(color)
+            line.label.setFont(label_font)
+        if self.spec is not None:
+            self.recompute()
+
+    def save_settings(self, s: QSettings) -> None:
+        s.beginGroup("calculator")
+        s.setValue("model", self.model_combo.currentText())
+        if self.spec is not None:
+            s.setValue("context", int(self.context.value()))
+        for name, slider in (("batch", self.batch), ("dtype", self.dtype), ("kv_dtype", self.kv_dtype),
+                             ("attention", self.attention)):
+            s.setValue(name, "" if slider.value() is None else str(slider.value()))
+        s.setValue("cache", self.cache_combo.currentText())
+        s.setValue("memory", self.memory_combo.currentText())
+        s.endGroup()
+
+    def restore_settings(self, s: QSettings) -> None:
+        """Restore the last model and settings (the model loads in the background, then the sliders apply)."""
+        s.beginGroup("calculator")
+        model = str(s.value("model", "llama-3-8b") or "llama-3-8b")
+        saved = {k: s.value(k) for k in ("context", "batch", "dtype", "kv_dtype", "attention", "cache", "memory")}
+        s.endGroup()
+        if saved["cache"] and self.cache_combo.findText(str(saved["cache"])) >= 0:
+            self.cache_combo.setCurrentText(str(saved["cache"]))
+        if saved["memory"]:
+            self.memory_combo.setCurrentText(str(saved["memory"]))
+
+        def apply(_spec) -> None:
+            self.spec_loaded.disconnect(apply)
+            try:
+                if saved["context"]:
+                    self.set_context(int(saved["context"]))
+                if saved["batch"]:
+                    self.batch.set_value(int(saved["batch"]))
+                if saved["dtype"]:
+                    self.dtype.set_value(str(saved["dtype"]))
+                self.kv_dtype.set_value(str(saved["kv_dtype"]) if saved["kv_dtype"] else None)
+                if saved["attention"]:
+                    self.attention.set_value(str(saved["attention"]))
+            except (TypeError, ValueError):
+                pass  # settings from another version: keep the defaults
+
+        self.spec_loaded.connect(apply)
+        self.model_combo.setCurrentText(model)
+        self.load_model(model)
+
+    def shutdown(self, timeout_ms: int = 3000) -> None:
+        """Wait for a spec load in flight (the pool thread must not outlive the window)."""
+        self.pool.waitForDone(timeout_ms)

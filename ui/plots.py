@@ -1,0 +1,546 @@
+"""The three live plots: KV bytes vs token, memory vs time, predicted vs observed with the error.
+
+Samples are appended to preallocated ring buffers as they arrive (cheap, any rate); a fixed-rate
+timer in the window calls ``LivePlots.redraw`` (about 30 Hz), which hands the buffers' views to
+pyqtgraph with ``skipFiniteCheck`` when a column has no gaps. Clip-to-view and 'peak'
+downsampling keep a 100,000-point curve as cheap to draw as the plot is wide.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QColor, QFont
+from PySide6.QtWidgets import QSplitter, QVBoxLayout, QWidget
+
+from core.sample import PHASE_EVENT, Sample
+from core.spec import human_bytes
+from ui.ringbuffer import RingBuffer
+from ui.theme import Theme, theme as make_theme
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CAPACITY = 200_000  # points per curve kept in memory (about 1.6 MB per column)
+
+TOKEN_COLUMNS = ("token", "kv_observed", "kv_predicted", "total_observed", "total_predicted", "error_total",
+                 "error_kv")
+TIME_COLUMNS = ("time", "device_total", "device_used", "process_gpu", "process_rss", "reserved", "allocated",
+                "kv_share", "weights")
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def format_bytes(n: float | None) -> str:
+    """Human bytes for labels; None (not available) -> 'n/a'."""
+    return human_bytes(n)
+
+
+def format_tokens(n: float | None) -> str:
+    """Token counts for people: 4096 -> '4K', 131072 -> '128K', 1500 -> '1,500'."""
+    if n is None:
+        return "n/a"
+    n = int(n)
+    if n >= 1024 * 1024 and n % (1024 * 1024) == 0:
+        return f"{n // (1024 * 1024)}M"
+    if n >= 1024 and n % 1024 == 0:
+        return f"{n // 1024}K"
+    return f"{n:,}"
+
+
+class BytesAxis(pg.AxisItem):
+    """A y axis in KiB/MiB/GiB: ticks at round multiples of a binary unit, labelled with the unit."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.enableAutoSIPrefix(False)
+
+    @staticmethod
+    def _unit(value: float) -> tuple[float, str]:
+        value = abs(value)
+        for i, name in enumerate(_UNITS):
+            if value < 1024 ** (i + 1) or i == len(_UNITS) - 1:
+                return float(1024 ** i), name
+        return 1.0, "B"  # pragma: no cover
+
+    def tickSpacing(self, minVal, maxVal, size):  # noqa: N802 (pyqtgraph API)
+        span = abs(maxVal - minVal)
+        if not math.isfinite(span) or span <= 0:
+            return super().tickSpacing(minVal, maxVal, size)
+        unit, _ = self._unit(max(abs(minVal), abs(maxVal)))
+        wanted = max(2.0, size / 70.0)  # about one label per 70 px
+        raw = span / unit / wanted
+        power = 10.0 ** math.floor(math.log10(raw)) if raw > 0 else 1.0
+        for step in (1, 2, 2.5, 5, 10):
+            if step * power >= raw:
+                break
+        major = step * power * unit
+        return [(major, 0.0), (major / 5.0, 0.0)]
+
+    def tickStrings(self, values, scale, spacing):  # noqa: N802 (pyqtgraph API)
+        if not values:
+            return []
+        unit, name = self._unit(max(abs(v) for v in values))
+        step = spacing / unit if unit else spacing
+        places = 0 if step >= 1 else min(3, int(math.ceil(-math.log10(step))))
+        out = []
+        for v in values:
+            if v == 0:
+                out.append("0")
+            elif v < 0:
+                out.append("")  # memory is never negative; keep the axis clean
+            else:
+                out.append(f"{v / unit:.{places}f} {name}")
+        return out
+
+
+@dataclass
+class _Curve:
+    item: pg.PlotDataItem
+    buffer: RingBuffer
+    x: str
+    y: str
+    name: str
+    legend: pg.LegendItem | None
+    in_legend: bool = False
+    drawn_version: int = -1
+
+
+@dataclass
+class Marker:
+    """A switch (or load/error) marked on the plots."""
+
+    token: int
+    time_s: float
+    label: str
+    kind: str
+    lines: tuple[pg.InfiniteLine, ...]
+
+
+class LivePlots(QWidget):
+    """KV-vs-token, memory-vs-time and predicted-vs-observed plots fed by ``add_samples``."""
+
+    def __init__(self, theme: Theme | None = None, capacity: int = DEFAULT_CAPACITY, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.theme = theme or make_theme("dark")
+        self.tokens = RingBuffer(capacity, TOKEN_COLUMNS)
+        self.times = RingBuffer(capacity, TIME_COLUMNS)
+        self.markers: list[Marker] = []
+        self._curves: dict[str, _Curve] = {}
+        self._last_settings: tuple[str, str, str] | None = None
+        self.host_only: bool | None = None  # None until the first sample says whether a GPU reports memory
+        self.draws = 0
+
+        pg.setConfigOptions(antialias=False)  # antialiasing costs more than it buys at 30 Hz
+        self.kv_widget = pg.PlotWidget(axisItems={"left": BytesAxis(orientation="left")})
+        self.mem_widget = pg.PlotWidget(axisItems={"left": BytesAxis(orientation="left")})
+        self.cmp_widget = pg.GraphicsLayoutWidget()
+        self.kv_plot: pg.PlotItem = self.kv_widget.getPlotItem()
+        self.mem_plot: pg.PlotItem = self.mem_widget.getPlotItem()
+        self.total_plot: pg.PlotItem = self.cmp_widget.addPlot(row=0, col=0, axisItems={"left": BytesAxis(orientation="left")})
+        self.error_plot: pg.PlotItem = self.cmp_widget.addPlot(row=1, col=0)
+        self.cmp_widget.ci.layout.setRowStretchFactor(0, 3)
+        self.cmp_widget.ci.layout.setRowStretchFactor(1, 2)
+        self.error_plot.setXLink(self.total_plot)
+        self.error_plot.getAxis("left").enableAutoSIPrefix(False)
+        # A perfect prediction is a flat 0 %; keep at least +-1 % in view so it reads as flat.
+        self.error_plot.getViewBox().setLimits(minYRange=2.0)
+
+        self.all_plots = (self.kv_plot, self.mem_plot, self.total_plot, self.error_plot)
+        for plot in self.all_plots:
+            plot.setClipToView(True)
+            plot.setDownsampling(auto=True, mode="peak")
+            plot.showGrid(x=True, y=True)
+            plot.setMenuEnabled(False)
+            plot.hideButtons()
+
+        # Legends in rows across the top: they cover less of the curves than a tall box.
+        self._legends = {id(p): p.addLegend(offset=(8, 4), colCount=3) for p in self.all_plots}
+        self._build_curves()
+
+        # The current slope, large, in the KV plot's corner: the number a speaker points at.
+        self.slope_label = pg.LabelItem("", justify="right")
+        self.slope_label.setParentItem(self.kv_plot.vb)
+        self.slope_label.anchor(itemPos=(1, 0), parentPos=(1, 0), offset=(-12, 6))
+        self.error_label = pg.LabelItem("", justify="right")
+        self.error_label.setParentItem(self.error_plot.vb)
+        self.error_label.anchor(itemPos=(1, 1), parentPos=(1, 1), offset=(-12, -4))
+        # Capacity is a labelled horizontal line outside the auto-range: a small model on a big GPU
+        # would otherwise flatten every other curve against zero.
+        self.capacity_line = pg.InfiniteLine(pos=0, angle=0, movable=False, label="",
+                                             labelOpts={"position": 0.5, "anchors": [(0.5, 1), (0.5, 1)]})
+        self.capacity_line.setVisible(False)
+        self.mem_plot.addItem(self.capacity_line, ignoreBounds=True)
+        self.zero_line = pg.InfiniteLine(pos=0, angle=0, movable=False)
+        self.error_plot.addItem(self.zero_line, ignoreBounds=True)
+        self.slope_bytes_per_token: float | None = None
+
+        self.kv_widget.setToolTip(
+            "KV cache bytes after each token.\nSolid: measured, the bytes of the cache's K/V tensors "
+            "(element size x elements, summed over layers).\nDashed: the predictor's bytes for the same "
+            "token and settings.\nVertical lines: live switches of attention mode, kernel or cache.")
+        self.mem_widget.setToolTip(
+            "Memory over wall-clock time.\nDevice capacity (dashed line, when in view) and used: NVML (whole GPU).\nThis process: NVML "
+            "per-process GPU memory, or the process's resident set (RSS) with no GPU.\nReserved / allocated: "
+            "the torch caching allocator.\nKV share: the measured bytes of the KV cache.\nA missing curve means "
+            "the hardware cannot report it (shown as n/a, never as 0).")
+        self.cmp_widget.setToolTip(
+            "Top: observed vs predicted total. Observed is the torch allocator's allocated bytes when the "
+            "device has one,\notherwise the measured weights + KV tensors; the prediction is compared like "
+            "with like.\nBottom: error in % of the prediction, per token, for the total and for the KV cache "
+            "alone.")
+
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        self.splitter = QSplitter(Qt.Orientation.Vertical)
+        bottom = QSplitter(Qt.Orientation.Horizontal)
+        bottom.addWidget(self.mem_widget)
+        bottom.addWidget(self.cmp_widget)
+        self.splitter.addWidget(self.kv_widget)
+        self.splitter.addWidget(bottom)
+        self.splitter.setStretchFactor(0, 3)
+        self.splitter.setStretchFactor(1, 2)
+        layout.addWidget(self.splitter)
+        self.apply_theme(self.theme)
+
+    # ---------------------------------------------------------------------------------------------
+    # construction
+
+    def _add_curve(self, key: str, plot: pg.PlotItem, buffer: RingBuffer, x: str, y: str, name: str,
+                   style: str = "solid", fill: bool = False, z: int = 0) -> None:
+        item = pg.PlotDataItem()
+        item.setZValue(z)
+        # Clip-to-view and peak downsampling are per item; the plot-level calls cover items added
+        # before them only, so set them here too.
+        item.setClipToView(True)
+        item.setDownsampling(auto=True, method="peak")
+        item.setVisible(False)
+        plot.addItem(item)
+        self._curves[key] = _Curve(item, buffer, x, y, name, self._legends[id(plot)])
+        item._kv_style = (key, style, fill)
+
+    def _build_curves(self) -> None:
+        t, m = self.tokens, self.times
+        self._add_curve("kv_observed", self.kv_plot, t, "token", "kv_observed", "observed", z=1)
+        self._add_curve("kv_predicted", self.kv_plot, t, "token", "kv_predicted", "predicted", "dash", z=2)
+        self._add_curve("device_used", self.mem_plot, m, "time", "device_used", "device used (NVML)")
+        self._add_curve("process_gpu", self.mem_plot, m, "time", "process_gpu", "this process (GPU)")
+        self._add_curve("process_rss", self.mem_plot, m, "time", "process_rss", "this process (RSS)")
+        self._add_curve("reserved", self.mem_plot, m, "time", "reserved", "allocator reserved")
+        self._add_curve("allocated", self.mem_plot, m, "time", "allocated", "allocator allocated")
+        self._add_curve("weights", self.mem_plot, m, "time", "weights", "weights", "dot")
+        self._add_curve("kv_share", self.mem_plot, m, "time", "kv_share", "KV cache", fill=True, z=-1)
+        self._add_curve("total_observed", self.total_plot, t, "token", "total_observed", "observed total", z=1)
+        self._add_curve("total_predicted", self.total_plot, t, "token", "total_predicted", "predicted total",
+                        "dash", z=2)
+        self._add_curve("error_total", self.error_plot, t, "token", "error_total", "total error %")
+        self._add_curve("error_kv", self.error_plot, t, "token", "error_kv", "KV error %", "dash")
+
+    def apply_theme(self, theme: Theme) -> None:
+        """Restyle backgrounds, axes, pens and labels (dark, light, presenter)."""
+        self.theme = theme
+        axis_font = QFont()
+        axis_font.setPointSize(theme.axis_pt)
+        title_size = f"{theme.title_pt}pt"
+        titles = {
+            id(self.kv_plot): "KV cache vs token",
+            id(self.mem_plot): self._memory_title(),
+            id(self.total_plot): "Predicted vs observed total",
+            id(self.error_plot): "",
+        }
+        for widget in (self.kv_widget, self.mem_widget, self.cmp_widget):
+            widget.setBackground(theme.background)
+        for plot in self.all_plots:
+            for side in ("left", "bottom"):
+                axis = plot.getAxis(side)
+                axis.setTickFont(axis_font)
+                axis.setTextPen(theme.muted)
+                axis.setPen(theme.border)
+                axis.setStyle(tickTextOffset=6, tickLength=-6)
+                axis.setWidth(None) if side == "left" else None
+            plot.showGrid(x=True, y=True, alpha=theme.grid_alpha)
+            title = titles[id(plot)]
+            plot.setTitle(title, color=theme.text, size=title_size) if title else plot.setTitle(None)
+            legend = self._legends[id(plot)]
+            legend.setLabelTextColor(theme.text)
+            legend.setLabelTextSize(f"{max(theme.font_pt - 1, 8)}pt")
+            legend.setBrush(pg.mkBrush(QColor(theme.background).lighter(115 if theme.name == "dark" else 97)))
+            legend.setPen(pg.mkPen(theme.border))
+        label_style = {"color": theme.muted, "font-size": f"{theme.axis_pt}pt"}
+        self.kv_plot.setLabel("bottom", "token", **label_style)
+        self.mem_plot.setLabel("bottom", "time (s)", **label_style)
+        self.error_plot.setLabel("bottom", "token", **label_style)
+        self.error_plot.setLabel("left", "error %", **label_style)
+        self.total_plot.getAxis("bottom").setStyle(showValues=False)
+        self.zero_line.setPen(pg.mkPen(theme.muted, width=1, style=Qt.PenStyle.DotLine))
+        self.capacity_line.setPen(pg.mkPen(theme.curves["device_total"], width=theme.marker_width,
+                                           style=Qt.PenStyle.DashLine))
+        if self.capacity_line.label is not None:
+            self.capacity_line.label.setColor(theme.curves["device_total"])
+            font = QFont()
+            font.setPointSize(max(theme.font_pt - 1, 8))
+            self.capacity_line.label.setFont(font)
+        for curve in self._curves.values():
+            key, style, fill = curve.item._kv_style
+            # Observed is drawn wide and predicted dashed and narrower on top, so a perfect prediction
+            # reads as a dashed line running inside the observed one rather than hiding it.
+            width = theme.line_width * (2.2 if key in ("kv_observed", "total_observed") else 1.0)
+            curve.item.setPen(pg.mkPen(**theme.pen(key, style, width)))
+            if fill:
+                color = QColor(theme.curves.get(key, theme.text))
+                color.setAlpha(70)
+                curve.item.setFillLevel(0)
+                curve.item.setBrush(pg.mkBrush(color))
+            # Legend samples are created once; rebuild them so their pens follow the theme.
+            if curve.in_legend and curve.legend is not None:
+                curve.legend.removeItem(curve.item)
+                curve.legend.addItem(curve.item, curve.name)
+        for marker in self.markers:
+            self._style_marker(marker)
+        self._refresh_labels()
+
+    def _memory_title(self) -> str:
+        if self.host_only:
+            return f"Memory vs time <span style='color:{self.theme.warning}'>\u00b7 no GPU: host memory</span>"
+        return "Memory vs time"
+
+    # ---------------------------------------------------------------------------------------------
+    # data in
+
+    def reset(self) -> None:
+        """Forget everything (a new run)."""
+        self.capacity_line.setVisible(False)
+        self.capacity_line.setValue(0)
+        self.tokens.clear()
+        self.times.clear()
+        for marker in self.markers:
+            for plot, line in zip((self.kv_plot, self.mem_plot, self.total_plot, self.error_plot), marker.lines):
+                plot.removeItem(line)
+        self.markers.clear()
+        self._last_settings = None
+        self.host_only = None
+        self.slope_bytes_per_token = None
+        for curve in self._curves.values():
+            curve.item.setData([], [])
+            curve.item.setVisible(False)
+            if curve.in_legend and curve.legend is not None:
+                curve.legend.removeItem(curve.item)
+            curve.in_legend = False
+            curve.drawn_version = -1
+        self.apply_theme(self.theme)
+
+    def add_samples(self, samples: list[Sample]) -> None:
+        """Append a batch of samples (any rate; drawing happens in ``redraw``)."""
+        token_rows: list[dict] = []
+        time_rows: list[dict] = []
+        for s in samples:
+            if s.phase == PHASE_EVENT:
+                if s.event in ("switch", "load", "error", "oom", "budget"):
+                    self._add_marker(s)
+                self._last_settings = (s.attention, s.attn_impl, s.cache)
+                continue
+            self._last_settings = (s.attention, s.attn_impl, s.cache)
+            total_obs, total_pred = observed_and_predicted_total(s)
+            token_rows.append({
+                "token": s.token,
+                "kv_observed": s.kv_bytes_observed,
+                "kv_predicted": s.kv_bytes_predicted,
+                "total_observed": total_obs,
+                "total_predicted": total_pred,
+                "error_total": error_percent(total_obs, total_pred),
+                "error_kv": error_percent(s.kv_bytes_observed, s.kv_bytes_predicted),
+            })
+            time_rows.append({
+                "time": s.time_s,
+                "device_total": s.device_total,
+                "device_used": s.device_used,
+                "process_gpu": s.process_gpu,
+                "process_rss": None if (s.device_total is not None or s.process_gpu is not None) else s.process_rss,
+                "reserved": s.allocator_reserved,
+                "allocated": s.allocator_allocated,
+                "kv_share": s.kv_bytes_observed,
+                "weights": s.weights_bytes,
+            })
+            gpu = s.device_total is not None or s.process_gpu is not None or s.allocator_reserved is not None
+            if self.host_only is None or (self.host_only and gpu):
+                self.host_only = not gpu
+                self.mem_plot.setTitle(self._memory_title(), color=self.theme.text, size=f"{self.theme.title_pt}pt")
+                self._refresh_labels()
+        self.tokens.extend(token_rows)
+        self.times.extend(time_rows)
+
+    def _marker_label(self, s: Sample) -> str:
+        if s.event == "switch" and self._last_settings is not None:
+            old = self._last_settings
+            new = (s.attention, s.attn_impl, s.cache)
+            names = ("", "", "cache ")
+            changed = [f"{names[i]}{n}" for i, (o, n) in enumerate(zip(old, new)) if o != n]
+            if changed:
+                return " ".join(changed)
+        if s.event == "switch":
+            return s.text or "switch"
+        return s.event or s.text
+
+    def _add_marker(self, s: Sample) -> None:
+        label = self._marker_label(s)
+        token = max(int(s.token), 0)
+        # Stagger labels of neighbouring markers so they do not print over each other.
+        position = (0.93, 0.80, 0.67)[len(self.markers) % 3]
+        kv_line = pg.InfiniteLine(pos=token, angle=90, movable=False, label=label,
+                                  labelOpts={"position": position, "anchors": [(0, 0.5), (0, 0.5)]})
+        mem_line = pg.InfiniteLine(pos=s.time_s, angle=90, movable=False)
+        tot_line = pg.InfiniteLine(pos=token, angle=90, movable=False)
+        err_line = pg.InfiniteLine(pos=token, angle=90, movable=False)
+        for plot, line in ((self.kv_plot, kv_line), (self.mem_plot, mem_line), (self.total_plot, tot_line),
+                           (self.error_plot, err_line)):
+            plot.addItem(line, ignoreBounds=True)
+        marker = Marker(token, s.time_s, label, s.event or "switch", (kv_line, mem_line, tot_line, err_line))
+        self._style_marker(marker)
+        self.markers.append(marker)
+
+    def _style_marker(self, marker: Marker) -> None:
+        t = self.theme
+        color = t.error if marker.kind in ("error", "oom", "budget") else t.curves["marker"]
+        for line in marker.lines:
+            line.setPen(pg.mkPen(color, width=t.marker_width, style=Qt.PenStyle.DashLine))
+        kv_line = marker.lines[0]
+        if kv_line.label is not None:
+            kv_line.label.setColor(color)
+            font = QFont()
+            font.setPointSize(t.font_pt)
+            font.setBold(True)
+            kv_line.label.setFont(font)
+            kv_line.label.fill = pg.mkBrush(QColor(t.background))
+            kv_line.label.border = pg.mkPen(color)
+
+    # ---------------------------------------------------------------------------------------------
+    # drawing
+
+    def redraw(self) -> int:
+        """Push changed buffers to their curves (the fixed-rate timer's slot). Returns curves updated."""
+        updated = 0
+        for curve in self._curves.values():
+            if curve.drawn_version == curve.buffer.version:
+                continue
+            curve.drawn_version = curve.buffer.version
+            x = curve.buffer.column(curve.x)
+            y = curve.buffer.column(curve.y)
+            finite = ~np.isnan(y)
+            if len(y) == 0 or not finite.any():
+                curve.item.setVisible(False)
+                continue
+            if finite.all():
+                curve.item.setData(x, y, skipFiniteCheck=True, connect="all")
+            else:
+                # Gaps are "not available" moments: draw them as gaps, never as zeros.
+                curve.item.setData(x, y, skipFiniteCheck=False, connect="finite")
+            curve.item.setVisible(True)
+            if not curve.in_legend and curve.legend is not None:
+                curve.legend.addItem(curve.item, curve.name)
+                curve.in_legend = True
+            updated += 1
+        capacity = self.times.last("device_total")
+        if capacity is not None and self.capacity_line.value() != capacity:
+            self.capacity_line.setValue(capacity)
+            self.capacity_line.label.setFormat(f"device capacity {format_bytes(capacity)}")
+            self.capacity_line.setVisible(True)
+        if updated:
+            self._fit_y_ranges()
+            self.slope_bytes_per_token = self._slope()
+            self._refresh_labels()
+        self.draws += 1
+        return updated
+
+    def _fit_y_ranges(self) -> None:
+        """Memory and totals: y from the data with headroom at the top for the legend rows.
+
+        x stays automatic; y is set here because the legend sits over the top of the plot and the
+        curves near the maximum (device used, RSS) would run under it.
+        """
+        headroom = 1.45 if self.theme.presenter else 1.3
+        top = 0.0
+        for key in ("device_used", "process_gpu", "process_rss", "reserved", "allocated", "weights", "kv_share"):
+            col = self.times.column(key)
+            if len(col) and not np.isnan(col).all():
+                top = max(top, float(np.nanmax(col)))
+        if top > 0:
+            self.mem_plot.setYRange(0, top * headroom, padding=0)
+        lo, hi = math.inf, -math.inf
+        for key in ("total_observed", "total_predicted"):
+            col = self.tokens.column(key)
+            if len(col) and not np.isnan(col).all():
+                lo, hi = min(lo, float(np.nanmin(col))), max(hi, float(np.nanmax(col)))
+        if math.isfinite(lo) and hi > lo:
+            self.total_plot.setYRange(lo, lo + (hi - lo) * (headroom + 0.25), padding=0.02)
+        elif math.isfinite(lo):
+            self.total_plot.setYRange(lo * 0.9, lo * 1.2, padding=0)
+
+    def curve_data(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """The (x, y) a curve currently shows (for tests and exports)."""
+        x, y = self._curves[key].item.getData()
+        return (np.asarray([]) if x is None else x), (np.asarray([]) if y is None else y)
+
+    def curve_visible(self, key: str) -> bool:
+        return self._curves[key].item.isVisible()
+
+    def _slope(self, window: int = 32) -> float | None:
+        """Bytes per token over the last ``window`` tokens since the last switch (a step is not a slope)."""
+        tok = self.tokens.column("token")
+        kv = self.tokens.column("kv_observed")
+        if len(tok) < 2:
+            return None
+        since = self.markers[-1].token if self.markers else -math.inf
+        idx = np.flatnonzero((tok > since) & ~np.isnan(kv))
+        if idx.size < 2:
+            return None
+        idx = idx[-window:]
+        dt = tok[idx[-1]] - tok[idx[0]]
+        if dt <= 0:
+            return None
+        return float((kv[idx[-1]] - kv[idx[0]]) / dt)
+
+    def _refresh_labels(self) -> None:
+        t = self.theme
+        size = f"{t.title_pt + 2}pt"
+        if self.slope_bytes_per_token is None:
+            self.slope_label.setText("")
+        else:
+            self.slope_label.setText(f"+{format_bytes(self.slope_bytes_per_token)} / token", color=t.curves["kv_observed"],
+                                     size=size, bold=True)
+        err = self.tokens.last("error_kv")
+        tot = self.tokens.last("error_total")
+        parts = []
+        if err is not None:
+            parts.append(f"KV {err:+.2f}%")
+        if tot is not None:
+            parts.append(f"total {tot:+.2f}%")
+        self.error_label.setText("   ".join(parts), color=t.text, size=f"{t.font_pt}pt", bold=True)
+
+
+def observed_and_predicted_total(s: Sample) -> tuple[int | None, int | None]:
+    """Observed total and the prediction of the same quantity (like with like).
+
+    With a device allocator (CUDA/MPS) the observed total is what it has allocated, compared with the
+    predicted weights + KV + activations. Without one, it is the measured weights + KV tensors,
+    compared with the predicted weights + KV.
+    """
+    if s.allocator_allocated is not None:
+        return s.allocator_allocated, s.total_predicted
+    observed = None
+    if s.weights_bytes is not None and s.kv_bytes_observed is not None:
+        observed = s.weights_bytes + s.kv_bytes_observed
+    predicted = None
+    if s.weights_predicted is not None and s.kv_bytes_predicted is not None:
+        predicted = s.weights_predicted + s.kv_bytes_predicted
+    return observed, predicted
+
+
+def error_percent(observed: int | None, predicted: int | None) -> float | None:
+    """(observed - predicted) / predicted in %, or None when either is not available or predicted is 0."""
+    if observed is None or predicted is None or predicted == 0:
+        return None
+    return 100.0 * (observed - predicted) / predicted

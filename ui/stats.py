@@ -1,0 +1,180 @@
+"""The live numbers panel (KV now, bytes per token, KV at max context, free memory, tokens that fit).
+
+``compute_stats`` is a pure function of the newest sample, the measured slope and the model; the
+panel shows its result and is refreshed by a slow (about 1 Hz) timer, so text never competes with
+the curves for the UI thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QFrame, QGridLayout, QLabel, QVBoxLayout, QWidget
+
+from core.sample import Sample
+from core.spec import ModelSpec, SpecError, human_bytes
+from ui.plots import format_tokens
+
+
+@dataclass(frozen=True)
+class LiveStats:
+    """What the panel shows. Bytes are ints; None means not available."""
+
+    kv_now: int | None = None
+    bytes_per_token: float | None = None
+    bytes_per_token_source: str = ""  # "measured" (slope of the last tokens) or "predicted"
+    kv_at_max: int | None = None
+    max_context: int | None = None
+    free: int | None = None
+    free_source: str = ""  # "GPU (NVML)" or "host"
+    tokens_fit: int | None = None
+    fit_limit: str = ""  # what stops the run first: "memory" or "max context"
+    tokens: int | None = None
+    tokens_per_s: float | None = None
+    kv_error_pct: float | None = None
+
+
+def run_settings_of(sample: Sample, batch: int = 1, kv_dtype: str | None = None, max_context: int | None = None):
+    """The RunSettings a sample was produced with (its own attention/cache/kernel spellings)."""
+    from core.attention import parse_attention
+    from core.caches import parse_cache
+    from core.settings import RunSettings, parse_attn_impl
+
+    return RunSettings(batch=batch, weight_dtype=sample.dtype, kv_dtype=kv_dtype,
+                       attention=parse_attention(sample.attention), cache=parse_cache(sample.cache),
+                       attn_impl=parse_attn_impl(sample.attn_impl), max_context=max_context)
+
+
+def compute_stats(last: Sample | None, slope: float | None, spec: ModelSpec | None, *, batch: int = 1,
+                  kv_dtype: str | None = None, max_context: int | None = None,
+                  host_available: int | None = None) -> LiveStats:
+    """The panel's numbers for the newest token sample ``last``.
+
+    ``slope`` is the measured KV growth (bytes/token over the last tokens, None if too few);
+    without it the predictor's growth is used. ``host_available`` is the host's available memory,
+    used for "free" when no GPU reports its memory.
+    """
+    if last is None:
+        return LiveStats()
+    max_ctx = max_context or (spec.max_position_embeddings if spec else None)
+    kv_at_max = None
+    predicted_slope = None
+    if spec is not None and max_ctx:
+        try:
+            from core.predict import kv_bytes
+
+            settings = run_settings_of(last, batch, kv_dtype, max_ctx)
+            kv_at_max = kv_bytes(spec, settings, max_ctx)
+            n = max(last.token + 1, 1)
+            predicted_slope = float(kv_bytes(spec, settings, n + 1) - kv_bytes(spec, settings, n))
+        except (SpecError, ValueError):
+            pass  # a spelling the predictor does not know (e.g. from a newer recording): show n/a
+    bpt, bpt_source = (slope, "measured") if slope is not None else (predicted_slope, "predicted")
+
+    if last.device_total is not None and last.device_used is not None:
+        free, free_source = last.device_total - last.device_used, "GPU (NVML)"
+    elif host_available is not None:
+        free, free_source = host_available, "host available"
+    else:
+        free, free_source = None, ""
+
+    tokens_fit, limit = None, ""
+    left_in_context = max(max_ctx - (last.token + 1), 0) if max_ctx else None
+    if free is not None and bpt is not None and bpt > 0:
+        by_memory = int(free // bpt)
+        if left_in_context is not None and left_in_context <= by_memory:
+            tokens_fit, limit = left_in_context, "max context"
+        else:
+            tokens_fit, limit = by_memory, "memory"
+    elif left_in_context is not None:
+        tokens_fit, limit = left_in_context, "max context"
+
+    kv_err = None
+    if last.kv_bytes_observed is not None and last.kv_bytes_predicted:
+        kv_err = 100.0 * (last.kv_bytes_observed - last.kv_bytes_predicted) / last.kv_bytes_predicted
+    return LiveStats(
+        kv_now=last.kv_bytes_observed, bytes_per_token=bpt, bytes_per_token_source=bpt_source if bpt is not None else "",
+        kv_at_max=kv_at_max, max_context=max_ctx, free=free, free_source=free_source, tokens_fit=tokens_fit,
+        fit_limit=limit, tokens=last.token + 1, tokens_per_s=last.tokens_per_s, kv_error_pct=kv_err,
+    )
+
+
+class _Tile(QFrame):
+    def __init__(self, name: str, tooltip: str) -> None:
+        super().__init__()
+        self.setObjectName("tile")
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(8, 6, 8, 6)
+        layout.setSpacing(0)
+        self.name = QLabel(name)
+        self.name.setObjectName("statName")
+        self.value = QLabel("\u2014")
+        self.value.setObjectName("statValue")
+        self.value.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.note = QLabel("")
+        self.note.setObjectName("statNote")
+        for w in (self.name, self.value, self.note):
+            layout.addWidget(w)
+        self.setToolTip(tooltip)
+
+    def set(self, value: str, note: str = "") -> None:
+        self.value.setText(value)
+        self.note.setText(note)
+
+
+class StatsPanel(QWidget):
+    """Tiles of live numbers; ``show_stats`` is called by the window's slow timer."""
+
+    TILES = {
+        "kv_now": ("KV cache now",
+                   "Bytes the KV cache holds after the newest token, measured: element size x number of "
+                   "elements of every K/V tensor the cache keeps, summed over layers."),
+        "bytes_per_token": ("KV per token",
+                            "How much the cache grows per generated token: the measured slope over the last "
+                            "32 tokens since the last switch (the predictor's growth until there are enough)."),
+        "kv_at_max": ("KV at max context",
+                      "The predictor's bytes for a cache filled to the max context, with the settings in force now."),
+        "free": ("Free memory",
+                 "GPU: device total minus device used, from NVML. Without a GPU: the host's available memory "
+                 "(psutil)."),
+        "tokens_fit": ("Tokens that still fit",
+                       "Free memory divided by KV per token, or what is left of the max context if that "
+                       "comes first. A forecast for the KV cache alone."),
+        "speed": ("Speed", "Generated tokens per second (wall clock, the model's forward and the measuring)."),
+    }
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.tiles: dict[str, _Tile] = {}
+        grid = QGridLayout(self)
+        grid.setContentsMargins(0, 0, 0, 0)
+        grid.setHorizontalSpacing(6)
+        grid.setVerticalSpacing(6)
+        self.grid = grid
+        for i, (key, (name, tip)) in enumerate(self.TILES.items()):
+            tile = _Tile(name, tip)
+            self.tiles[key] = tile
+        self.set_columns(1)
+        self.stats = LiveStats()
+
+    def set_columns(self, columns: int) -> None:
+        """Lay the tiles out in ``columns`` columns (1 in the side panel, more in presenter mode)."""
+        for tile in self.tiles.values():
+            self.grid.removeWidget(tile)
+        for i, tile in enumerate(self.tiles.values()):
+            self.grid.addWidget(tile, i // columns, i % columns)
+
+    def show_stats(self, s: LiveStats) -> None:
+        self.stats = s
+        t = self.tiles
+        t["kv_now"].set(human_bytes(s.kv_now), "measured" if s.kv_now is not None else "not available")
+        bpt = None if s.bytes_per_token is None else human_bytes(s.bytes_per_token)
+        t["bytes_per_token"].set(bpt or "n/a", s.bytes_per_token_source)
+        t["kv_at_max"].set(human_bytes(s.kv_at_max),
+                           f"predicted, {format_tokens(s.max_context)} tokens" if s.max_context else "")
+        t["free"].set(human_bytes(s.free), s.free_source or "not available")
+        fit = "n/a" if s.tokens_fit is None else f"{s.tokens_fit:,}"
+        t["tokens_fit"].set(fit, f"until {s.fit_limit}" if s.fit_limit else "")
+        speed = "n/a" if s.tokens_per_s is None else f"{s.tokens_per_s:.1f} tok/s"
+        t["speed"].set(speed, f"token {s.tokens:,}" if s.tokens is not None else "")

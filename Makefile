@@ -25,3 +25,19 @@ lint: setup
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info assets/embedded/build
+
+# The desktop app: a one-folder PyInstaller bundle in dist/kvscope/, checked by its own --self-test.
+.PHONY: package icons
+PACKAGE_STAMP := $(VENV)/.package-installed
+
+$(PACKAGE_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e '.[quant,dev,package]'
+	touch $(PACKAGE_STAMP)
+
+icons: setup
+	QT_QPA_PLATFORM=offscreen $(PY) scripts/make_icons.py
+
+package: $(PACKAGE_STAMP)
+	$(VENV)/bin/pyinstaller packaging/kvscope.spec --noconfirm --distpath dist --workpath build
+	QT_QPA_PLATFORM=offscreen dist/kvscope/kvscope --self-test
+	du -sh dist/kvscope

@@ -7,6 +7,8 @@ import sys
 import time
 from dataclasses import replace
 
+from ui.selftest import self_test  # noqa: F401 - main.py --self-test calls ui.app.self_test
+
 #: How long a --screenshot run may take before it gives up (loading included).
 SCREENSHOT_TIMEOUT_S = 600.0
 

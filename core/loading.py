@@ -516,6 +516,18 @@ def load_model(
         raise LoadError(f"{name}: cannot load ({type(exc).__name__}: {_first_line(exc)})", offer_embedded=offer) from exc
 
 
+def _free_device_memory(dev: str) -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if dev.startswith("cuda") and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    elif dev == "mps" and _mps_available():
+        torch.mps.empty_cache()
+
+
 def _is_oom(exc: BaseException) -> bool:
     import torch
 
@@ -569,7 +581,19 @@ def _load(load_from: str, name: str, label: str, source: str, folder: Path | Non
         model.eval()
         if dev != "cpu":
             say(f"moving to {dev}…")
-            model.to(dev)
+            try:
+                model.to(dev)
+            except (RuntimeError, MemoryError) as exc:
+                if not _is_oom(exc):
+                    raise
+                # Drop the half-moved model before raising: the traceback would keep it (and its
+                # device memory) alive for as long as the caller holds the error.
+                n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+                del model
+                _free_device_memory(dev)
+                raise LoadError(f"not enough memory on {dev} for the weights of {name} ({n_bytes / 2**30:.1f} GiB in "
+                                f"{dtype_name}); try a smaller model, --dtype fp16, or another device",
+                                offer_embedded=offer) from None
 
         say("loading tokenizer…")
         try:

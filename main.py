@@ -44,6 +44,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-budget", default=None, help="stop when the model's memory would exceed SIZE (e.g. 64MiB)")
     p.add_argument("--snapshot", default=None, metavar="FILE", help="CUDA: save an allocator snapshot of the run")
     p.add_argument("--trust-remote-code", action="store_true", help="allow a hub model's own Python code (off by default)")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="allow pickle (.bin) weights when no safetensors exist (off by default: pickle can run code)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
 
 
@@ -132,6 +134,7 @@ def _run_request(args: argparse.Namespace):
         switches=tuple(parse_switch(s) for s in args.switch),
         record_path=args.record,
         trust_remote_code=args.trust_remote_code,
+        allow_pickle=args.allow_pickle,
         memory_budget=parse_size(args.memory_budget) if args.memory_budget else None,
         snapshot_path=args.snapshot,
         seed=args.seed,

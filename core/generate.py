@@ -50,6 +50,7 @@ class RunRequest:
     switches: tuple[tuple[int, str, str], ...] = ()  # (after N generated tokens, key, value)
     record_path: str | None = None
     trust_remote_code: bool = False
+    allow_pickle: bool = False
     memory_budget: int | None = None  # bytes the model may use: weights + KV + activations
     snapshot_path: str | None = None
     seed: int = 0
@@ -502,7 +503,8 @@ def run_generation(request: RunRequest, hooks: RunHooks) -> list[Sample]:
     from core.probes import MemoryProbe
 
     loaded = load_model(request.source, device=request.device, dtype=request.dtype,
-                        trust_remote_code=request.trust_remote_code, progress=hooks.progress)
+                        trust_remote_code=request.trust_remote_code, allow_pickle=request.allow_pickle,
+                        progress=hooks.progress)
     probe = MemoryProbe(device=loaded.device)
     writer = None
     try:

@@ -286,13 +286,15 @@ def parameter_count(cfg: dict[str, Any]) -> int | None:
             return known[digest]
     except (OSError, ValueError):
         known = {}
+    import os
+
     count = _meta_parameter_count(key)
     if count is not None:
         try:
             store.parent.mkdir(parents=True, exist_ok=True)
             known = known if isinstance(known, dict) else {}
             known[digest] = count
-            tmp = store.with_suffix(".tmp")
+            tmp = store.with_suffix(f".{os.getpid()}.tmp")  # unique: processes may race
             tmp.write_text(json.dumps(known))
             tmp.replace(store)
         except OSError:

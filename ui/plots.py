@@ -16,7 +16,7 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QColor, QFont
-from PySide6.QtWidgets import QSplitter, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QGraphicsItem, QSplitter, QVBoxLayout, QWidget
 
 from core.sample import PHASE_EVENT, Sample
 from core.spec import human_bytes
@@ -151,12 +151,19 @@ class LivePlots(QWidget):
         self.error_plot.getViewBox().setLimits(minYRange=2.0)
 
         self.all_plots = (self.kv_plot, self.mem_plot, self.total_plot, self.error_plot)
+        self._fresh: set[int] = set()
         for plot in self.all_plots:
+            # Ranges are set in steps by _fit_ranges (cheap frames); a live view is not panned by mouse.
+            plot.disableAutoRange()
+            plot.setMouseEnabled(x=False, y=False)
             plot.setClipToView(True)
             plot.setDownsampling(auto=True, mode="peak")
-            plot.showGrid(x=True, y=True)
             plot.setMenuEnabled(False)
             plot.hideButtons()
+            for side in ("left", "bottom"):
+                # Ranges change in steps (see _fit_ranges), so an axis (ticks, labels, grid) is the same
+                # picture for many frames: keep it as a pixmap instead of replaying its text each paint.
+                plot.getAxis(side).setCacheMode(QGraphicsItem.CacheMode.DeviceCoordinateCache)
 
         # Legends in rows across the top: they cover less of the curves than a tall box.
         self._legends = {id(p): p.addLegend(offset=(8, 4), colCount=3) for p in self.all_plots}
@@ -212,7 +219,9 @@ class LivePlots(QWidget):
 
     def _add_curve(self, key: str, plot: pg.PlotItem, buffer: RingBuffer, x: str, y: str, name: str,
                    style: str = "solid", fill: bool = False, z: int = 0) -> None:
-        item = pg.PlotDataItem()
+        # 'peak' keeps a min and a max per bin; one bin per pixel column (factor 1, pyqtgraph's default
+        # is 5 per pixel) draws every spike at a fifth of the cost.
+        item = pg.PlotDataItem(autoDownsampleFactor=1.0)
         item.setZValue(z)
         # Clip-to-view and peak downsampling are per item; the plot-level calls cover items added
         # before them only, so set them here too.
@@ -243,6 +252,7 @@ class LivePlots(QWidget):
     def apply_theme(self, theme: Theme) -> None:
         """Restyle backgrounds, axes, pens and labels (dark, light, presenter)."""
         self.theme = theme
+        self._fresh = set()
         axis_font = QFont()
         axis_font.setPointSize(theme.axis_pt)
         title_size = f"{theme.title_pt}pt"
@@ -259,10 +269,16 @@ class LivePlots(QWidget):
                 axis = plot.getAxis(side)
                 axis.setTickFont(axis_font)
                 axis.setTextPen(theme.muted)
-                axis.setPen(theme.border)
                 axis.setStyle(tickTextOffset=6, tickLength=-6)
-                axis.setWidth(None) if side == "left" else None
-            plot.showGrid(x=True, y=True, alpha=theme.grid_alpha)
+            # A fixed axis width: tick labels that change width would re-lay out the plot every frame.
+            plot.getAxis("left").setWidth(int(theme.axis_pt * 8))
+            # No grid lines on the live plots: pyqtgraph draws them as part of each axis picture,
+            # replayed at every frame, and they halve the frame rate (benchmarks/plot_fps.py).
+            # Ticks and the stepped ranges carry the scale; the calculator's static chart keeps its grid.
+            axis_pen = _mix(theme.background, theme.text, 0.35)
+            for side in ("left", "bottom"):
+                plot.getAxis(side).setPen(axis_pen)
+            plot.showGrid(x=False, y=False)
             title = titles[id(plot)]
             plot.setTitle(title, color=theme.text, size=title_size) if title else plot.setTitle(None)
             legend = self._legends[id(plot)]
@@ -321,6 +337,7 @@ class LivePlots(QWidget):
             for plot, line in zip((self.kv_plot, self.mem_plot, self.total_plot, self.error_plot), marker.lines):
                 plot.removeItem(line)
         self.markers.clear()
+        self._fresh.clear()
         self._last_settings = None
         self.host_only = None
         self.slope_bytes_per_token = None
@@ -339,7 +356,7 @@ class LivePlots(QWidget):
         time_rows: list[dict] = []
         for s in samples:
             if s.phase == PHASE_EVENT:
-                if s.event in ("switch", "load", "error", "oom", "budget"):
+                if s.event in ("switch", "error", "oom", "budget"):
                     self._add_marker(s)
                 self._last_settings = (s.attention, s.attn_impl, s.cache)
                 continue
@@ -449,35 +466,70 @@ class LivePlots(QWidget):
             self.capacity_line.label.setFormat(f"device capacity {format_bytes(capacity)}")
             self.capacity_line.setVisible(True)
         if updated:
-            self._fit_y_ranges()
+            self._fit_ranges()
             self.slope_bytes_per_token = self._slope()
             self._refresh_labels()
         self.draws += 1
         return updated
 
-    def _fit_y_ranges(self) -> None:
-        """Memory and totals: y from the data with headroom at the top for the legend rows.
+    def _fit_ranges(self) -> None:
+        """Set every view range ourselves, in steps, instead of pyqtgraph's per-frame auto-range.
 
-        x stays automatic; y is set here because the legend sits over the top of the plot and the
-        curves near the maximum (device used, RSS) would run under it.
+        A range that changes every frame makes every axis regenerate its ticks and pictures at
+        30 Hz, which costs more than drawing the curves. Ranges here grow in steps (25 % headroom)
+        and only change when the data leaves them, so most frames repaint curves only. The tops
+        keep extra room for the legend rows that sit over the plots.
         """
         headroom = 1.45 if self.theme.presenter else 1.3
-        top = 0.0
-        for key in ("device_used", "process_gpu", "process_rss", "reserved", "allocated", "weights", "kv_share"):
-            col = self.times.column(key)
-            if len(col) and not np.isnan(col).all():
-                top = max(top, float(np.nanmax(col)))
-        if top > 0:
-            self.mem_plot.setYRange(0, top * headroom, padding=0)
-        lo, hi = math.inf, -math.inf
-        for key in ("total_observed", "total_predicted"):
-            col = self.tokens.column(key)
-            if len(col) and not np.isnan(col).all():
-                lo, hi = min(lo, float(np.nanmin(col))), max(hi, float(np.nanmax(col)))
-        if math.isfinite(lo) and hi > lo:
-            self.total_plot.setYRange(lo, lo + (hi - lo) * (headroom + 0.25), padding=0.02)
-        elif math.isfinite(lo):
-            self.total_plot.setYRange(lo * 0.9, lo * 1.2, padding=0)
+        tok = self.tokens.column("token")
+        if len(tok):
+            self._set_x(self.kv_plot, float(tok[0]), float(tok[-1]))
+            self._set_x(self.total_plot, float(tok[0]), float(tok[-1]))
+        t = self.times.column("time")
+        if len(t):
+            self._set_x(self.mem_plot, float(t[0]), float(t[-1]))
+        kv_top = _nanmax(self.tokens, ("kv_observed", "kv_predicted"))
+        if kv_top is not None:
+            self._set_y(self.kv_plot, 0.0, kv_top, 1.15)
+        mem_top = _nanmax(self.times, ("device_used", "process_gpu", "process_rss", "reserved", "allocated",
+                                       "weights", "kv_share"))
+        if mem_top is not None:
+            self._set_y(self.mem_plot, 0.0, mem_top, headroom)
+        hi = _nanmax(self.tokens, ("total_observed", "total_predicted"))
+        lo = _nanmin(self.tokens, ("total_observed", "total_predicted"))
+        if hi is not None and lo is not None:
+            span = max(hi - lo, hi * 0.02, 1.0)
+            self._set_y(self.total_plot, max(lo - 0.05 * span, 0.0), lo + span, headroom + 0.25, base=lo)
+        err = _nanmax_abs(self.tokens, ("error_total", "error_kv"))
+        if err is not None:
+            self._set_y(self.error_plot, None, max(err, 0.5), 1.3)
+
+    def _set_x(self, plot: pg.PlotItem, first: float, last: float) -> None:
+        lo, hi = plot.getViewBox().viewRange()[0]
+        if last > hi or first < lo or (hi - first) > 4 * max(last - first, 1.0) or self._stale(plot):
+            width = max(last - first, 1.0)
+            plot.setXRange(first, first + width * 1.25 + 1.0, padding=0.0)
+
+    def _set_y(self, plot: pg.PlotItem, bottom: float | None, top: float, headroom: float,
+               base: float | None = None) -> None:
+        """y range [bottom, top x headroom] (symmetric around 0 when bottom is None), with hysteresis."""
+        lo, hi = plot.getViewBox().viewRange()[1]
+        origin = base if base is not None else (bottom or 0.0)
+        want_hi = origin + (top - origin) * headroom
+        if bottom is None:
+            if top > hi or top < 0.4 * hi or self._stale(plot):
+                plot.setYRange(-top * headroom, top * headroom, padding=0.0)
+            return
+        used = hi - lo
+        if top > hi or bottom < lo or (top - bottom) < 0.45 * used or self._stale(plot):
+            plot.setYRange(bottom, want_hi, padding=0.0)
+
+    def _stale(self, plot: pg.PlotItem) -> bool:
+        """True once per plot after a reset or theme change (its range belongs to old data)."""
+        if id(plot) in self._fresh:
+            return False
+        self._fresh.add(id(plot))
+        return True
 
     def curve_data(self, key: str) -> tuple[np.ndarray, np.ndarray]:
         """The (x, y) a curve currently shows (for tests and exports)."""
@@ -506,11 +558,7 @@ class LivePlots(QWidget):
     def _refresh_labels(self) -> None:
         t = self.theme
         size = f"{t.title_pt + 2}pt"
-        if self.slope_bytes_per_token is None:
-            self.slope_label.setText("")
-        else:
-            self.slope_label.setText(f"+{format_bytes(self.slope_bytes_per_token)} / token", color=t.curves["kv_observed"],
-                                     size=size, bold=True)
+        slope = "" if self.slope_bytes_per_token is None else f"+{format_bytes(self.slope_bytes_per_token)} / token"
         err = self.tokens.last("error_kv")
         tot = self.tokens.last("error_total")
         parts = []
@@ -518,7 +566,14 @@ class LivePlots(QWidget):
             parts.append(f"KV {err:+.2f}%")
         if tot is not None:
             parts.append(f"total {tot:+.2f}%")
-        self.error_label.setText("   ".join(parts), color=t.text, size=f"{t.font_pt}pt", bold=True)
+        errors = "   ".join(parts)
+        # Re-laying out rich text is costly; only touch a label whose text or look changed.
+        key = (slope, errors, t)
+        if key == getattr(self, "_labels_key", None):
+            return
+        self._labels_key = key
+        self.slope_label.setText(slope, color=t.curves["kv_observed"], size=size, bold=True)
+        self.error_label.setText(errors, color=t.text, size=f"{t.font_pt}pt", bold=True)
 
 
 def observed_and_predicted_total(s: Sample) -> tuple[int | None, int | None]:
@@ -537,6 +592,43 @@ def observed_and_predicted_total(s: Sample) -> tuple[int | None, int | None]:
     if s.weights_predicted is not None and s.kv_bytes_predicted is not None:
         predicted = s.weights_predicted + s.kv_bytes_predicted
     return observed, predicted
+
+
+def _mix(a: str, b: str, t: float) -> QColor:
+    """Colour t of the way from a to b (opaque)."""
+    ca, cb = QColor(a), QColor(b)
+    return QColor(round(ca.red() + (cb.red() - ca.red()) * t), round(ca.green() + (cb.green() - ca.green()) * t),
+                  round(ca.blue() + (cb.blue() - ca.blue()) * t))
+
+
+def _nanmax(buf: RingBuffer, keys: tuple[str, ...]) -> float | None:
+    best = None
+    for key in keys:
+        col = buf.column(key)
+        if len(col) and not np.isnan(col).all():
+            v = float(np.nanmax(col))
+            best = v if best is None else max(best, v)
+    return best
+
+
+def _nanmin(buf: RingBuffer, keys: tuple[str, ...]) -> float | None:
+    best = None
+    for key in keys:
+        col = buf.column(key)
+        if len(col) and not np.isnan(col).all():
+            v = float(np.nanmin(col))
+            best = v if best is None else min(best, v)
+    return best
+
+
+def _nanmax_abs(buf: RingBuffer, keys: tuple[str, ...]) -> float | None:
+    best = None
+    for key in keys:
+        col = buf.column(key)
+        if len(col) and not np.isnan(col).all():
+            v = float(np.nanmax(np.abs(col)))
+            best = v if best is None else max(best, v)
+    return best
 
 
 def error_percent(observed: int | None, predicted: int | None) -> float | None:

@@ -1,0 +1,96 @@
+"""The calculator tab: every slider move shows the predictor's numbers at once."""
+
+from __future__ import annotations
+
+import pytest
+
+from core.predict import kv_bytes, max_context_that_fits, predict
+from core.settings import RunSettings
+from core.spec import human_bytes, load_spec
+from ui.calculator import CalculatorTab, attention_choices, kv_formula
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return load_spec("llama-3-8b")
+
+
+@pytest.fixture
+def calc(qtbot, llama):
+    tab = CalculatorTab()
+    qtbot.addWidget(tab)
+    tab.set_spec(llama)
+    tab.memory_combo.setCurrentText("24 GiB")
+    return tab
+
+
+def test_context_slider_updates_the_numbers(calc, llama):
+    calc.set_context(4096)
+    assert calc.state.context == 4096
+    assert calc.numbers["kv"].text() == "512.0 MiB"
+    calc.set_context(32768)  # a slider move, not a call to recompute
+    settings = RunSettings(weight_dtype="bfloat16")
+    assert calc.state.kv == kv_bytes(llama, settings, 32768) == 4 * 1024**3
+    assert calc.numbers["kv"].text() == "4.0 GiB"
+    assert calc.state.total == predict(llama, settings, 32768).total
+    assert calc.numbers["total"].text() == human_bytes(calc.state.total)
+
+
+def test_batch_and_attention_sliders(calc, llama):
+    calc.set_context(4096)
+    one = calc.state.kv
+    calc.batch.slider.setValue(calc.batch.values.index(4))
+    assert calc.state.kv == 4 * one
+    calc.batch.slider.setValue(0)
+    calc.attention.set_value("mqa")
+    assert calc.state.kv == one // 8  # 8 KV heads -> 1
+    assert "1 KV heads" in calc.formula_label.text()
+
+
+def test_largest_context_that_fits_matches_the_predictor(calc, llama):
+    calc.set_context(131072)
+    settings = RunSettings(weight_dtype="bfloat16")
+    expected = max_context_that_fits(llama, settings, 24 * 1024**3, limit=131072)
+    assert calc.state.max_fit == expected
+    assert f"{expected:,}" in calc.fits_label.text()
+    assert "does not fit" in calc.headline.text()
+    assert "beyond" in calc.headline.text()  # 128K is past Llama-3-8B's trained 8K
+
+
+def test_kv_dtype_and_memory_typed_in(calc):
+    calc.set_context(4096)
+    calc.kv_dtype.set_value("int8")
+    assert calc.state.kv == 256 * 1024**2
+    calc.memory_combo.setCurrentText("80GB")
+    assert calc.state.memory == 80 * 1000**3
+    calc.memory_combo.setCurrentText("lots")
+    assert calc.state.memory is None and calc.state.max_fit is None
+
+
+def test_formula_has_the_models_numbers(llama):
+    text = kv_formula(llama, RunSettings(weight_dtype="bfloat16"), 4096)
+    assert "2 \u00d7 32 layers \u00d7 8 KV heads \u00d7 128 head_dim \u00d7 4,096 tokens \u00d7 1 batch \u00d7 2 B" in text
+    assert "= 536,870,912 B" in text
+    windowed = kv_formula(load_spec("mistral-7b"), RunSettings(), 8192)
+    assert "cache holds" in windowed
+
+
+def test_a_bad_combination_shows_a_message_not_a_traceback(calc):
+    calc.attention.set_value(next(v for v in calc.attention.values if v.startswith("window")))
+    calc.cache_combo.setCurrentText("quantized:4")
+    assert "quantized" in calc.error_label.text()
+
+
+def test_attention_choices_run_from_most_to_least_kv(llama):
+    assert attention_choices(llama) == ["mha", "gqa:16", "gqa:8", "gqa:4", "gqa:2", "mqa", "mla", "window:4096"]
+
+
+def test_model_loads_in_the_background(qtbot):
+    tab = CalculatorTab()
+    qtbot.addWidget(tab)
+    with qtbot.waitSignal(tab.spec_loaded, timeout=60_000):
+        tab.load_model("smollm2-135m")
+    assert tab.spec.num_layers == 30
+    tab.load_model("no-such-model-here")
+    qtbot.waitUntil(lambda: "unknown model" in tab.error_label.text(), timeout=30_000)
+    tab.shutdown()

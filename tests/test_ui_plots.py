@@ -1,0 +1,116 @@
+"""The live plots: samples reach the curves, switches become markers, n/a stays a gap, buffers wrap."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from core.sample import Sample
+from ui.plots import BytesAxis, LivePlots, error_percent
+from ui.ringbuffer import RingBuffer
+from ui.synthetic import synthetic_samples
+
+
+@pytest.fixture
+def plots(qtbot):
+    widget = LivePlots(capacity=1000)
+    qtbot.addWidget(widget)
+    widget.resize(1000, 700)
+    widget.show()
+    return widget
+
+
+def test_samples_reach_the_kv_curves(plots):
+    samples = synthetic_samples(50, prompt_tokens=10)
+    plots.add_samples(samples)
+    assert plots.redraw() > 0
+    x, y = plots.curve_data("kv_observed")
+    tokens = [s for s in samples if not s.is_event]
+    assert len(x) == len(tokens) == 51  # the prefill and 50 decode tokens
+    assert x[0] == 9 and x[-1] == 59
+    assert y[-1] == tokens[-1].kv_bytes_observed
+    _, predicted = plots.curve_data("kv_predicted")
+    np.testing.assert_array_equal(predicted, [s.kv_bytes_predicted for s in tokens])
+    assert plots.slope_bytes_per_token == pytest.approx(8 * 1024)  # 2 x 4 layers x 8 heads x 32 x 4 B
+
+
+def test_a_switch_adds_a_labelled_marker_and_a_step(plots):
+    plots.add_samples(synthetic_samples(40, prompt_tokens=8, switches={20: "gqa:2"}))
+    plots.redraw()
+    assert len(plots.markers) == 1
+    marker = plots.markers[0]
+    assert marker.label == "gqa:2"
+    assert marker.token == 19
+    assert marker.lines[0].label.format == "gqa:2"
+    x, y = plots.curve_data("kv_observed")
+    before, after = y[x == 19][0], y[x == 20][0]
+    assert after < before / 3  # 8 -> 2 KV heads: the cache shrinks by 4x at the switch
+    # After the switch the slope is the GQA one, not the step.
+    assert plots.slope_bytes_per_token == pytest.approx(2 * 1024)
+
+
+def test_not_available_is_a_hidden_curve_and_a_label_never_zero(plots):
+    plots.add_samples(synthetic_samples(20, gpu=False))
+    plots.redraw()
+    assert plots.host_only is True
+    assert not plots.curve_visible("device_used")
+    assert not plots.curve_visible("allocated")
+    assert plots.curve_visible("process_rss")
+    assert "no GPU: host memory" in plots.mem_plot.titleLabel.text
+    # Observed total falls back to measured weights + KV, compared with predicted weights + KV.
+    _, err = plots.curve_data("error_total")
+    assert np.all(err == 0.0)
+
+
+def test_gpu_samples_show_device_curves_and_capacity(plots):
+    plots.add_samples(synthetic_samples(20, gpu=True))
+    plots.redraw()
+    assert plots.host_only is False
+    assert plots.curve_visible("device_used") and plots.curve_visible("allocated")
+    assert not plots.curve_visible("process_rss")
+    assert plots.capacity_line.isVisible() and plots.capacity_line.value() == 141 * 1024**3
+
+
+def test_reset_forgets_curves_and_markers(plots):
+    plots.add_samples(synthetic_samples(30, switches={10: "mqa"}))
+    plots.redraw()
+    plots.reset()
+    plots.redraw()
+    assert plots.markers == [] and len(plots.tokens) == 0
+    assert not plots.curve_visible("kv_observed")
+
+
+def test_ring_buffer_keeps_the_newest_rows_in_order():
+    buf = RingBuffer(5, ("x", "y"))
+    buf.extend([{"x": i, "y": None if i == 6 else 10 * i} for i in range(8)])
+    np.testing.assert_array_equal(buf.column("x"), [3, 4, 5, 6, 7])
+    y = buf.column("y")
+    assert np.isnan(y[3]) and y[4] == 70
+    assert buf.last("y") == 70.0
+    buf.extend_arrays({"x": np.arange(100, 103), "y": np.arange(3)})
+    np.testing.assert_array_equal(buf.column("x"), [6, 7, 100, 101, 102])
+    with pytest.raises(ValueError):
+        RingBuffer(0, ("x",))
+
+
+def test_bytes_axis_labels_in_binary_units(qtbot):
+    axis = BytesAxis(orientation="left")
+    spacing = axis.tickSpacing(0, 40 * 1024**3, 400)
+    assert spacing[0][0] == 10 * 1024**3
+    assert axis.tickStrings([0, 10 * 1024**3, 20 * 1024**3], 1, 10 * 1024**3) == ["0", "10 GiB", "20 GiB"]
+    assert axis.tickStrings([512 * 1024, 768 * 1024], 1, 256 * 1024) == ["512 KiB", "768 KiB"]
+
+
+def test_error_percent_none_when_not_available():
+    assert error_percent(None, 10) is None
+    assert error_percent(10, 0) is None
+    assert error_percent(11, 10) == pytest.approx(10.0)
+
+
+def test_event_sample_shape_is_accepted(plots):
+    """A 'refused' event (a switch the engine declined) is not a marker and adds no point."""
+    base = synthetic_samples(3)[-1]
+    refused = Sample(**{**base.to_dict(), "phase": "event", "event": "refused", "text": "gqa:3 refused"})
+    plots.add_samples([refused])
+    plots.redraw()
+    assert plots.markers == [] and len(plots.tokens) == 0

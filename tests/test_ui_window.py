@@ -1,0 +1,149 @@
+"""The main window with the real generation worker and the embedded model (offscreen Qt)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from PySide6.QtCore import QSettings, Qt
+
+from core.generate import RunRequest
+from ui.app import has_display, run_window
+from ui.main_window import MainWindow
+from ui.screenshot import image_stats
+from ui.stall import StallMeter
+from ui.synthetic import synthetic_samples
+
+
+@pytest.fixture
+def settings(tmp_path):
+    return QSettings(str(tmp_path / "kvscope.ini"), QSettings.Format.IniFormat)
+
+
+@pytest.fixture
+def window(qtbot, settings):
+    w = MainWindow(settings=settings)
+    qtbot.addWidget(w)
+    w.resize(1400, 900)
+    w.show()
+    # transformers is imported once in the calculator's thread before anything else uses it.
+    qtbot.waitUntil(lambda: w.calculator.warm, timeout=60_000)
+    yield w
+    w.shutdown()
+
+
+def _run(qtbot, window, request, timeout=120_000):
+    with qtbot.waitSignal(window.run_finished, timeout=timeout):
+        assert window.start_run(request)
+
+
+def test_a_real_run_reaches_the_plots_and_a_switch_adds_a_marker(qtbot, window):
+    meter = StallMeter()
+    meter.start()
+    request = RunRequest(source="embedded", max_new_tokens=24, switches=((12, "attention", "mqa"),))
+    _run(qtbot, window, request)
+    meter.stop()
+    assert window.last_error == ""
+    assert window.decode_tokens == 24
+    assert window.info is not None and window.info.label == "embedded demo model (random weights)"
+    assert window.badges["model"].text() == "embedded demo model (random weights)"
+    window._redraw()
+    x, y = window.plots.curve_data("kv_observed")
+    assert len(x) == 25  # prefill + 24 tokens
+    _, predicted = window.plots.curve_data("kv_predicted")
+    assert list(predicted) == list(y)  # the predictor is exact for the embedded model's dynamic cache
+    assert [m.label for m in window.plots.markers] == ["mqa"]
+    assert y[-1] < y[len(y) // 2]  # MHA -> MQA: 8 KV heads -> 1, the cache steps down
+    assert window.badges["attention"].text() == "MQA"
+    assert window.attention_combo.currentData() == "mqa"
+    window.refresh_stats()
+    assert window.stats_panel.tiles["kv_now"].value.text() != "n/a"
+    assert window.stats_panel.stats.kv_now == int(y[-1])
+    # Loading and generating happen in the worker: the UI thread kept running its timers.
+    print(f"worst UI-thread stall during the run: {meter.worst_ms:.1f} ms over {meter.ticks} ticks")
+    assert meter.ticks > 20
+    assert meter.worst_ms < 1000
+
+
+def test_stop_leaves_no_thread_running(qtbot, window):
+    before = {t.ident for t in threading.enumerate()}
+    request = RunRequest(source="embedded", max_new_tokens=100_000)
+    window.start_run(request)
+    qtbot.waitUntil(lambda: window.decode_tokens >= 3, timeout=120_000)
+    with qtbot.waitSignal(window.run_finished, timeout=10_000):
+        window.stop_run()
+    assert window.state == "idle"
+    assert not window.controller.is_running()
+    qtbot.waitUntil(lambda: {t.ident for t in threading.enumerate()} <= before | {threading.main_thread().ident},
+                    timeout=5_000)
+    assert window.decode_tokens < 100_000
+
+
+def test_keys_switch_live_during_a_run(qtbot, window):
+    request = RunRequest(source="embedded", max_new_tokens=100_000)
+    window.start_run(request)
+    qtbot.waitUntil(lambda: window.decode_tokens >= 2, timeout=120_000)
+    qtbot.keyClick(window, Qt.Key.Key_2)  # the middle GQA choice
+    qtbot.waitUntil(lambda: window.switch_events >= 1, timeout=30_000)
+    assert window.plots.markers[-1].label.startswith("gqa:")
+    qtbot.keyClick(window, Qt.Key.Key_Space)
+    qtbot.waitUntil(lambda: window.state == "paused", timeout=10_000)
+    qtbot.keyClick(window, Qt.Key.Key_Space)
+    qtbot.waitUntil(lambda: window.state == "running", timeout=10_000)
+    with qtbot.waitSignal(window.run_finished, timeout=10_000):
+        window.stop_run()
+
+
+def test_an_error_is_shown_and_the_run_ends(qtbot, window):
+    _run(qtbot, window, RunRequest(source="/no/such/model/folder", max_new_tokens=4))
+    assert window.last_error
+    assert window.error_label.text() == window.last_error
+    assert window.state == "idle"
+
+
+def test_synthetic_samples_screenshot_is_not_blank(qtbot, window, tmp_path):
+    window.add_samples(synthetic_samples(200, switches={80: "gqa:2"}))
+    window._redraw()
+    path = window.save_screenshot(str(tmp_path / "shot.png"))
+    w, h, spread = image_stats(path)
+    assert (w, h) == (1400, 900)
+    assert spread > 10  # a blank or single-colour image is ~0
+
+
+def test_presenter_mode_and_theme_are_remembered(qtbot, settings):
+    w = MainWindow(settings=settings)
+    qtbot.addWidget(w)
+    w.set_theme("light")
+    w.set_presenter(True, fullscreen=False)
+    assert w.theme.presenter and w.theme.line_width > 3 and not w.controls_scroll.isVisibleTo(w)
+    w.set_presenter(False, fullscreen=False)
+    w.max_tokens_spin.setValue(77)
+    w.resize(701, 503)  # within the offscreen screen (800x600), which restoreGeometry clamps to
+    w.close()
+    again = MainWindow(settings=settings)
+    qtbot.addWidget(again)
+    assert again.theme_name == "light"
+    assert again.max_tokens_spin.value() == 77
+    assert (again.width(), again.height()) == (701, 503)
+    again.shutdown()
+
+
+def test_run_window_screenshot_writes_a_png(qtbot, tmp_path, capsys):
+    out = tmp_path / "window.png"
+    request = RunRequest(source="embedded", max_new_tokens=10, switches=((5, "attention", "gqa:2"),))
+    assert run_window(request, screenshot=str(out), tokens=10) == 0
+    w, h, spread = image_stats(out)
+    assert (w, h) == (1600, 1000) and spread > 10
+    assert "10 tokens, 1 switches" in capsys.readouterr().out
+
+
+def test_has_display_follows_the_environment(monkeypatch):
+    monkeypatch.setenv("QT_QPA_PLATFORM", "offscreen")
+    assert has_display()
+    monkeypatch.setenv("QT_QPA_PLATFORM", "xcb")
+    monkeypatch.delenv("DISPLAY", raising=False)
+    monkeypatch.delenv("WAYLAND_DISPLAY", raising=False)
+    import sys
+
+    if sys.platform.startswith("linux"):
+        assert not has_display()

@@ -122,9 +122,9 @@ class _WarmJob(QRunnable):
 
     def run(self) -> None:
         try:
-            import transformers  # noqa: F401
-            from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
-            from transformers.cache_utils import DynamicCache  # noqa: F401
+            # Loading the embedded preset's spec goes through AutoConfig, the meta-device model build
+            # and cache_utils: all of transformers that a spec load or a model load starts from.
+            load_spec("embedded")
         except Exception:  # the spec loads report their own errors
             log.exception("importing transformers")
         finally:

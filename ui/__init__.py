@@ -1,5 +1,1 @@
-"""KV Scope's window (PySide6 + pyqtgraph). Never imports torch itself."""
-
-from ui.pyside_fix import immortalize_none
-
-immortalize_none()
+"""KV Scope window: plots, calculator, stats (PySide6 + pyqtgraph; never torch)."""

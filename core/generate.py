@@ -130,6 +130,10 @@ class Engine:
         self._last_step_s: float | None = None
         self._weights_observed = model_weight_bytes(self.model)
         self.budget_forecast_token: int | None = None
+        self._pending_ids: list[int] = []
+        # The embedded demo model has random weights: left alone it samples lone UTF-8 continuation
+        # bytes and control characters, which print as U+FFFD or nothing. Its nonsense reads better without them (real models: untouched).
+        self._suppressed = self._broken_byte_tokens() if loaded.label.startswith("embedded demo model") else None
         # Apply the requested starting settings to the model before the prefill.
         if settings.attention is not None and settings.attention.key != self.mode.key:
             self._set_attention(settings.attention, live=False)
@@ -348,8 +352,19 @@ class Engine:
         self._next_logits = out.logits[:, -1, :].float()
         return self._sample(PHASE_PREFILL, text, step_s=dt)
 
+    def _broken_byte_tokens(self) -> torch.Tensor:
+        tok = self.loaded.tokenizer
+        def broken(text: str) -> bool:
+            return any(ch == "\ufffd" or (not ch.isprintable() and ch not in "\n\t") for ch in text)
+
+        bad = [i for i in range(self.spec.vocab_size) if broken(tok.decode([i]))]
+        return torch.tensor(bad, dtype=torch.long)
+
     def _sample_next(self) -> torch.Tensor:
         logits = self._next_logits
+        if self._suppressed is not None and len(self._suppressed):
+            logits = logits.clone()
+            logits[:, self._suppressed.to(logits.device)] = float("-inf")
         top = torch.topk(logits, k=min(TOP_K, logits.shape[-1]), dim=-1)
         probs = torch.softmax(top.values.cpu(), dim=-1)
         choice = torch.multinomial(probs, 1, generator=self.generator)
@@ -374,7 +389,17 @@ class Engine:
         rate = 1.0 / dt if dt > 0 else None
         if rate is not None:
             self.tokens_per_s = rate if self.tokens_per_s is None else 0.8 * self.tokens_per_s + 0.2 * rate
-        return self._sample(PHASE_DECODE, self.loaded.tokenizer.decode([int(token[0, 0])]), step_s=dt)
+        return self._sample(PHASE_DECODE, self._text_piece(int(token[0, 0])), step_s=dt)
+
+    def _text_piece(self, token_id: int) -> str:
+        """Text of the newest token of sequence 0. Byte-level tokens can split a UTF-8 character, so
+        bytes that do not decode yet are held back (up to 8 tokens) and come out with the next token."""
+        self._pending_ids.append(token_id)
+        text = self.loaded.tokenizer.decode(self._pending_ids, skip_special_tokens=True)
+        if text.endswith("\ufffd") and len(self._pending_ids) < 8:
+            return ""
+        self._pending_ids = []
+        return text
 
     def _reset_peak(self) -> None:
         if self.probe is not None and hasattr(self.probe, "reset_peak"):

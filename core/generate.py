@@ -138,8 +138,8 @@ class Engine:
         if settings.attention is not None and settings.attention.key != self.mode.key:
             self._set_attention(settings.attention, live=False)
         self.settings = self.settings.with_(attention=self.mode)
-        self._set_attn_impl(settings.attn_impl)
         self._check_cache_strategy(settings.cache)
+        self._set_attn_impl(settings.attn_impl)
 
     # ---------------------------------------------------------------------------------- settings
 
@@ -195,21 +195,28 @@ class Engine:
 
                 hf, kernel = "flash_attention_2", "flash_attention_2"
             except ImportError:
-                kernel = "sdpa-flash" if self._flash_sdpa_works() else "sdpa (flash kernel unavailable here)"
+                # Static caches and sliding windows hand SDPA an explicit mask, which its flash
+                # kernel refuses; then the default SDPA dispatch runs, and the Sample says so.
+                needs_mask = isinstance(self.settings.cache, Static) or isinstance(self.mode, Window)
+                if self._flash_sdpa_works(needs_mask):
+                    kernel = "sdpa-flash"
+                else:
+                    kernel = "sdpa (flash refused: " + ("masked attention)" if needs_mask else "not on this device)")
         for model in {id(m): m for m in (self.model, self.base_model, self.mla_model) if m is not None}.values():
             model.set_attn_implementation(hf)
         self.kernel = kernel
         self.settings = self.settings.with_(attn_impl=impl)
 
-    def _flash_sdpa_works(self) -> bool:
-        """Whether SDPA's flash backend accepts this device/dtype (tried on a small causal problem)."""
+    def _flash_sdpa_works(self, with_mask: bool) -> bool:
+        """Whether SDPA's flash backend accepts this device/dtype (and a mask), tried on a small problem."""
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         dtype = next(self.model.parameters()).dtype
         q = torch.zeros(1, 2, 4, self.spec.head_dim, device=self.device, dtype=dtype)
+        mask = torch.ones(1, 1, 4, 4, device=self.device, dtype=torch.bool).tril() if with_mask else None
         try:
             with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-                torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+                torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask, is_causal=mask is None)
             return True
         except RuntimeError:
             return False
@@ -327,6 +334,7 @@ class Engine:
             return self._rerun(f"the cache could not be moved across ({exc})")
         self.cache = fresh
         self.cache_base_tokens = self.seq_len
+        self._set_attn_impl(self.settings.attn_impl)  # the flash kernel may accept this cache's mask or not
         gc.collect()
         return "cache moved across" + (" (quantized: lossy)" if isinstance(strategy, Quantized) else "")
 

@@ -532,9 +532,11 @@ def run_generation(request: RunRequest, hooks: RunHooks) -> list[Sample]:
     Raises GenerationError/BudgetExceeded/LoadError/SettingsError with user-facing messages; the
     recording stays complete up to then.
     """
+    from core.hf import ensure_transformers
     from core.loading import load_model
     from core.probes import MemoryProbe
 
+    ensure_transformers()
     loaded = load_model(request.source, device=request.device, dtype=request.dtype,
                         trust_remote_code=request.trust_remote_code, allow_pickle=request.allow_pickle,
                         progress=hooks.progress)

@@ -471,6 +471,9 @@ def load_model(
     ``sdpa`` (switch it with set_attn_impl). ``progress`` receives short status lines.
     Raises LoadError with a one-line message for every failure it can name.
     """
+    from core.hf import ensure_transformers
+
+    ensure_transformers()
     say = progress or (lambda _msg: None)
     src = str(source if source is not None else "embedded").strip()
     dev = resolve_device(device)

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from core.hf import ensure_transformers
+
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 PRESETS_DIR = ASSETS / "presets"
 EMBEDDED_PRESET = "embedded"
@@ -238,6 +240,7 @@ def _kv_heads(cfg: dict[str, Any], n_heads: int) -> int:
 
 def _build_hf_config(cfg: dict[str, Any]):
     """A transformers config object for ``cfg``, or None for model types transformers does not know."""
+    ensure_transformers()
     from transformers import AutoConfig
 
     model_type = cfg.get("model_type")
@@ -254,6 +257,8 @@ def _build_hf_config(cfg: dict[str, Any]):
 def _meta_parameter_count(config_json: str) -> int | None:
     """Exact parameter count of the model a config describes, built on the meta device (no memory)."""
     import torch
+
+    ensure_transformers()
     from transformers import AutoModelForCausalLM
 
     hf_config = _build_hf_config(json.loads(config_json))

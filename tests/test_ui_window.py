@@ -61,8 +61,10 @@ def test_a_real_run_reaches_the_plots_and_a_switch_adds_a_marker(qtbot, window):
     assert window.stats_panel.stats.kv_now == int(y[-1])
     # Loading and generating happen in the worker: the UI thread kept running its timers.
     print(f"worst UI-thread stall during the run: {meter.worst_ms:.1f} ms over {meter.ticks} ticks")
-    assert meter.ticks > 20
-    assert meter.worst_ms < 1000
+    # Not a speed target (that is benchmarks/ui_stall.py's job): this catches work done on the UI thread
+    # (loading a model there blocks for many seconds), with room for a busy 2-core CI machine.
+    assert meter.ticks >= 5
+    assert meter.worst_ms < 3000
 
 
 def test_stop_leaves_no_thread_running(qtbot, window):

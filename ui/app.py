@@ -58,8 +58,7 @@ def run_window(request=None, screenshot: str | None = None, tokens: int | None =
 
     if screenshot is not None and settings is None:
         # A screenshot must not depend on (or change) the user's remembered window and settings.
-        settings = QSettings(os.path.join(_temp_dir(), "kvscope-screenshot.ini"), QSettings.Format.IniFormat)
-        settings.clear()
+        settings = _screenshot_settings()
     window = MainWindow(settings=settings)
     if screenshot is not None:
         window.resize(*(size or (1600, 1000)))
@@ -119,6 +118,88 @@ def run_window(request=None, screenshot: str | None = None, tokens: int | None =
         print(f"kvscope: could not save {screenshot}: {window.error_label.text()}", file=sys.stderr)
         return 1
     print(f"saved {path} ({window.decode_tokens} tokens, {window.switch_events} switches)")
+    return code
+
+
+def _screenshot_settings():
+    """Throwaway settings for a --screenshot window: never the user's, and no first-start banner."""
+    from PySide6.QtCore import QSettings
+
+    settings = QSettings(os.path.join(_temp_dir(), f"kvscope-screenshot-{os.getpid()}.ini"), QSettings.Format.IniFormat)
+    settings.clear()
+    settings.setValue("app/first_start_done", True)
+    return settings
+
+
+def run_replay(path: str, speed: float = 1.0, screenshot: str | None = None, *, presenter: bool = False,
+               size: tuple[int, int] | None = None, settings=None) -> int:
+    """Play the recording at ``path`` in the window, ``speed`` times its recorded pace.
+
+    Without ``screenshot`` the window stays open (returns the event loop's exit code). With it:
+    play to the end, let the plots settle, save a PNG of the window and return 0. A file that is
+    not a readable recording prints one line on stderr and returns 2 before any window opens; a
+    recording with damaged or cut-off lines still plays what it can, says so in one line, and
+    returns 1.
+    """
+    from core.recording import RecordingError, read_header
+
+    if not speed or speed <= 0:
+        print("kvscope: the replay speed must be positive", file=sys.stderr)
+        return 2
+    try:
+        read_header(path)
+    except (RecordingError, OSError) as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"kvscope: {message}", file=sys.stderr)
+        return 2
+    app = _application()
+    from PySide6.QtCore import QEventLoop, QTimer
+
+    from ui.main_window import MainWindow
+
+    if screenshot is not None and settings is None:
+        settings = _screenshot_settings()
+    window = MainWindow(settings=settings)
+    if screenshot is not None or size:
+        window.resize(*(size or (1600, 1000)))
+    if presenter:
+        window.set_presenter(True, fullscreen=screenshot is None)
+    window.show()
+    if screenshot is None:
+        window.open_recording(path, speed=speed)
+        return app.exec()
+
+    loop = QEventLoop()
+    outcome = {"timeout": False}
+    window.run_finished.connect(loop.quit)
+    timer = QTimer()
+    timer.setSingleShot(True)
+    timer.timeout.connect(lambda: (outcome.__setitem__("timeout", True), loop.quit()))
+    timer.start(int(SCREENSHOT_TIMEOUT_S * 1000))
+    code = 0
+    if not window.open_recording(path, speed=speed):
+        code = 1
+    else:
+        loop.exec()
+    timer.stop()
+    window.shutdown()
+    _settle(app, window)
+    if outcome["timeout"]:
+        print(f"kvscope: gave up after {SCREENSHOT_TIMEOUT_S:.0f} s with {window.decode_tokens} tokens",
+              file=sys.stderr)
+        code = 2
+    elif window.last_error:
+        print(f"kvscope: {window.last_error}", file=sys.stderr)
+        code = 1
+    try:
+        saved = window.save_screenshot(screenshot)
+    finally:
+        window.close()
+    if saved is None:
+        print(f"kvscope: could not save {screenshot}: {window.error_label.text()}", file=sys.stderr)
+        return 1
+    print(f"saved {saved} ({window.decode_tokens} tokens, {window.switch_events} switches, "
+          f"{window.spike_count} spikes)")
     return code
 
 

@@ -8,6 +8,9 @@ draw: a fast one (~30 Hz) for curves and text, a slow one (1 Hz) for numbers.
 from __future__ import annotations
 
 import logging
+import sys
+import time
+from collections import deque
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,6 +19,7 @@ from PySide6.QtGui import QAction, QActionGroup, QColor, QKeySequence, QShortcut
 from PySide6.QtWidgets import (
     QComboBox,
     QFileDialog,
+    QFrame,
     QFormLayout,
     QGroupBox,
     QHBoxLayout,
@@ -38,8 +42,11 @@ from core.attention import parse_attention
 from core.caches import parse_cache
 from core.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
 from core.settings import RunSettings, parse_attn_impl
-from core.spec import SpecError, human_bytes
+from core.spec import SpecError, human_bytes, parse_size
+from core.spikes import EVENT_LOAD, Event, SpikeMonitor
 from ui.calculator import CalculatorTab
+from ui.diagnose import (OOM_WARN_S, EventsTable, GpuProcessesPanel, GpuProcessPoller, oom_forecast, reading_from_sample,
+                         spike_events, spike_threshold)
 from ui.plots import LivePlots
 from ui.screenshot import ScreenshotError, default_path, save_widget
 from ui.stats import StatsPanel, compute_stats
@@ -56,7 +63,20 @@ DEFAULT_CACHES = (("dynamic", None), ("static", None), ("quantized:4", None), ("
 IMPLS = ("eager", "sdpa", "flash")
 SOURCES = ("embedded", "folder", "hub")
 MARKED_EVENTS = ("switch", "oom", "budget", "error")
+SAMPLER_RATES = (5.0, 10.0, 20.0, 50.0, 100.0)
+DEFAULT_SAMPLER_HZ = 20.0
+#: Readings reach the spike monitor this late, so the run's events (which arrive in their own
+#: batches) are known before the readings around them are judged.
+SPIKE_LAG_S = 0.3
+#: After a run ends the memory plot keeps taking readings this long (the drop when memory is freed).
+READINGS_TAIL_S = 2.0
 KEYS_HELP = "1\u20135 attention \u00b7 F flash \u00b7 C cache \u00b7 Space pause \u00b7 F11 presenter \u00b7 Ctrl+S screenshot"
+
+
+def demo_recording_path() -> Path:
+    """The demo recording shipped in assets/ (next to the sources, or inside a PyInstaller bundle)."""
+    base = Path(getattr(sys, "_MEIPASS", Path(__file__).resolve().parent.parent))
+    return base / "assets" / "demo" / "demo.jsonl"
 
 
 def _controller_class():
@@ -92,6 +112,33 @@ class MainWindow(QMainWindow):
         self._cache_choices = DEFAULT_CACHES
         self._impl_choices = IMPLS
         self._last_non_flash = "sdpa"
+        # ---- diagnosing (issue 5) and recordings (issue 6)
+        self.mode = "live"  # live | replay: where the samples come from
+        self.record_path: str | None = None  # the next run is recorded here (File > Record)
+        self.snapshot_path: str | None = None  # the next run's allocator snapshot (CUDA)
+        self.last_recording: str | None = None  # what File > Export CSV exports
+        self.last_reading = None  # newest MemoryReading from the sampler
+        self.sampler = None
+        self.sampler_device = "cpu"
+        self.sampler_rate_hz = DEFAULT_SAMPLER_HZ
+        self.sampler_achieved_hz: float | None = None
+        self.sampler_notes: list[str] = []
+        self._origin: float | None = None  # monotonic second that is 0 s on the plots (live runs)
+        self._plot_readings = False  # True while a live run is on: readings go to the memory plot
+        self._readings_until = 0.0
+        self._early_readings: deque = deque(maxlen=20_000)  # readings before the first sample fixes the origin
+        self._spike_queue: deque = deque(maxlen=200_000)
+        self._load_started: float | None = None
+        self.monitor: SpikeMonitor | None = None
+        self._monitor_last_t = float("-inf")
+        self._monitor_flushed = True
+        self._prev_cache: str | None = None
+        self._bpt_points: deque = deque(maxlen=32)  # (token, KV bytes) since the last switch
+        self.forecast = None
+        self.spike_count = 0
+        self._cuda: bool | None = None
+        self._replay_args: tuple[str, float] | None = None
+        self._monitor_threshold = 0
 
         self.controller = controller
         if self.controller is None:
@@ -101,6 +148,14 @@ class MainWindow(QMainWindow):
                 log.warning("generation worker not available: %s", exc)
         if self.controller is not None:
             self._connect_controller(self.controller)
+        self.replay = None
+        try:
+            from workers.replay import ReplayController
+
+            self.replay = ReplayController(self)
+            self._connect_controller(self.replay)
+        except ImportError as exc:
+            log.warning("replay not available: %s", exc)
 
         self._build_ui()
         self._build_menus()
@@ -119,6 +174,12 @@ class MainWindow(QMainWindow):
         self.restore_settings()
         self.apply_theme()
         self._set_state("idle")
+
+        self.gpu_poller = GpuProcessPoller(1.0, parent=self)
+        self.gpu_poller.updated.connect(self.gpu_panel.show_processes)
+        self.gpu_poller.start()
+        self._start_sampler(self._auto_device())
+        self._maybe_offer_demo()
 
     # ============================================================================================
     # construction
@@ -178,6 +239,15 @@ class MainWindow(QMainWindow):
         self.max_tokens_spin.setRange(1, 1 << 20)
         self.max_tokens_spin.setValue(256)
         self.max_tokens_spin.setToolTip("How many tokens to generate.")
+        self.budget_edit = QLineEdit()
+        self.budget_edit.setPlaceholderText("none \u00b7 e.g. 1.5GiB")
+        self.budget_edit.setToolTip("Limit the model's memory (weights + KV cache + activations) to this size, to show "
+                                    "a smaller card's fate on a bigger machine.\nSizes like 64MiB, 1.5GiB or plain "
+                                    "bytes. The run stops with a message at the token where it is reached;\nthe events "
+                                    "table shows the forecast and where it was reached. Empty: no budget.")
+        self.snapshot_button = QPushButton("Allocator snapshot\u2026")
+        self.snapshot_button.setCheckable(True)
+        self.snapshot_button.toggled.connect(self._snapshot_toggled)
         self.prompt_edit = QPlainTextEdit()
         self.prompt_edit.setPlaceholderText("Prompt")
         self.prompt_edit.setMaximumHeight(110)
@@ -210,6 +280,8 @@ class MainWindow(QMainWindow):
         rf.addRow("Cache", self.cache_combo)
         rf.addRow("Max context", self.max_context_spin)
         rf.addRow("New tokens", self.max_tokens_spin)
+        rf.addRow("Memory budget", self.budget_edit)
+        rf.addRow("", self.snapshot_button)
         prompt_box = QGroupBox("Prompt")
         pl = QVBoxLayout(prompt_box)
         pl.addWidget(self.prompt_edit)
@@ -279,11 +351,54 @@ class MainWindow(QMainWindow):
                 box.setStretch(box.count() - 1, 1)
             badge_row.addLayout(box, 1 if key == "model" else 0)
         self.plots = LivePlots(self.theme)
+        # ---- first start: the demo recording, offered without blocking anything
+        self.demo_banner = QFrame()
+        self.demo_banner.setObjectName("banner")
+        db = QHBoxLayout(self.demo_banner)
+        db.setContentsMargins(10, 4, 4, 4)
+        demo_text = QLabel("New here? Replay a run recorded with the embedded model: MHA \u2192 GQA \u2192 MQA, "
+                           "flash off \u2192 on, dynamic \u2192 static cache. No model or GPU needed.")
+        demo_text.setWordWrap(True)
+        self.demo_button = QPushButton("\u25b6 Play the demo recording")
+        self.demo_button.setObjectName("primary")
+        self.demo_button.clicked.connect(self.play_demo)
+        demo_close = QPushButton("\u2715")
+        demo_close.setToolTip("Hide (File \u203a Open recording plays it later)")
+        demo_close.setFlat(True)
+        demo_close.clicked.connect(lambda: self.demo_banner.setVisible(False))
+        db.addWidget(demo_text, 1)
+        db.addWidget(self.demo_button)
+        db.addWidget(demo_close)
+        self.demo_banner.setVisible(False)
+        # ---- alerts: the OOM forecast warning, an out-of-memory error, the budget reached
+        self.alert_label = QLabel("")
+        self.alert_label.setObjectName("alert")
+        self.alert_label.setWordWrap(True)
+        self.alert_label.setVisible(False)
+        self.alert_kind = ""
+        # ---- under the plots: the events table and the GPU processes
+        self.events_table = EventsTable(self.theme)
+        self.gpu_panel = GpuProcessesPanel(self.theme)
+        self.diag_tabs = QTabWidget()
+        self.diag_tabs.setDocumentMode(True)
+        self.diag_tabs.addTab(self.events_table, "Events and spikes")
+        self.diag_tabs.addTab(self.gpu_panel, "GPU processes")
+        self.sampler_label = QLabel("memory sampler: starting\u2026")
+        self.sampler_label.setObjectName("statNote")
+        self.diag_tabs.setCornerWidget(self.sampler_label, Qt.Corner.TopRightCorner)
+        self.centre_splitter = QSplitter(Qt.Orientation.Vertical)
+        self.centre_splitter.addWidget(self.plots)
+        self.centre_splitter.addWidget(self.diag_tabs)
+        self.centre_splitter.setStretchFactor(0, 4)
+        self.centre_splitter.setStretchFactor(1, 1)
+        self.centre_splitter.setSizes([700, 260])
         centre = QWidget()
         cv = QVBoxLayout(centre)
         cv.setContentsMargins(4, 4, 4, 0)
+        cv.addWidget(self.demo_banner)
         cv.addLayout(badge_row)
-        cv.addWidget(self.plots, 1)
+        cv.addWidget(self.alert_label)
+        cv.addWidget(self.centre_splitter, 1)
 
         # ---- right: numbers and the generated text
         self.stats_panel = StatsPanel()
@@ -327,7 +442,11 @@ class MainWindow(QMainWindow):
         self.status_memory.setToolTip("Device memory used / total (NVML), or this process's resident memory "
                                       "(RSS) without a GPU")
         self.status_state = QLabel("")
+        self.status_sampler = QLabel("")
+        self.status_sampler.setToolTip("The memory sampler: readings per second achieved (set in View \u203a Memory "
+                                       "sampling rate)")
         sb = self.statusBar()
+        sb.addPermanentWidget(self.status_sampler)
         sb.addPermanentWidget(self.status_device)
         sb.addPermanentWidget(self.status_memory)
         sb.addPermanentWidget(self.status_state)
@@ -335,6 +454,29 @@ class MainWindow(QMainWindow):
     def _build_menus(self) -> None:
         bar = self.menuBar()
         file_menu = bar.addMenu("&File")
+        self.record_action = QAction("Record the next run\u2026", self, checkable=True)
+        self.record_action.setToolTip("Write every sample of the next run to a .jsonl recording (flushed per sample)")
+        self.record_action.triggered.connect(self._record_triggered)
+        file_menu.addAction(self.record_action)
+        open_action = QAction("Open recording\u2026", self)
+        open_action.setShortcut(QKeySequence.StandardKey.Open)
+        open_action.triggered.connect(lambda: self.open_recording(ask=True))
+        file_menu.addAction(open_action)
+        demo_action = QAction("Play the demo recording", self)
+        demo_action.triggered.connect(self.play_demo)
+        file_menu.addAction(demo_action)
+        file_menu.addSeparator()
+        self.export_csv_action = QAction("Export CSV\u2026", self)
+        self.export_csv_action.triggered.connect(lambda: self.export_csv(ask=True))
+        file_menu.addAction(self.export_csv_action)
+        for fmt in ("PNG", "SVG"):
+            action = QAction(f"Export plots as {fmt}\u2026", self)
+            action.triggered.connect(lambda _c=False, f=fmt.lower(): self.export_plots(fmt=f, ask=True))
+            file_menu.addAction(action)
+        summary = QAction("Export summary image\u2026", self)
+        summary.triggered.connect(lambda: self.export_summary(ask=True))
+        file_menu.addAction(summary)
+        file_menu.addSeparator()
         shot = QAction("Save screenshot\u2026", self)
         shot.triggered.connect(lambda: self.save_screenshot(ask=True))
         file_menu.addAction(shot)
@@ -365,6 +507,16 @@ class MainWindow(QMainWindow):
         self.presenter_action.setShortcut(QKeySequence("F11"))
         self.presenter_action.triggered.connect(lambda checked: self.set_presenter(checked))
         view.addAction(self.presenter_action)
+        view.addSeparator()
+        rate_menu = view.addMenu("Memory sampling rate")
+        rate_group = QActionGroup(self)
+        self.rate_actions = {}
+        for hz in SAMPLER_RATES:
+            action = QAction(f"{hz:g} Hz", self, checkable=True)
+            action.triggered.connect(lambda _c=False, r=hz: self.set_sampler_rate(r))
+            rate_group.addAction(action)
+            rate_menu.addAction(action)
+            self.rate_actions[hz] = action
         help_menu = bar.addMenu("&Help")
         keys = QAction("Keys: " + KEYS_HELP, self)
         keys.setEnabled(False)
@@ -468,8 +620,15 @@ class MainWindow(QMainWindow):
             max_context=self.max_context_spin.value() or None,
         )
         prompt = self.prompt_edit.toPlainText().strip()
+        budget_text = self.budget_edit.text().strip()
+        budget = None
+        if budget_text and budget_text.lower() not in ("none", "off", "0"):
+            try:
+                budget = parse_size(budget_text)
+            except SpecError as exc:
+                raise SpecError(f"memory budget: {exc}") from exc
         kwargs = dict(source=source, device=self.device_combo.currentText(), dtype=self.dtype_combo.currentText(),
-                      max_new_tokens=self.max_tokens_spin.value(), settings=settings)
+                      max_new_tokens=self.max_tokens_spin.value(), settings=settings, memory_budget=budget)
         if prompt:
             kwargs["prompt"] = prompt
         return RunRequest(**kwargs)
@@ -497,6 +656,8 @@ class MainWindow(QMainWindow):
         self.max_context_spin.setValue(s.max_context or 0)
         self.max_tokens_spin.setValue(request.max_new_tokens)
         self.prompt_edit.setPlainText(request.prompt)
+        self.budget_edit.setText(human_bytes(request.memory_budget).replace(" ", "")
+                                 if request.memory_budget else "")
 
     def start_run(self, request=None) -> bool:
         """Start generating (``request`` or the controls' settings). False with a message if it cannot."""
@@ -510,6 +671,12 @@ class MainWindow(QMainWindow):
         except SpecError as exc:
             self._show_error(str(exc))
             return False
+        # File > Record and the snapshot button apply to this run (a request that names its own wins).
+        if self.record_path and self.record_action.isChecked() and not request.record_path:
+            request = replace(request, record_path=self.record_path)
+        if self.snapshot_path and self.snapshot_button.isChecked() and not request.snapshot_path:
+            request = replace(request, snapshot_path=self.snapshot_path)
+        self.mode = "live"
         self.request = request
         if not self.calculator.warm:
             # transformers is still being imported in the calculator's thread; importing it from the
@@ -523,33 +690,398 @@ class MainWindow(QMainWindow):
         return True
 
     def _start_when_warm(self) -> None:
-        if self.state == "loading" and self.request is not None:
+        if self.state == "loading" and self.mode == "replay" and self._replay_args is not None:
+            self._start_replay_now(*self._replay_args)
+        elif self.state == "loading" and self.request is not None:
             self._start_now(self.request)
 
     def _start_now(self, request) -> None:
+        self.mode = "live"
         self.reset_view()
         self.error_label.setText("")
         self.last_error = ""
         self._set_state("loading")
         self.statusBar().showMessage(f"loading {request.source}\u2026")
+        # Readings from now on belong to this run (the load itself is the first thing to see).
+        self._plot_readings = True
+        self._load_started = time.monotonic()
+        self._new_monitor(self.sampler_device)
+        if request.record_path:
+            self.last_recording = request.record_path
+            # One recording per choice: the next run must not overwrite (or fail on) this file.
+            self.record_action.setChecked(False)
+        if request.snapshot_path:
+            self.snapshot_button.setChecked(False)
         self.controller.start(request)
 
+    def _active_controller(self):
+        return self.replay if self.mode == "replay" else self.controller
+
     def stop_run(self) -> None:
-        if self.controller is None or self.state == "idle":
+        controller = self._active_controller()
+        if controller is None or self.state == "idle":
             return
         self._set_state("stopping")
         # Cooperative: the loop ends after the current token. Short wait, then the finished signal
         # finishes the job, so a slow token never freezes the window.
-        if self.controller.stop(timeout_s=0.2):
+        if controller.stop(timeout_s=0.2):
             self._on_finished()
 
     def toggle_pause(self) -> None:
-        if self.controller is None:
+        controller = self._active_controller()
+        if controller is None:
             return
         if self.state == "running":
-            self.controller.pause()
+            controller.pause()
         elif self.state == "paused":
-            self.controller.resume()
+            controller.resume()
+
+    # ---- recordings (File menu)
+
+    def open_recording(self, path: str | None = None, speed: float = 1.0, ask: bool = False) -> bool:
+        """Play a recording through this window (plots, markers, text, stats) at ``speed`` x its pace."""
+        if ask:
+            chosen, _ = QFileDialog.getOpenFileName(self, "Open recording", str(Path.home()),
+                                                    "KV Scope recordings (*.jsonl);;All files (*)")
+            if not chosen:
+                return False
+            path = chosen
+        if self.replay is None:
+            self._show_error("replay is not available in this build")
+            return False
+        if self.state != "idle":
+            self._show_error("stop the current run first (a recording replays into the same plots)")
+            return False
+        if not path:
+            return False
+        self.mode = "replay"
+        self._replay_args = (str(path), float(speed))
+        self.last_recording = str(path)
+        if not self.calculator.warm:
+            # Same reason as start_run: the stats use the predictor, which must not import
+            # transformers while the calculator's thread does.
+            self.calculator.warm_up()
+            self._set_state("loading")
+            self.calculator.warmed.connect(self._start_when_warm, Qt.ConnectionType.SingleShotConnection)
+            return True
+        self._start_replay_now(str(path), float(speed))
+        return True
+
+    def _start_replay_now(self, path: str, speed: float) -> None:
+        self.reset_view()
+        self.request = None
+        self.error_label.setText("")
+        self.last_error = ""
+        self._plot_readings = False
+        self._set_state("loading")
+        self.statusBar().showMessage(f"replaying {Path(path).name}" + (f" at {speed:g}x" if speed != 1 else ""))
+        self._new_monitor(None)
+        self.replay.start(path, speed)
+
+    def play_demo(self) -> bool:
+        """Replay the demo recording from assets/ (first start offers it)."""
+        self.demo_banner.setVisible(False)
+        path = demo_recording_path()
+        if not path.is_file():
+            self._show_error(f"the demo recording is missing ({path})")
+            return False
+        return self.open_recording(str(path))
+
+    def _maybe_offer_demo(self) -> None:
+        """First start only: a banner offering the demo (non-modal: screenshots and tests never wait on it)."""
+        if self.qsettings.value("app/first_start_done", False, type=bool):
+            return
+        self.qsettings.setValue("app/first_start_done", True)
+        self.qsettings.sync()
+        if demo_recording_path().is_file():
+            self.demo_banner.setVisible(True)
+
+    def set_record_path(self, path: str | None) -> None:
+        """Record the next run to ``path`` (.jsonl); None: do not record."""
+        self.record_path = str(path) if path else None
+        self.record_action.setChecked(bool(path))
+        if path:
+            self.statusBar().showMessage(f"the next run will be recorded to {path}", 5000)
+
+    def _record_triggered(self, checked: bool) -> None:
+        if not checked:
+            return
+        chosen, _ = QFileDialog.getSaveFileName(self, "Record the next run to", self.record_path or str(
+            Path.home() / time.strftime("kvscope-%Y%m%d-%H%M%S.jsonl")), "KV Scope recordings (*.jsonl)")
+        if not chosen:
+            self.record_action.setChecked(False)
+            return
+        if not chosen.endswith(".jsonl"):
+            chosen += ".jsonl"
+        self.set_record_path(chosen)
+
+    def export_csv(self, path: str | None = None, ask: bool = False) -> int | None:
+        """The current/last recording's samples as CSV (core.export). Returns the rows written."""
+        from core.export import export_csv
+        from core.recording import RecordingError
+
+        if not self.last_recording:
+            self._show_error("nothing to export yet: record a run (File \u203a Record) or open a recording")
+            return None
+        if ask:
+            default = str(Path(self.last_recording).with_suffix(".csv"))
+            chosen, _ = QFileDialog.getSaveFileName(self, "Export CSV", default, "CSV (*.csv)")
+            if not chosen:
+                return None
+            path = chosen
+        try:
+            rows = export_csv(self.last_recording, path)
+        except (RecordingError, OSError) as exc:
+            self._show_error(str(exc))
+            return None
+        self.statusBar().showMessage(f"wrote {rows:,} samples to {path}", 5000)
+        return rows
+
+    def export_plots(self, base: str | None = None, fmt: str = "png", ask: bool = False) -> list[Path]:
+        """Each plot to its own file: ``<base>-kv.<fmt>``, ``-memory``, ``-compare`` (PNG or SVG)."""
+        fmt = fmt.lower()
+        if ask:
+            default = str(Path.home() / f"kvscope.{fmt}")
+            chosen, _ = QFileDialog.getSaveFileName(self, f"Export plots as {fmt.upper()}", default,
+                                                    f"{fmt.upper()} (*.{fmt})")
+            if not chosen:
+                return []
+            base = chosen
+        if not base:
+            return []
+        stem = Path(base)
+        if stem.suffix.lower() in (".png", ".svg"):
+            stem = stem.with_suffix("")
+        self._redraw()
+        written = []
+        try:
+            stem.parent.mkdir(parents=True, exist_ok=True)
+            for which in self.plots.EXPORTABLE:
+                target = stem.with_name(f"{stem.name}-{which}.{fmt}")
+                self.plots.export_plot(which, str(target))
+                written.append(target)
+        except (OSError, RuntimeError, ValueError) as exc:
+            self._show_error(f"cannot export the plots: {exc}")
+            return written
+        self.statusBar().showMessage(f"saved {', '.join(p.name for p in written)} in {stem.parent}", 5000)
+        return written
+
+    def export_summary(self, path: str | None = None, ask: bool = False) -> Path | None:
+        """One 1920x1080 PNG for a slide: the three plots and the key numbers."""
+        from ui.screenshot import ScreenshotError
+        from ui.summary import render_summary
+
+        if ask:
+            chosen, _ = QFileDialog.getSaveFileName(self, "Export summary image", str(Path.home() / "kvscope-summary.png"),
+                                                    "PNG (*.png)")
+            if not chosen:
+                return None
+            path = chosen
+        if not path:
+            return None
+        self._redraw()
+        self.refresh_stats()
+        info = self.info
+        title = info.label if info else "KV Scope"
+        s = self.last_sample
+        parts = []
+        if info is not None:
+            parts.append(f"{info.spec.num_layers} layers, {info.spec.num_query_heads} query / "
+                         f"{info.spec.num_kv_heads} KV heads of {info.spec.head_dim}")
+            parts.append(info.device_name)
+        if s is not None:
+            parts.append(f"now: {s.attention.upper()} \u00b7 {s.kernel or s.attn_impl} \u00b7 {s.cache} cache")
+        tiles = self.stats_panel.tiles
+        numbers = [(tiles[k].name.text(), tiles[k].value.text(), tiles[k].note.text())
+                   for k in ("kv_now", "bytes_per_token", "kv_at_max", "tokens_fit", "oom")]
+        numbers.append(("Switches / spikes", f"{self.switch_events} / {self.spike_count}",
+                        f"{self.decode_tokens:,} tokens generated"))
+        try:
+            saved = render_summary(path, make_theme(self.theme_name, presenter=False), title, " \u00b7 ".join(parts),
+                                   numbers, [self.plots.kv_widget, self.plots.mem_widget, self.plots.cmp_widget])
+        except ScreenshotError as exc:
+            self._show_error(str(exc))
+            return None
+        self.statusBar().showMessage(f"summary saved to {saved}", 5000)
+        return saved
+
+    # ---- allocator snapshot (CUDA)
+
+    def _cuda_available(self) -> bool:
+        if self._cuda is None:
+            self._cuda = self._auto_device().startswith("cuda")
+        return self._cuda
+
+    def _snapshot_toggled(self, checked: bool) -> None:
+        if not checked:
+            self.snapshot_path = None
+            return
+        if self.snapshot_path is None:
+            chosen, _ = QFileDialog.getSaveFileName(self, "Save the allocator snapshot to", str(
+                Path.home() / time.strftime("kvscope-snapshot-%Y%m%d-%H%M%S.pickle")), "Snapshot (*.pickle)")
+            if not chosen:
+                self.snapshot_button.setChecked(False)
+                return
+            self.snapshot_path = chosen
+        self.statusBar().showMessage(f"the next run records the CUDA allocator's history to {self.snapshot_path}",
+                                     5000)
+
+    # ---- the memory sampler (its own thread, independent of tokens)
+
+    def _auto_device(self) -> str:
+        """'cuda' where torch sees a GPU, else 'mps' or 'cpu' (core.loading decides)."""
+        try:
+            from core.loading import resolve_device
+
+            return resolve_device("auto")
+        except Exception:  # noqa: BLE001 - a UI-only build: host memory is what there is
+            return "cpu"
+
+    def _start_sampler(self, device: str) -> None:
+        """(Re)start the fixed-rate memory sampler for ``device`` at the chosen rate."""
+        try:
+            from workers.sampler import MemorySampler
+        except ImportError as exc:
+            self.sampler_label.setText(f"memory sampler not available: {exc}")
+            return
+        if self.sampler is not None:
+            self.sampler.stop(timeout_s=1.0)
+        self.sampler_device = device
+        self.sampler_notes = []
+        self.sampler_achieved_hz = None
+        sampler = MemorySampler(device, self.sampler_rate_hz, parent=self)
+        sampler.readings.connect(self._on_readings)
+        sampler.rate_measured.connect(self._on_sampler_rate)
+        sampler.note.connect(self._on_sampler_note)
+        sampler.errored.connect(self._on_sampler_note)
+        self.sampler = sampler
+        sampler.start()
+        self._show_sampler_status()
+
+    def set_sampler_rate(self, hz: float) -> None:
+        self.sampler_rate_hz = float(hz)
+        if self.sampler is not None:
+            self.sampler.set_rate(self.sampler_rate_hz)
+        if hz in getattr(self, "rate_actions", {}):
+            self.rate_actions[hz].setChecked(True)
+        self.sampler_achieved_hz = None
+        self._show_sampler_status()
+
+    def _on_sampler_rate(self, hz: float) -> None:
+        self.sampler_achieved_hz = hz
+        self._show_sampler_status()
+
+    def _on_sampler_note(self, line: str) -> None:
+        if line not in self.sampler_notes:
+            self.sampler_notes.append(line)
+        self._show_sampler_status()
+
+    def _show_sampler_status(self) -> None:
+        rate = ("measuring\u2026" if self.sampler_achieved_hz is None
+                else f"{self.sampler_achieved_hz:.1f} Hz")
+        note = self.sampler_notes[0] if self.sampler_notes else ""
+        self.sampler_label.setText(f"memory sampler {rate} (set {self.sampler_rate_hz:g} Hz)"
+                                   + (f" \u00b7 {note}" if note else ""))
+        self.sampler_label.setToolTip("\n".join([f"device probed: {self.sampler_device}"] + self.sampler_notes))
+        self.status_sampler.setText(f"sampler {rate}")
+
+    def _on_readings(self, readings: list) -> None:
+        """A batch from the sampler: to the memory plot and the spike monitor while a live run is on."""
+        if not readings:
+            return
+        self.last_reading = readings[-1]
+        if self.mode != "live" or not (self._plot_readings or time.monotonic() < self._readings_until):
+            return
+        if self._origin is None:
+            self._early_readings.extend(readings)  # placed once the first sample fixes the time axis
+            return
+        self.plots.add_memory_readings(readings, self._origin)
+        self._spike_queue.extend(readings)
+
+    def _fix_origin(self, samples: list[Sample], arrival: float) -> None:
+        """Tie the samples' run clock to the sampler's monotonic clock.
+
+        A sample produced at run time ``time_s`` arrives here after some delivery delay, so
+        ``arrival - time_s`` is the run's start on the monotonic clock plus that delay; the
+        smallest value seen is the best estimate (delays are milliseconds).
+        """
+        best = min(arrival - s.time_s for s in samples)
+        first = self._origin is None
+        if first or best < self._origin - 0.002:
+            self._origin = best
+            self.plots.time_origin = best
+        if not first:
+            return
+        early = list(self._early_readings)
+        self._early_readings.clear()
+        self.plots.add_memory_readings(early, self._origin)
+        self._spike_queue.extend(early)
+        if self.monitor is not None and self._load_started is not None:
+            # Loading is a state, not an instant: mark it every quarter second from Start to the
+            # load event, so a spike anywhere in it is put down to the load.
+            load_end = next((s.time_s for s in samples if s.event == "load"), samples[0].time_s)
+            t = self._load_started - self._origin
+            while t < load_end:
+                self.monitor.add_event(Event(t, EVENT_LOAD, "loading the model"))
+                t += 0.25
+
+    def _new_monitor(self, device: str | None, keep_queue: bool = False) -> None:
+        self._monitor_threshold = spike_threshold(device)
+        self.monitor = SpikeMonitor(min_rise_bytes=self._monitor_threshold)
+        self._monitor_flushed = False
+        if not keep_queue:
+            self._monitor_last_t = float("-inf")
+            self._spike_queue.clear()
+            self._early_readings.clear()
+
+    def _feed_spikes(self, flush: bool = False) -> None:
+        """Judge readings older than SPIKE_LAG_S (live runs); each spike found is marked and listed."""
+        if self.monitor is None or self._origin is None or self.mode != "live":
+            return
+        cutoff = time.monotonic() - (0.0 if flush else SPIKE_LAG_S)
+        found = []
+        while self._spike_queue and self._spike_queue[0].time_s <= cutoff:
+            r = self._spike_queue.popleft()
+            t = r.time_s - self._origin
+            if t <= self._monitor_last_t:
+                continue
+            self._monitor_last_t = t
+            found.extend(self.monitor.feed(replace(r, time_s=t)))
+        if flush and not self._monitor_flushed:
+            self._monitor_flushed = True
+            found.extend(self.monitor.flush())
+        self._show_spikes(found)
+
+    def _show_spikes(self, spikes: list) -> None:
+        for spike in spikes:
+            self.spike_count += 1
+            self.plots.add_spike(spike.time_s, spike.after, spike.rise_bytes, spike.cause)
+            self.events_table.add_spike(spike, self._token_at(spike.time_s))
+
+    def _token_at(self, time_s: float) -> int | None:
+        """The last token generated at or before ``time_s`` (plot seconds), or None before the prefill."""
+        import numpy as np
+
+        times = self.plots.times.column("time")
+        tokens = self.plots.tokens.column("token")
+        n = min(len(times), len(tokens))
+        if n == 0:
+            return None
+        i = int(np.searchsorted(times[:n], time_s, side="right")) - 1
+        return None if i < 0 else int(tokens[i])
+
+    def _show_alert(self, text: str, kind: str) -> None:
+        color = self.theme.error if kind == "error" else self.theme.warning
+        self.alert_kind = kind
+        self.alert_label.setText(text)
+        self.alert_label.setStyleSheet(f"QLabel#alert {{ color: {color}; border: 2px solid {color}; border-radius: 6px;"
+                                       f" padding: 6px 10px; font-weight: 700; font-size: {self.theme.title_pt}pt; }}")
+        self.alert_label.setVisible(True)
+
+    def _clear_alert(self, kind: str | None = None) -> None:
+        if kind is None or self.alert_kind == kind:
+            self.alert_kind = ""
+            self.alert_label.setVisible(False)
 
     def reset_view(self) -> None:
         """Clear plots, text and numbers (a new run or a new recording)."""
@@ -559,7 +1091,17 @@ class MainWindow(QMainWindow):
         self.last_sample = None
         self.decode_tokens = 0
         self.switch_events = 0
+        self.spike_count = 0
         self.stats_panel.show_stats(compute_stats(None, None, None))
+        self.stats_panel.show_forecast(None)
+        self.events_table.clear_rows()
+        self._clear_alert()
+        self._origin = None
+        self._early_readings.clear()
+        self._spike_queue.clear()
+        self._bpt_points.clear()
+        self._prev_cache = None
+        self.forecast = None
 
     # ---- signals from the controller
 
@@ -567,25 +1109,47 @@ class MainWindow(QMainWindow):
         """Take a batch of samples (live or replayed): buffers now, drawing at the next frame."""
         if not samples:
             return
+        if self.mode == "live" and self._plot_readings:
+            self._fix_origin(samples, time.monotonic())
         self.plots.add_samples(samples)
+        spikes = []
         for s in samples:
+            if self.monitor is not None:
+                for event in spike_events(s, self._prev_cache):
+                    self.monitor.add_event(event)
+                if self.mode == "replay" and not s.is_event and s.time_s > self._monitor_last_t:
+                    # A replay has no sampler: what each recorded token measured is the series.
+                    self._monitor_last_t = s.time_s
+                    spikes.extend(self.monitor.feed(reading_from_sample(s)))
+            self._prev_cache = s.cache
             if s.phase == PHASE_EVENT:
+                self.events_table.add_event(s)
                 if s.event == "switch":
                     self.switch_events += 1
+                    self._bpt_points.clear()  # a step is not a slope: the forecast starts afresh
                     self._pending_text.append(("marker", f" \u27e8{self.plots.markers[-1].label}\u27e9 "
                                                if self.plots.markers else " \u27e8switch\u27e9 "))
                     self._show_settings(s)
-                elif s.event in ("refused", "oom", "budget", "forecast", "error"):
+                elif s.event in ("oom", "budget"):
+                    self._pending_text.append(("marker", f" \u27e8{s.event}\u27e9 "))
+                    what = "Out of memory" if s.event == "oom" else "Memory budget reached"
+                    self._show_alert(f"\u26a0 {what} at token {s.token}: {s.text}", "error")
+                    self.statusBar().showMessage(s.text, 8000)
+                elif s.event in ("refused", "forecast", "error"):
                     self.statusBar().showMessage(s.text, 8000)
                 continue
             if s.phase == PHASE_PREFILL:
+                self.events_table.add_event(s)
                 self._pending_text.append(("prompt", s.text))
             elif s.phase == PHASE_DECODE:
                 self.decode_tokens += 1
                 self._pending_text.append(("token", s.text))
+                if s.kv_bytes_observed is not None:
+                    self._bpt_points.append((s.token, s.kv_bytes_observed))
             if self.last_sample is None:
                 self._show_settings(s)
             self.last_sample = s
+        self._show_spikes(spikes)
         if self.state == "loading":
             self._set_state("running")
         self.samples_added.emit(self.decode_tokens)
@@ -609,6 +1173,16 @@ class MainWindow(QMainWindow):
             self.calculator.set_detected_memory(info.total_memory, info.device_name)
         if self.state == "loading":
             self._set_state("running")
+        if self.mode == "live":
+            device = str(info.device)
+            if device != self.sampler_device:
+                # The probe must read the device the model is on (NVML and the allocator of that GPU).
+                self._start_sampler(device)
+            if self.monitor is not None and spike_threshold(device) != self._monitor_threshold:
+                # A GPU run is judged by the GPU's threshold from here on (the load was host memory).
+                self._new_monitor(device, keep_queue=True)
+        elif self.monitor is not None and spike_threshold(str(info.device)) != self._monitor_threshold:
+            self._new_monitor(str(info.device))
 
     def _on_progress(self, text: str) -> None:
         self.statusBar().showMessage(text)
@@ -620,6 +1194,14 @@ class MainWindow(QMainWindow):
     def _on_finished(self) -> None:
         if self.state == "idle":
             return
+        if self.mode == "live":
+            # Keep reading a little longer: the drop when the cache is freed belongs to the run.
+            self._plot_readings = False
+            self._readings_until = time.monotonic() + READINGS_TAIL_S
+        elif self.monitor is not None and not self._monitor_flushed:
+            self._monitor_flushed = True
+            self._show_spikes(self.monitor.flush())
+        self._clear_alert("warning")
         self._set_state("idle")
         self._redraw()
         self.refresh_stats()
@@ -702,6 +1284,8 @@ class MainWindow(QMainWindow):
     def _redraw(self) -> None:
         """The fixed-rate frame: curves, then any text that arrived. Never raises into Qt."""
         try:
+            self._feed_spikes(flush=self.state == "idle" and time.monotonic() > self._readings_until
+                              and not self._monitor_flushed and not self._spike_queue and self.mode == "live")
             self.plots.redraw()
             if self._pending_text:
                 self._flush_text()
@@ -747,6 +1331,7 @@ class MainWindow(QMainWindow):
                 batch=req.settings.batch if req else 1, kv_dtype=req.settings.kv_dtype if req else None,
                 max_context=(req.settings.max_context if req else None), host_available=host)
             self.stats_panel.show_stats(stats)
+            self._refresh_forecast(s, host)
             if s is not None:
                 if s.device_used is not None and s.device_total is not None:
                     self.status_memory.setText(f"GPU {human_bytes(s.device_used)} / {human_bytes(s.device_total)}")
@@ -754,6 +1339,26 @@ class MainWindow(QMainWindow):
                     self.status_memory.setText(f"host: this process {human_bytes(s.process_rss)} (RSS)")
         except Exception:
             log.exception("stats refresh failed")
+
+    def _refresh_forecast(self, s: Sample | None, host: int | None) -> None:
+        """'Out of memory at token N (about T s)', a warning when it is near."""
+        free, source = None, ""
+        r = self.last_reading
+        if (self.mode == "live" and r is not None and r.device_free is not None
+                and self.sampler_device.startswith("cuda")):
+            free, source = r.device_free, "GPU memory"
+        elif s is not None and s.device_total is not None and s.device_used is not None:
+            free, source = s.device_total - s.device_used, "GPU memory"
+        elif self.mode == "live" and host is not None:
+            free, source = host, "host memory"
+        budget = self.request.memory_budget if (self.mode == "live" and self.request is not None) else None
+        self.forecast = oom_forecast(list(self._bpt_points), s, free=free, free_source=source, budget=budget)
+        near = self.forecast is not None and self.forecast.warning(OOM_WARN_S) and self.state in ("running", "paused")
+        self.stats_panel.show_forecast(self.forecast, self.theme.warning if near else None)
+        if near:
+            self._show_alert(f"\u26a0 Warning: {self.forecast.message()}", "warning")
+        else:
+            self._clear_alert("warning")
 
     # ============================================================================================
     # state, looks
@@ -763,10 +1368,16 @@ class MainWindow(QMainWindow):
         running = state in ("loading", "running", "paused", "stopping")
         self.start_button.setEnabled(not running and self.controller is not None)
         self.pause_button.setEnabled(state in ("running", "paused"))
+        self.snapshot_button.setEnabled(not running and self._cuda_available())
+        self.snapshot_button.setToolTip(
+            "Record the CUDA allocator's history (every allocation with its Python stack) for the whole next run\n"
+            "and save it as a .pickle that https://pytorch.org/memory_viz opens."
+            if self._cuda_available() else
+            "Allocator snapshots record the CUDA caching allocator: this machine has no CUDA GPU torch can use.")
         self.pause_button.setText("Resume" if state == "paused" else "Pause")
         self.stop_button.setEnabled(running and state != "stopping")
         for w in (self.source_combo, self.source_stack, self.device_combo, self.dtype_combo, self.max_context_spin,
-                  self.max_tokens_spin, self.prompt_edit):
+                  self.max_tokens_spin, self.prompt_edit, self.budget_edit):
             w.setEnabled(not running)
         text = {"idle": "idle", "loading": "\u23f3 loading", "running": "\u25cf running", "paused": "\u275a\u275a paused",
                 "stopping": "stopping\u2026"}[state]
@@ -799,6 +1410,8 @@ class MainWindow(QMainWindow):
         self.setStyleSheet(stylesheet(self.theme))
         self.plots.apply_theme(self.theme)
         self.calculator.apply_theme(self.theme)
+        self.events_table.theme = self.theme
+        self.gpu_panel.theme = self.theme
         if self.theme_name in getattr(self, "theme_actions", {}):
             self.theme_actions[self.theme_name].setChecked(True)
         self._set_state(self.state)
@@ -867,6 +1480,16 @@ class MainWindow(QMainWindow):
                 DEFAULT_PROMPT = "Every token keeps a key and a value in every layer, so the cache grows: "
             self.prompt_edit.setPlainText(DEFAULT_PROMPT)
         s.endGroup()
+        try:
+            rate = float(s.value("diagnose/sampler_hz", DEFAULT_SAMPLER_HZ) or DEFAULT_SAMPLER_HZ)
+        except (TypeError, ValueError):
+            rate = DEFAULT_SAMPLER_HZ
+        self.sampler_rate_hz = rate if 0 < rate <= 1000 else DEFAULT_SAMPLER_HZ
+        if self.sampler_rate_hz in self.rate_actions:
+            self.rate_actions[self.sampler_rate_hz].setChecked(True)
+        centre = s.value("window/centre_splitter")
+        if centre is not None:
+            self.centre_splitter.restoreState(centre)
         self.calculator.restore_settings(s)
 
     def save_settings(self) -> None:
@@ -874,6 +1497,8 @@ class MainWindow(QMainWindow):
         if not self.presenter:
             s.setValue("window/geometry", self.saveGeometry())
             s.setValue("window/live_splitter", self.live_splitter.saveState())
+            s.setValue("window/centre_splitter", self.centre_splitter.saveState())
+        s.setValue("diagnose/sampler_hz", self.sampler_rate_hz)
         s.setValue("view/theme", self.theme_name)
         s.beginGroup("run")
         s.setValue("source_kind", self.source_combo.currentData())
@@ -898,6 +1523,12 @@ class MainWindow(QMainWindow):
         if self.controller is not None and self.controller.is_running():
             if not self.controller.stop(timeout_s=5.0):
                 log.warning("the generation thread did not stop within 5 s")
+        if self.replay is not None and self.replay.is_running():
+            self.replay.stop(timeout_s=2.0)
+        if self.sampler is not None and not self.sampler.stop(timeout_s=2.0):
+            log.warning("the memory sampler thread did not stop within 2 s")
+        if not self.gpu_poller.stop(timeout_s=2.0):
+            log.warning("the GPU process thread did not stop within 2 s")
         self.calculator.shutdown()
 
     def closeEvent(self, event) -> None:  # noqa: N802 (Qt API)

@@ -31,6 +31,11 @@ TOKEN_COLUMNS = ("token", "kv_observed", "kv_predicted", "total_observed", "tota
                  "error_kv")
 TIME_COLUMNS = ("time", "device_total", "device_used", "process_gpu", "process_rss", "reserved", "allocated",
                 "kv_share", "weights")
+#: The memory sampler's readings (MemorySampler, ~20 Hz, independent of tokens), in plot seconds.
+READING_COLUMNS = ("time", "device_total", "device_used", "process_gpu", "process_rss", "reserved", "allocated")
+#: Memory curves the sampler's readings replace once there are any: the same quantities, read 20x a
+#: second instead of once per token (a replay has no readings and keeps the per-token ones).
+SAMPLED = ("device_used", "process_gpu", "process_rss", "reserved", "allocated")
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -111,6 +116,17 @@ class _Curve:
 
 
 @dataclass
+class SpikeMark:
+    """A spike marked on the memory-vs-time plot: a triangle at its peak and its size above it."""
+
+    time_s: float
+    after: int
+    rise: int
+    cause: str
+    items: tuple
+
+
+@dataclass
 class Marker:
     """A switch (or load/error) marked on the plots."""
 
@@ -129,7 +145,11 @@ class LivePlots(QWidget):
         self.theme = theme or make_theme("dark")
         self.tokens = RingBuffer(capacity, TOKEN_COLUMNS)
         self.times = RingBuffer(capacity, TIME_COLUMNS)
+        self.readings = RingBuffer(capacity, READING_COLUMNS)
+        # monotonic seconds (the probes' clock) of plot time 0; set by the window from the run's samples
+        self.time_origin: float | None = None
         self.markers: list[Marker] = []
+        self.spikes: list[SpikeMark] = []
         self._curves: dict[str, _Curve] = {}
         self._last_settings: tuple[str, str, str] | None = None
         self.host_only: bool | None = None  # None until the first sample says whether a GPU reports memory
@@ -218,7 +238,7 @@ class LivePlots(QWidget):
     # construction
 
     def _add_curve(self, key: str, plot: pg.PlotItem, buffer: RingBuffer, x: str, y: str, name: str,
-                   style: str = "solid", fill: bool = False, z: int = 0) -> None:
+                   style: str = "solid", fill: bool = False, z: int = 0, color: str | None = None) -> None:
         # 'peak' keeps a min and a max per bin; one bin per pixel column (factor 1, pyqtgraph's default
         # is 5 per pixel) draws every spike at a fifth of the cost.
         item = pg.PlotDataItem(autoDownsampleFactor=1.0)
@@ -230,7 +250,7 @@ class LivePlots(QWidget):
         item.setVisible(False)
         plot.addItem(item)
         self._curves[key] = _Curve(item, buffer, x, y, name, self._legends[id(plot)])
-        item._kv_style = (key, style, fill)
+        item._kv_style = (color or key, style, fill)
 
     def _build_curves(self) -> None:
         t, m = self.tokens, self.times
@@ -243,6 +263,9 @@ class LivePlots(QWidget):
         self._add_curve("allocated", self.mem_plot, m, "time", "allocated", "allocator allocated")
         self._add_curve("weights", self.mem_plot, m, "time", "weights", "weights", "dot")
         self._add_curve("kv_share", self.mem_plot, m, "time", "kv_share", "KV cache", fill=True, z=-1)
+        for key in SAMPLED:
+            name = self._curves[key].name
+            self._add_curve(f"sampled_{key}", self.mem_plot, self.readings, "time", key, name, color=key)
         self._add_curve("total_observed", self.total_plot, t, "token", "total_observed", "observed total", z=1)
         self._add_curve("total_predicted", self.total_plot, t, "token", "total_predicted", "predicted total",
                         "dash", z=2)
@@ -317,6 +340,8 @@ class LivePlots(QWidget):
                 curve.legend.addItem(curve.item, curve.name)
         for marker in self.markers:
             self._style_marker(marker)
+        for mark in self.spikes:
+            self._style_spike(mark)
         self._refresh_labels()
 
     def _memory_title(self) -> str:
@@ -333,6 +358,12 @@ class LivePlots(QWidget):
         self.capacity_line.setValue(0)
         self.tokens.clear()
         self.times.clear()
+        self.readings.clear()
+        self.time_origin = None
+        for mark in self.spikes:
+            for item in mark.items:
+                self.mem_plot.removeItem(item)
+        self.spikes.clear()
         for marker in self.markers:
             for plot, line in zip((self.kv_plot, self.mem_plot, self.total_plot, self.error_plot), marker.lines):
                 plot.removeItem(line)
@@ -390,6 +421,69 @@ class LivePlots(QWidget):
         self.tokens.extend(token_rows)
         self.times.extend(time_rows)
 
+    def add_memory_readings(self, readings, origin: float | None = None) -> int:
+        """Append the memory sampler's readings (``core.probes.MemoryReading``, any number).
+
+        Their ``time_s`` is ``time.monotonic()``; ``origin`` (default ``time_origin``) is the monotonic
+        second that is 0 on the plot's time axis, the same axis the token samples' ``time_s`` use.
+        Readings before the origin is known cannot be placed and are refused (returns 0). Returns
+        the readings appended.
+        """
+        origin = self.time_origin if origin is None else origin
+        if origin is None or not readings:
+            return 0
+        last = self.readings.last("time")
+        rows = []
+        for r in readings:
+            t = r.time_s - origin
+            if last is not None and t <= last:
+                continue  # a reading already shown (or out of order): the axis must increase
+            last = t
+            gpu = r.device_total is not None or r.process_gpu is not None or r.allocator_reserved is not None
+            rows.append({
+                "time": t,
+                "device_total": r.device_total,
+                "device_used": r.device_used,
+                "process_gpu": r.process_gpu,
+                # RSS is the process's memory only without a GPU; with one it would dwarf nothing useful
+                "process_rss": None if (r.device_total is not None or r.process_gpu is not None) else r.process_rss,
+                "reserved": r.allocator_reserved,
+                "allocated": r.allocator_allocated,
+            })
+            if self.host_only is None or (self.host_only and gpu):
+                self.host_only = not gpu
+                self.mem_plot.setTitle(self._memory_title(), color=self.theme.text, size=f"{self.theme.title_pt}pt")
+        self.readings.extend(rows)
+        return len(rows)
+
+    def add_spike(self, time_s: float, after: int, rise: int, cause: str = "") -> SpikeMark:
+        """Mark a spike on the memory plot at ``time_s`` (plot seconds): a triangle at ``after`` bytes, '+rise'."""
+        point = pg.ScatterPlotItem([time_s], [after], symbol="t1", size=14)
+        text = pg.TextItem(f"+{format_bytes(rise)}", anchor=(0.5, 1.25))
+        text.setPos(time_s, after)
+        line = pg.InfiniteLine(pos=time_s, angle=90, movable=False)
+        for item in (line, point, text):
+            item.setZValue(5)
+            self.mem_plot.addItem(item, ignoreBounds=True)
+        point.setToolTip(f"spike +{format_bytes(rise)}: {cause}")
+        mark = SpikeMark(time_s, int(after), int(rise), cause, (line, point, text))
+        self._style_spike(mark)
+        self.spikes.append(mark)
+        return mark
+
+    def _style_spike(self, mark: SpikeMark) -> None:
+        t = self.theme
+        line, point, text = mark.items
+        line.setPen(pg.mkPen(t.warning, width=max(t.marker_width - 0.5, 1.0), style=Qt.PenStyle.DotLine))
+        point.setBrush(pg.mkBrush(t.warning))
+        point.setPen(pg.mkPen(t.background, width=1))
+        point.setSize(14 if not t.presenter else 22)
+        text.setColor(t.warning)
+        font = QFont()
+        font.setPointSize(max(t.font_pt - 1, 8))
+        font.setBold(True)
+        text.setFont(font)
+
     def _marker_label(self, s: Sample) -> str:
         if s.event == "switch" and self._last_settings is not None:
             old = self._last_settings
@@ -440,7 +534,17 @@ class LivePlots(QWidget):
     def redraw(self) -> int:
         """Push changed buffers to their curves (the fixed-rate timer's slot). Returns curves updated."""
         updated = 0
-        for curve in self._curves.values():
+        superseded = SAMPLED if len(self.readings) else ()
+        for key, curve in self._curves.items():
+            if key in superseded:
+                if curve.item.isVisible() or curve.in_legend:
+                    curve.item.setVisible(False)
+                    if curve.in_legend and curve.legend is not None:
+                        curve.legend.removeItem(curve.item)
+                    curve.in_legend = False
+                    updated += 1
+                curve.drawn_version = -1
+                continue
             if curve.drawn_version == curve.buffer.version:
                 continue
             curve.drawn_version = curve.buffer.version
@@ -460,7 +564,7 @@ class LivePlots(QWidget):
                 curve.legend.addItem(curve.item, curve.name)
                 curve.in_legend = True
             updated += 1
-        capacity = self.times.last("device_total")
+        capacity = self.readings.last("device_total") or self.times.last("device_total")
         if capacity is not None and self.capacity_line.value() != capacity:
             self.capacity_line.setValue(capacity)
             self.capacity_line.label.setFormat(f"device capacity {format_bytes(capacity)}")
@@ -485,14 +589,18 @@ class LivePlots(QWidget):
         if len(tok):
             self._set_x(self.kv_plot, float(tok[0]), float(tok[-1]))
             self._set_x(self.total_plot, float(tok[0]), float(tok[-1]))
-        t = self.times.column("time")
-        if len(t):
-            self._set_x(self.mem_plot, float(t[0]), float(t[-1]))
+        ends = [(float(c[0]), float(c[-1])) for c in (self.times.column("time"), self.readings.column("time"))
+                if len(c)]
+        if ends:
+            self._set_x(self.mem_plot, min(e[0] for e in ends), max(e[1] for e in ends))
         kv_top = _nanmax(self.tokens, ("kv_observed", "kv_predicted"))
         if kv_top is not None:
             self._set_y(self.kv_plot, 0.0, kv_top, 1.15)
         mem_top = _nanmax(self.times, ("device_used", "process_gpu", "process_rss", "reserved", "allocated",
                                        "weights", "kv_share"))
+        sampled_top = _nanmax(self.readings, SAMPLED)
+        if sampled_top is not None:
+            mem_top = sampled_top if mem_top is None else max(mem_top, sampled_top)
         if mem_top is not None:
             self._set_y(self.mem_plot, 0.0, mem_top, headroom)
         hi = _nanmax(self.tokens, ("total_observed", "total_predicted"))
@@ -535,6 +643,52 @@ class LivePlots(QWidget):
         """The (x, y) a curve currently shows (for tests and exports)."""
         x, y = self._curves[key].item.getData()
         return (np.asarray([]) if x is None else x), (np.asarray([]) if y is None else y)
+
+    #: What ``export_plot`` can write: the KV plot, the memory plot, the predicted-vs-observed pair.
+    EXPORTABLE = ("kv", "memory", "compare")
+
+    def export_plot(self, which: str, path: str) -> str:
+        """Write one plot to ``path`` with pyqtgraph's exporters: PNG (twice the on-screen size) or SVG."""
+        import pyqtgraph.exporters as exporters
+
+        item = {"kv": self.kv_plot, "memory": self.mem_plot, "compare": self.cmp_widget.ci}.get(which)
+        if item is None:
+            raise ValueError(f"unknown plot {which!r}; choose one of {', '.join(self.EXPORTABLE)}")
+        if str(path).lower().endswith(".svg"):
+            try:
+                exporters.SVGExporter(item).export(str(path))
+            except (ValueError, IndexError):
+                # pyqtgraph 0.14's SVG post-processing cannot parse the path data Qt 6.11's SVG
+                # generator writes ("x,y" pairs expected); Qt's own generator gives the same vector
+                # picture without that step.
+                self._svg_with_qt(item, str(path))
+            return str(path)
+        else:
+            exporter = exporters.ImageExporter(item)
+            # Twice the screen size: sharp on a slide. Integer sizes (pyqtgraph rounds floats badly).
+            width = max(int(item.sceneBoundingRect().width() * 2), 400)
+            exporter.parameters()["width"] = width
+        exporter.export(str(path))
+        return str(path)
+
+    def _svg_with_qt(self, item, path: str) -> None:
+        from PySide6.QtCore import QRectF, QSize
+        from PySide6.QtGui import QPainter
+        from PySide6.QtSvg import QSvgGenerator
+
+        source = item.sceneBoundingRect()
+        w, h = int(source.width()), int(source.height())
+        generator = QSvgGenerator()
+        generator.setFileName(path)
+        generator.setSize(QSize(w, h))
+        generator.setViewBox(QRectF(0, 0, w, h))
+        generator.setTitle("KV Scope plot")
+        painter = QPainter(generator)
+        try:
+            painter.fillRect(QRectF(0, 0, w, h), QColor(self.theme.background))
+            item.scene().render(painter, QRectF(0, 0, w, h), source)
+        finally:
+            painter.end()
 
     def curve_visible(self, key: str) -> bool:
         return self._curves[key].item.isVisible()

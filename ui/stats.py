@@ -142,6 +142,10 @@ class StatsPanel(QWidget):
                        "Free memory divided by KV per token, or what is left of the max context if that "
                        "comes first. A forecast for the KV cache alone."),
         "speed": ("Speed", "Generated tokens per second (wall clock, the model's forward and the measuring)."),
+        "oom": ("Out of memory",
+                "Forecast: free memory (GPU: NVML device free; CPU: host available) divided by the KV bytes per "
+                "token\n(least squares over the last 32 tokens since the last switch), or the memory budget if "
+                "that comes first.\nTurns into a warning when it is less than 10 s away at the current speed."),
     }
 
     def __init__(self, parent: QWidget | None = None) -> None:
@@ -157,6 +161,7 @@ class StatsPanel(QWidget):
             self.tiles[key] = tile
         self.set_columns(1)
         self.stats = LiveStats()
+        self.forecast = None
 
     def set_columns(self, columns: int) -> None:
         """Lay the tiles out in ``columns`` columns (1 in the side panel, more in presenter mode)."""
@@ -178,3 +183,16 @@ class StatsPanel(QWidget):
         t["tokens_fit"].set(fit, f"until {s.fit_limit}" if s.fit_limit else "")
         speed = "n/a" if s.tokens_per_s is None else f"{s.tokens_per_s:.1f} tok/s"
         t["speed"].set(speed, f"token {s.tokens:,}" if s.tokens is not None else "")
+
+    def show_forecast(self, forecast, warning_color: str | None = None) -> None:
+        """The OOM forecast tile (``ui.diagnose.OomForecast`` or None); ``warning_color`` when it is near."""
+        tile = self.tiles["oom"]
+        self.forecast = forecast
+        if forecast is None:
+            tile.set("n/a", "memory not growing" if self.stats.kv_now is not None else "")
+        else:
+            from ui.diagnose import format_duration
+
+            when = f"about {format_duration(forecast.seconds)} · " if forecast.seconds is not None else ""
+            tile.set(f"token {forecast.token:,}", f"{when}{forecast.limit}")
+        tile.value.setStyleSheet(f"color: {warning_color};" if warning_color else "")

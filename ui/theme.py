@@ -147,6 +147,13 @@ def stylesheet(t: Theme) -> str:
     QSplitter::handle {{ background: {t.border}; }}
     QScrollBar:vertical {{ background: {t.background}; width: 10px; }}
     QScrollBar::handle:vertical {{ background: {t.border}; border-radius: 5px; min-height: 24px; }}
+    QTableView {{ background: {t.background}; alternate-background-color: {t.panel}; gridline-color: {t.border};
+                  border: 1px solid {t.border}; selection-background-color: {t.accent}; }}
+    QHeaderView::section {{ background: {t.panel}; color: {t.muted}; border: none;
+                            border-bottom: 1px solid {t.border}; padding: 3px 6px; font-weight: 600; }}
+    QTableCornerButton::section {{ background: {t.panel}; border: none; }}
+    QFrame#banner {{ background: {t.panel}; border: 1px solid {t.accent}; border-radius: 6px; }}
+    QFrame#banner QLabel {{ background: transparent; }}
     QLabel#statValue {{ font-size: {t.stat_pt}pt; font-weight: 700; }}
     QLabel#statName {{ color: {t.muted}; font-size: {max(t.font_pt - 1, 9)}pt; }}
     QLabel#statNote {{ color: {t.muted}; font-size: {max(t.font_pt - 2, 8)}pt; }}

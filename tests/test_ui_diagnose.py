@@ -1,0 +1,281 @@
+"""Diagnosing in the window: sampler readings on the memory plot, the events table of a real scripted
+run, spikes marked, the OOM forecast, the memory budget, the GPU processes panel (NVML faked at the
+pynvml boundary only), and no thread left behind. Real Qt (offscreen), real worker, embedded model."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+from PySide6.QtCore import QSettings
+
+from core.generate import RunRequest
+from core.probes import MemoryProbe, MemoryReading
+from core.recording import RecordingReader
+from core.sample import PHASE_EVENT
+from core.settings import RunSettings
+from core.spikes import CAUSE_SWITCH
+from tests.fake_pynvml import NVML_ERROR_DRIVER_NOT_LOADED, FakeGpu, FakeNvml
+from ui.diagnose import GpuProcessesPanel, GpuProcessPoller, format_duration
+from ui.main_window import MainWindow
+from ui.synthetic import synthetic_samples
+from ui.theme import theme
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def settings(tmp_path):
+    s = QSettings(str(tmp_path / "kvscope.ini"), QSettings.Format.IniFormat)
+    s.setValue("app/first_start_done", True)
+    return s
+
+
+@pytest.fixture
+def window(qtbot, settings):
+    w = MainWindow(settings=settings)
+    qtbot.addWidget(w)
+    w.resize(1400, 900)
+    w.show()
+    qtbot.waitUntil(lambda: w.calculator.warm, timeout=60_000)
+    yield w
+    w.shutdown()
+
+
+def _run(qtbot, window, request, timeout=120_000):
+    with qtbot.waitSignal(window.run_finished, timeout=timeout):
+        assert window.start_run(request)
+
+
+def test_sampler_readings_reach_the_memory_plot_on_the_samples_time_axis(qtbot, window):
+    assert window.sampler is not None and window.sampler.is_running()
+    # A run long enough for the sampler to measure its rate (it reports once a second).
+    request = RunRequest(source="embedded", max_new_tokens=100_000)
+    window.start_run(request)
+    qtbot.waitUntil(lambda: window.decode_tokens >= 5 and window.sampler_achieved_hz is not None, timeout=120_000)
+    qtbot.wait(1200)
+    with qtbot.waitSignal(window.run_finished, timeout=10_000):
+        window.stop_run()
+    window._redraw()
+    plots = window.plots
+    assert len(plots.readings) > 10
+    # CPU: the sampler reads host memory; its curve replaces the once-per-token one.
+    x, y = plots.curve_data("sampled_process_rss")
+    assert len(x) == len(plots.readings) and (y > 50 * MiB).all()
+    assert plots.curve_visible("sampled_process_rss") and not plots.curve_visible("process_rss")
+    # One time axis: the readings span the run's tokens (the load comes before 0 s).
+    token_times = plots.times.column("time")
+    assert x[0] < token_times[0] and x[-1] >= token_times[-1] - 0.5
+    assert window.sampler_achieved_hz == pytest.approx(20.0, rel=0.5)
+    assert "Hz" in window.sampler_label.text() and "host memory" in window.sampler_label.text()
+    print(f"sampler rate achieved in the window: {window.sampler_achieved_hz:.1f} Hz")
+
+
+def test_scripted_run_puts_the_prefill_and_every_switch_in_the_events_table(qtbot, window, tmp_path):
+    record = tmp_path / "scripted.jsonl"
+    window.set_record_path(str(record))
+    request = RunRequest(source="embedded", max_new_tokens=12, settings=RunSettings(max_context=256),
+                         switches=((4, "attention", "mqa"), (8, "cache", "static")))
+    _run(qtbot, window, request)
+    assert window.last_error == ""
+    rows = window.events_table.rows
+    kinds = [r.kind for r in rows if not r.kind.startswith("spike")]
+    assert kinds == ["load", "prefill", "switch", "switch"]
+    switches = [r for r in rows if r.kind == "switch"]
+    assert [r.token for r in switches] == [4, 8]
+    assert "mqa" in switches[0].detail and "static" in switches[1].detail
+    assert window.events_table.rowCount() == len(rows)
+    # File > Record: the run went to the file, and File > Export CSV exports it.
+    assert not window.record_action.isChecked()  # one recording per choice
+    with RecordingReader(record) as reader:
+        recorded = list(reader)
+    assert sum(1 for s in recorded if s.event == "switch") == 2
+    assert window.last_recording == str(record)
+    assert window.export_csv(str(tmp_path / "scripted.csv")) == len(recorded)
+
+
+def test_a_spike_in_the_readings_is_marked_and_listed_with_its_cause(qtbot, window):
+    window.sampler.stop()  # the synthetic readings are the only ones
+    qtbot.wait(100)  # readings queued before the stop are delivered now, not later
+    window.mode = "live"
+    window._plot_readings = True
+    window._new_monitor("cpu")
+    samples = synthetic_samples(40, prompt_tokens=8, switches={20: "gqa:2"}, tokens_per_s=20.0)
+    window.add_samples(samples)
+    origin = window._origin
+    assert origin is not None
+    # 20 Hz host-memory readings over 2 s: flat at 500 MiB, then +48 MiB within 0.1 s at 1.0 s,
+    # which is when the synthetic run switched to GQA (token 20 at 20 tok/s).
+    readings = []
+    for i in range(41):
+        t = i * 0.05
+        rss = 500 * MiB + (48 * MiB if t >= 1.05 else 0) + (24 * MiB if 1.0 <= t < 1.05 else 0)
+        readings.append(MemoryReading(time_s=origin + t, process_rss=rss))
+    window._on_readings(readings)
+    window._feed_spikes(flush=True)
+    window._redraw()
+    assert len(window.plots.spikes) == 1
+    mark = window.plots.spikes[0]
+    assert mark.rise == 48 * MiB and mark.after == 548 * MiB
+    assert 1.0 <= mark.time_s <= 1.5
+    row = [r for r in window.events_table.rows if r.kind.startswith("spike")]
+    assert len(row) == 1 and row[0].size == "+48.0 MiB"
+    assert row[0].detail.startswith(CAUSE_SWITCH.split(":")[0])  # "mode switch: attention to gqa:2 ..."
+    assert 20 <= row[0].token <= 22  # the token generated when the rise ended
+    # The readings took over the memory plot's host curve, on the samples' time axis.
+    x, _ = window.plots.curve_data("sampled_process_rss")
+    assert x[0] == pytest.approx(0.0, abs=1e-6) and x[-1] == pytest.approx(2.0)
+
+
+def test_oom_forecast_from_samples_and_readings_turns_into_a_warning(qtbot, window):
+    window.sampler.stop()
+    qtbot.wait(100)
+    window.mode = "live"
+    window._set_state("running")
+    samples = synthetic_samples(40, prompt_tokens=8, gpu=True, tokens_per_s=200.0)
+    window.add_samples(samples)
+    last = samples[-1]
+    bpt = 8 * 1024  # the synthetic MHA cache grows 8 KiB per token
+    # Far from full: a forecast, no warning.
+    window.sampler_device = "cuda:0"
+    window.last_reading = MemoryReading(time_s=0.0, device_total=80 << 30, device_used=40 << 30)
+    window.refresh_stats()
+    tile = window.stats_panel.tiles["oom"]
+    expected = last.token + (40 << 30) // bpt + 1
+    assert tile.value.text() == f"token {expected:,}"
+    assert "GPU memory" in tile.note.text()
+    assert not window.alert_label.isVisible()
+    # 1,000 tokens of room at 200 tok/s: 5 s away, a visible warning.
+    window.last_reading = MemoryReading(time_s=0.0, device_total=80 << 30, device_used=(80 << 30) - 1000 * bpt)
+    window.refresh_stats()
+    expected = last.token + 1000 + 1
+    assert tile.value.text() == f"token {expected:,}"
+    assert window.alert_label.isVisible()
+    assert f"out of memory at token {expected:,} (about 5.0 s)" in window.alert_label.text()
+    assert window.forecast.warning()
+    window._set_state("idle")
+
+
+def test_an_oom_event_is_marked_and_the_window_stays_usable(qtbot, window):
+    samples = synthetic_samples(10, prompt_tokens=8)
+    oom = samples[-1].replace(phase=PHASE_EVENT, event="oom",
+                              text="out of memory in decode at token 18 (CUDA out of memory); cache freed. "
+                                   "The predictor had said KV 144.0 KiB")
+    window.add_samples(samples + [oom])
+    window._redraw()
+    assert window.plots.markers[-1].kind == "oom"
+    assert window.alert_label.isVisible() and "The predictor had said KV 144.0 KiB" in window.alert_label.text()
+    assert window.events_table.rows[-1].kind == "out of memory"
+    assert window.start_button.isEnabled()
+
+
+def test_memory_budget_stops_the_run_with_forecast_and_start_works_again(qtbot, window):
+    window.budget_edit.setText("14.5MiB")  # the embedded model's weights are 13.07 MiB
+    request = window.build_request()
+    assert request.memory_budget == int(14.5 * MiB)
+    request = RunRequest(source="embedded", max_new_tokens=400, memory_budget=request.memory_budget)
+    _run(qtbot, window, request)
+    kinds = window.events_table.kinds()
+    assert "forecast" in kinds and "budget reached" in kinds
+    assert "memory budget" in window.last_error and window.alert_label.isVisible()
+    assert window.plots.markers[-1].kind == "budget"
+    assert window.state == "idle" and window.start_button.isEnabled()
+    tokens = window.decode_tokens
+    assert 0 < tokens < 400
+    # The window is usable again: the next run starts, and the alert is gone.
+    _run(qtbot, window, RunRequest(source="embedded", max_new_tokens=3))
+    assert window.decode_tokens == 3 and window.last_error == "" and not window.alert_label.isVisible()
+
+
+def test_a_bad_budget_is_a_clear_message(qtbot, window):
+    window.budget_edit.setText("lots")
+    assert not window.start_run()
+    assert window.error_label.text().startswith("memory budget: cannot read size 'lots'")
+
+
+def test_sampling_rate_menu_changes_the_sampler_and_is_remembered(qtbot, window, settings):
+    window.rate_actions[50.0].trigger()
+    assert window.sampler.rate_hz == 50.0
+    window.save_settings()
+    assert float(settings.value("diagnose/sampler_hz")) == 50.0
+
+
+def test_snapshot_button_is_disabled_without_cuda_and_says_why(window):
+    assert not window._cuda_available()  # this machine: CPU torch
+    assert not window.snapshot_button.isEnabled()
+    assert "no CUDA GPU" in window.snapshot_button.toolTip()
+
+
+def test_gpu_processes_panel_lists_every_process_and_highlights_this_app(qtbot):
+    me = os.getpid()
+    nvml = FakeNvml([FakeGpu(80 << 30, 30 << 30, 1 << 30, compute=[(me, 3 << 30), (4242, None)]),
+                     FakeGpu(80 << 30, 10 << 30, 1 << 30, compute=[(4343, 9 << 30)])])
+    panel = GpuProcessesPanel(theme("dark"))
+    qtbot.addWidget(panel)
+    poller = GpuProcessPoller(0.05, probe_factory=lambda: MemoryProbe("cpu", nvml=nvml))
+    poller.updated.connect(panel.show_processes)
+    with qtbot.waitSignal(poller.updated, timeout=5_000):
+        poller.start()
+    assert poller.stop()
+    table = panel.table
+    assert table.rowCount() == 3
+    cells = [[table.item(r, c).text() for c in range(table.columnCount())] for r in range(3)]
+    mine = next(row for row in cells if row[1] == str(me))
+    assert mine[2].endswith("(this app)") and mine[3] == "3.0 GiB"
+    assert table.item(cells.index(mine), 2).font().bold()
+    assert next(row for row in cells if row[1] == "4242")[3] == "n/a"  # N/A, never 0
+    assert next(row for row in cells if row[1] == "4343")[0] == "1"
+
+
+def test_gpu_processes_panel_without_a_driver_says_so(qtbot):
+    panel = GpuProcessesPanel(theme("dark"))
+    qtbot.addWidget(panel)
+    nvml = FakeNvml([], init_error=NVML_ERROR_DRIVER_NOT_LOADED)
+    poller = GpuProcessPoller(0.05, probe_factory=lambda: MemoryProbe("cpu", nvml=nvml))
+    poller.updated.connect(panel.show_processes)
+    with qtbot.waitSignal(poller.updated, timeout=5_000):
+        poller.start()
+    assert poller.stop()
+    assert panel.table.rowCount() == 0
+    assert panel.note.text().startswith("no GPU processes: no NVIDIA driver")
+
+
+def test_closing_the_window_stops_every_thread(qtbot, settings):
+    before = {t.ident for t in threading.enumerate()}
+    w = MainWindow(settings=settings)
+    qtbot.addWidget(w)
+    w.show()
+    qtbot.waitUntil(lambda: w.calculator.warm, timeout=60_000)
+    w.start_run(RunRequest(source="embedded", max_new_tokens=100_000))
+    qtbot.waitUntil(lambda: w.decode_tokens >= 2, timeout=120_000)
+    w.close()
+    assert not w.controller.is_running()
+    assert not w.sampler.is_running() and not w.gpu_poller.is_running()
+    assert not w.replay.is_running()
+    if os.path.isdir("/proc/self/task"):
+        # The OS's own list: the sampler, GPU-process and replay threads are named kvscope-*.
+        def ours() -> list[str]:
+            names = []
+            for tid in os.listdir("/proc/self/task"):
+                try:
+                    with open(f"/proc/self/task/{tid}/comm") as f:
+                        names.append(f.read().strip())
+                except OSError:
+                    pass  # ended while listing
+            # Not the generation thread's name: torch's worker pool threads, started from it, inherit
+            # its name and live on (a pool); that thread itself is checked by is_running() above.
+            return [n for n in names if n.startswith("kvscope-") and not n.startswith("kvscope-generat")]
+
+        qtbot.waitUntil(lambda: not ours(), timeout=5_000)
+    # Python's list: no thread it knows of is still running (an ended Qt thread may leave a dummy entry).
+    assert all(t.ident in before or isinstance(t, threading._DummyThread) or not t.is_alive()
+               for t in threading.enumerate() if t is not threading.main_thread())
+
+
+def test_durations_read_well():
+    assert format_duration(4.25) == "4.2 s"
+    assert format_duration(38) == "38 s"
+    assert format_duration(720) == "12 min"
+    assert format_duration(3.5 * 3600) == "3.5 h"
+    assert format_duration(None) == "n/a"

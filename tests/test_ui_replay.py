@@ -1,0 +1,159 @@
+"""Recordings in the window: the demo replays through the same plots, run_replay's screenshot and
+its errors, exports (PNG/SVG per plot, the summary image, CSV from the File menu), first start."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+from PySide6.QtCore import QSettings, Qt
+from PySide6.QtWidgets import QFileDialog
+
+from core.recording import RecordingReader
+from ui.app import run_replay
+from ui.main_window import MainWindow, demo_recording_path
+from ui.screenshot import image_stats
+
+DEMO = demo_recording_path()
+
+
+@pytest.fixture
+def settings(tmp_path):
+    s = QSettings(str(tmp_path / "kvscope.ini"), QSettings.Format.IniFormat)
+    s.setValue("app/first_start_done", True)
+    return s
+
+
+@pytest.fixture
+def window(qtbot, settings):
+    w = MainWindow(settings=settings)
+    qtbot.addWidget(w)
+    w.resize(1400, 900)
+    w.show()
+    yield w
+    w.shutdown()
+
+
+def _demo_counts():
+    with RecordingReader(DEMO) as reader:
+        samples = list(reader)
+    return samples
+
+
+@pytest.fixture
+def replayed(qtbot, window):
+    with qtbot.waitSignal(window.run_finished, timeout=120_000):
+        assert window.open_recording(str(DEMO), speed=50.0)
+    window._redraw()
+    return window
+
+
+def test_demo_replays_through_the_window_with_every_switch_marked(replayed):
+    w = replayed
+    samples = _demo_counts()
+    switches = [s for s in samples if s.event == "switch"]
+    decode = [s for s in samples if s.phase == "decode"]
+    prefill = [s for s in samples if s.phase == "prefill"]
+    assert len(switches) == 6 and w.last_error == ""
+    assert [m.kind for m in w.plots.markers] == ["switch"] * 6
+    assert [m.token for m in w.plots.markers] == [s.token for s in switches]
+    # One KV point per token sample in the file: every decode sample, plus the prefill's.
+    x, y = w.plots.curve_data("kv_observed")
+    assert len(x) == len(decode) + len(prefill)
+    assert list(y[-len(decode):]) == [s.kv_bytes_observed for s in decode]
+    assert w.decode_tokens == len(decode)
+    kinds = w.events_table.kinds()
+    assert kinds.count("switch") == 6 and "prefill" in kinds and "load" in kinds
+    assert w.badges["model"].text().endswith("replay")
+    assert w.badges["cache"].text() == switches[-1].cache
+    assert "gqa:2" in w.text_view.toPlainText()  # the switch markers in the streamed text
+    assert w.state == "idle" and w.mode == "replay"
+    assert len(w.plots.readings) == 0  # a replay shows what was recorded, not this machine's memory
+
+
+def test_export_plots_png_svg_and_summary_write_real_files(replayed, tmp_path):
+    w = replayed
+    pngs = w.export_plots(str(tmp_path / "talk.png"), fmt="png")
+    assert [p.name for p in pngs] == ["talk-kv.png", "talk-memory.png", "talk-compare.png"]
+    for path in pngs:
+        width, height, spread = image_stats(path)
+        assert width >= 400 and height > 100 and spread > 5
+    svgs = w.export_plots(str(tmp_path / "talk"), fmt="svg")
+    assert [p.name for p in svgs] == ["talk-kv.svg", "talk-memory.svg", "talk-compare.svg"]
+    for path in svgs:
+        text = path.read_text(encoding="utf-8")
+        assert "<svg" in text and "</svg>" in text and len(text) > 2000
+    summary = w.export_summary(str(tmp_path / "summary.png"))
+    width, height, spread = image_stats(summary)
+    assert (width, height) == (1920, 1080) and spread > 10
+
+
+def test_csv_export_from_the_file_menu(replayed, tmp_path, monkeypatch):
+    target = tmp_path / "demo.csv"
+    # Only the file dialog is answered for the test; the action, the export and the file are real.
+    monkeypatch.setattr(QFileDialog, "getSaveFileName", staticmethod(lambda *a, **k: (str(target), "")))
+    replayed.export_csv_action.trigger()
+    with open(target, newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(_demo_counts())
+    assert sum(1 for r in rows if r["event"] == "switch") == 6
+
+
+def test_run_replay_screenshot_writes_a_png(qtbot, tmp_path, capsys):
+    out = tmp_path / "replay.png"
+    assert run_replay(str(DEMO), speed=50.0, screenshot=str(out)) == 0
+    width, height, spread = image_stats(out)
+    assert (width, height) == (1600, 1000) and spread > 10
+    assert "112 tokens, 6 switches" in capsys.readouterr().out
+
+
+def test_run_replay_on_garbage_is_one_line_and_non_zero(qtbot, tmp_path, capsys):
+    bad = tmp_path / "garbage.jsonl"
+    bad.write_bytes(b"\x00\x01 this is not a recording\n{]")
+    assert run_replay(str(bad), screenshot=str(tmp_path / "x.png")) != 0
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvscope: ") and "\n" not in err and "Traceback" not in err
+    assert not (tmp_path / "x.png").exists()
+    missing = tmp_path / "nope.jsonl"
+    assert run_replay(str(missing)) != 0
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvscope: ") and "\n" not in err
+
+
+def test_run_replay_on_a_truncated_recording_plays_it_and_says_so(qtbot, tmp_path, capsys):
+    lines = DEMO.read_bytes().splitlines(keepends=True)
+    cut = tmp_path / "cut.jsonl"
+    cut.write_bytes(b"".join(lines[:40]) + lines[40][: len(lines[40]) // 2])  # killed mid-write
+    out = tmp_path / "cut.png"
+    assert run_replay(str(cut), speed=50.0, screenshot=str(out)) == 1
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert err.startswith("kvscope: ") and "\n" not in err and "cut off" in err
+    assert out.exists()  # what was recorded is still shown
+
+
+def test_first_start_offers_the_demo_without_blocking(qtbot, tmp_path):
+    fresh = QSettings(str(tmp_path / "fresh.ini"), QSettings.Format.IniFormat)
+    w = MainWindow(settings=fresh)
+    qtbot.addWidget(w)
+    w.show()
+    assert w.demo_banner.isVisible() and not w.isModal()
+    assert fresh.value("app/first_start_done", False, type=bool)
+    qtbot.mouseClick(w.demo_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: w.decode_tokens >= 1, timeout=120_000)  # the demo plays at its recorded pace
+    assert w.mode == "replay" and not w.demo_banner.isVisible()
+    with qtbot.waitSignal(w.run_finished, timeout=10_000):
+        w.stop_run()
+    assert w.state == "idle" and not w.replay.is_running()
+    w.shutdown()
+    again = MainWindow(settings=fresh)
+    qtbot.addWidget(again)
+    again.show()
+    assert not again.demo_banner.isVisible()
+    again.shutdown()
+
+
+def test_demo_recording_header_is_readable():
+    header = json.loads(DEMO.read_text(encoding="utf-8").splitlines()[0])
+    assert header["format"] == "kvscope-recording"

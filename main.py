@@ -168,6 +168,10 @@ def cmd_self_test(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    from core.recording import read_header
+
+    # A missing, empty, foreign or too-new file gets its one-line reason before Qt starts.
+    read_header(args.file)
     from ui.app import has_display, run_replay
 
     if not args.screenshot and not has_display():
@@ -178,12 +182,24 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from core.export import export_csv
+    import logging
+
+    from core.export import write_csv
+    from core.recording import RecordingReader
 
     if not args.csv:
         raise CliError("export needs an output: --csv out.csv")
-    rows = export_csv(args.file, args.csv)
+    # One summary line about skipped or cut-off samples, said here, rather than a logging line per
+    # damaged line (which only reached the user through logging's last-resort handler).
+    reader_log = logging.getLogger("core.recording")
+    if not reader_log.handlers:
+        reader_log.addHandler(logging.NullHandler())
+    with RecordingReader(args.file) as reader:
+        rows = write_csv(reader, args.csv)
+        problem = reader.problem()
     print(f"wrote {rows:,} samples to {args.csv}")
+    if problem:
+        print(f"kvscope: {problem}", file=sys.stderr)
     return 0
 
 

@@ -97,7 +97,9 @@ def render_table(result: CalcResult) -> str:
         f"cache {settings.cache.key}, attn-impl {settings.attn_impl}",
     ]
     if eff.sliding_window:
-        lines.append(f"sliding window {eff.sliding_window} tokens on {eff.num_sliding_layers} of {eff.num_layers} layers")
+        wider = result.rows and eff.sliding_window > max(p.context for p in result.rows)
+        lines.append(f"sliding window {eff.sliding_window} tokens on {eff.num_sliding_layers} of {eff.num_layers} layers"
+                     + (" (wider than every context here: the cache keeps every token)" if wider else ""))
     lines.append("KV per token: " + kv_formula(spec, settings))
     lines.append("")
     header = ("context", "KV cache", "weights", "activations (peak)", "total")

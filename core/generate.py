@@ -118,6 +118,15 @@ class Engine:
         self.t0 = clock()
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.settings = settings.with_(weight_dtype=loaded.dtype, kv_dtype=None)
+        #: One line each about a setting the engine adjusted; run_generation emits them as "note" events.
+        self.notes: list[str] = []
+        limit = self.spec.max_position_embeddings
+        if settings.max_context is not None and settings.max_context > limit:
+            # Clamped, not refused: the window remembers its max-context across models, and a
+            # static cache beyond the trained positions would only hold memory no token can use.
+            self.notes.append(f"max context {settings.max_context:,} is beyond {self.spec.label}'s maximum of "
+                              f"{limit:,} tokens (max_position_embeddings): using {limit:,}")
+            self.settings = self.settings.with_(max_context=limit)
         self.mode: AttentionMode = native_attention(self.spec)
         self.kernel = "sdpa"
         self.cache = None
@@ -156,6 +165,16 @@ class Engine:
                                 "sliding window (switch attention away from window first)")
         if isinstance(strategy, Quantized) and self.mode.name == "mla":
             raise SettingsError("a quantized cache is not supported with MLA's latent cache here")
+        if isinstance(strategy, Quantized):
+            # Models built with some sliding layers (Qwen2 max_window_layers, Gemma 3): the same test
+            # QuantizedCache makes, so a live switch is refused here, not by a ValueError mid-run.
+            from transformers.cache_utils import get_layer_types_and_kwargs
+
+            types, _ = get_layer_types_and_kwargs(self.model.config.get_text_config(decoder=True))
+            sliding = sum(1 for t in types if t != "full_attention")
+            if sliding:
+                raise SettingsError(f"a quantized cache needs full-attention layers; transformers refuses it with a "
+                                    f"sliding window ({sliding} of {len(types)} layers of {self.spec.label} slide)")
         if isinstance(strategy, Quantized) and strategy.backend in ("quanto", "hqq"):
             module = "optimum.quanto" if strategy.backend == "quanto" else "hqq"
             try:
@@ -560,6 +579,8 @@ def run_generation(request: RunRequest, hooks: RunHooks) -> list[Sample]:
             hooks.emit(sample)
 
         emit(engine.event("load", f"loaded {loaded.label} on {info.device_name} ({loaded.dtype})"))
+        for note in engine.notes:
+            emit(engine.event("note", note))
         snapshot = _start_snapshot(request, loaded.device)
         return _loop(request, engine, hooks, emit, snapshot)
     finally:
@@ -605,6 +626,11 @@ def _loop(request: RunRequest, engine: Engine, hooks: RunHooks, emit: Callable[[
         raise
     emit(first)
     kept.append(first)
+    run_tokens = engine.seq_len + request.max_new_tokens
+    if isinstance(engine.mode, Window) and engine.mode.window - 1 >= run_tokens:
+        # Allowed (nothing breaks), but the window never slides: say why the bytes equal full attention's.
+        emit(engine.event("note", f"{engine.mode.key} is larger than this run's context ({run_tokens:,} tokens): "
+                                  "the cache keeps every token, the same bytes as full attention"))
     budget = request.memory_budget
     if budget is not None:
         forecast = engine.budget_forecast(budget, request.max_new_tokens)

@@ -204,8 +204,18 @@ def _first(d: dict[str, Any], *keys: str) -> Any:
     return None
 
 
+#: More decoder layers than any published model has by an order of magnitude. A config beyond it is
+#: a typo; refusing it matters because the exact parameter count builds every layer (on the meta
+#: device, ~4 ms each), so 10**12 layers would hang the calculator instead of answering.
+MAX_LAYERS = 4096
+
+
 def _positive_int(value: Any, what: str, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+    if value is None:
+        raise SpecError(f"{name}: config is missing the {what}")
+    # NaN and infinity parse from JSON ("NaN", "Infinity") and cannot become ints: say so, not crash.
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or (isinstance(value, float) and not math.isfinite(value)) or value != int(value)):
         raise SpecError(f"{name}: {what} must be a whole number, got {value!r}")
     if int(value) <= 0:
         raise SpecError(f"{name}: {what} must be positive, got {value!r}")
@@ -345,6 +355,8 @@ def spec_from_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
         raise SpecError(f"{name}: {', '.join(archs)} is not a causal language model (no KV cache to generate with)")
 
     layers = _positive_int(_first(cfg, "num_hidden_layers", "n_layer", "num_layers"), "number of layers", name)
+    if layers > MAX_LAYERS:
+        raise SpecError(f"{name}: {layers:,} layers is implausible (more than {MAX_LAYERS:,}); check num_hidden_layers")
     heads = _positive_int(_first(cfg, "num_attention_heads", "n_head", "num_heads"), "number of attention heads", name)
     hidden = _positive_int(_first(cfg, "hidden_size", "n_embd", "d_model"), "hidden size", name)
     kv_heads = _positive_int(_kv_heads(cfg, heads), "number of KV heads", name)

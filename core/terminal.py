@@ -20,8 +20,9 @@ def _fmt(n: int | None) -> str:
 class TerminalView:
     """Prints one row per token and one line per event, then a summary."""
 
-    def __init__(self, out: TextIO = sys.stdout, every: int = 1) -> None:
-        self.out = out
+    def __init__(self, out: TextIO | None = None, every: int = 1) -> None:
+        # Looked up per call, not bound at import: sys.stdout may be replaced (pytest, an embedding app).
+        self.out = out if out is not None else sys.stdout
         self.every = max(1, every)
         self.samples = 0
         self.mismatches = 0
@@ -76,7 +77,7 @@ class TerminalView:
               file=self.out, flush=True)
 
 
-def run_terminal(request: RunRequest, out: TextIO = sys.stdout) -> int:
+def run_terminal(request: RunRequest, out: TextIO | None = None) -> int:
     """Run a generation with the live table. Ctrl+C stops cleanly (the recording is kept)."""
     view = TerminalView(out)
     stopping = {"flag": False}
@@ -97,5 +98,5 @@ def run_terminal(request: RunRequest, out: TextIO = sys.stdout) -> int:
         signal.signal(signal.SIGINT, previous)
     view.summary()
     if request.record_path:
-        print(f"recorded to {request.record_path}", file=out)
+        print(f"recorded to {request.record_path}", file=view.out)
     return 0

@@ -385,10 +385,15 @@ class MainWindow(QMainWindow):
         self.diag_tabs.addTab(self.gpu_panel, "GPU processes")
         self.sampler_label = QLabel("memory sampler: starting\u2026")
         self.sampler_label.setObjectName("statNote")
-        self.diag_tabs.setCornerWidget(self.sampler_label, Qt.Corner.TopRightCorner)
+        diag = QWidget()
+        dl = QVBoxLayout(diag)
+        dl.setContentsMargins(0, 0, 0, 0)
+        dl.setSpacing(2)
+        dl.addWidget(self.diag_tabs, 1)
+        dl.addWidget(self.sampler_label)
         self.centre_splitter = QSplitter(Qt.Orientation.Vertical)
         self.centre_splitter.addWidget(self.plots)
-        self.centre_splitter.addWidget(self.diag_tabs)
+        self.centre_splitter.addWidget(diag)
         self.centre_splitter.setStretchFactor(0, 4)
         self.centre_splitter.setStretchFactor(1, 1)
         self.centre_splitter.setSizes([700, 260])
@@ -697,6 +702,7 @@ class MainWindow(QMainWindow):
 
     def _start_now(self, request) -> None:
         self.mode = "live"
+        self._show_sampler_status()
         self.reset_view()
         self.error_label.setText("")
         self.last_error = ""
@@ -768,6 +774,8 @@ class MainWindow(QMainWindow):
         return True
 
     def _start_replay_now(self, path: str, speed: float) -> None:
+        self.mode = "replay"
+        self._show_sampler_status()
         self.reset_view()
         self.request = None
         self.error_label.setText("")
@@ -980,6 +988,9 @@ class MainWindow(QMainWindow):
         rate = ("measuring\u2026" if self.sampler_achieved_hz is None
                 else f"{self.sampler_achieved_hz:.1f} Hz")
         note = self.sampler_notes[0] if self.sampler_notes else ""
+        if self.mode == "replay":
+            # The sampler reads this machine; a replay shows the memory that was recorded.
+            note = "replay: memory as recorded (spikes from the recorded tokens)"
         self.sampler_label.setText(f"memory sampler {rate} (set {self.sampler_rate_hz:g} Hz)"
                                    + (f" \u00b7 {note}" if note else ""))
         self.sampler_label.setToolTip("\n".join([f"device probed: {self.sampler_device}"] + self.sampler_notes))
@@ -1396,8 +1407,17 @@ class MainWindow(QMainWindow):
         self.presenter = bool(on)
         self.presenter_action.setChecked(self.presenter)
         self.controls_scroll.setVisible(not self.presenter)
-        self.right_panel.setMaximumWidth(560 if self.presenter else 420)
-        self.right_panel.setMinimumWidth(380 if self.presenter else 250)
+        self.right_panel.setMaximumWidth(600 if self.presenter else 420)
+        self.right_panel.setMinimumWidth(540 if self.presenter else 250)
+        # Large type: the numbers go two abreast so the streamed text keeps some room, and the
+        # events table yields height to the plots (it still shows the last few rows).
+        self.stats_panel.set_columns(2 if self.presenter else 1)
+        if self.presenter:
+            self._normal_centre_sizes = self.centre_splitter.sizes()
+            total = max(sum(self._normal_centre_sizes), 1)
+            self.centre_splitter.setSizes([int(total * 0.8), int(total * 0.2)])
+        elif getattr(self, "_normal_centre_sizes", None):
+            self.centre_splitter.setSizes(self._normal_centre_sizes)
         self.apply_theme()
         if fullscreen:
             if self.presenter:

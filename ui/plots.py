@@ -459,7 +459,8 @@ class LivePlots(QWidget):
     def add_spike(self, time_s: float, after: int, rise: int, cause: str = "") -> SpikeMark:
         """Mark a spike on the memory plot at ``time_s`` (plot seconds): a triangle at ``after`` bytes, '+rise'."""
         point = pg.ScatterPlotItem([time_s], [after], symbol="t1", size=14)
-        text = pg.TextItem(f"+{format_bytes(rise)}", anchor=(0.5, 1.25))
+        # Beside the triangle, not above it: above is where the legend rows are.
+        text = pg.TextItem(f"+{format_bytes(rise)}", anchor=(-0.15, 0.5))
         text.setPos(time_s, after)
         line = pg.InfiniteLine(pos=time_s, angle=90, movable=False)
         for item in (line, point, text):
@@ -602,7 +603,9 @@ class LivePlots(QWidget):
         if sampled_top is not None:
             mem_top = sampled_top if mem_top is None else max(mem_top, sampled_top)
         if mem_top is not None:
-            self._set_y(self.mem_plot, 0.0, mem_top, headroom)
+            # The memory legend has up to three rows over the curves; host RSS and device used sit
+            # near the top of their range, so give the legend its own band above them.
+            self._set_y(self.mem_plot, 0.0, mem_top, headroom + 0.3)
         hi = _nanmax(self.tokens, ("total_observed", "total_predicted"))
         lo = _nanmin(self.tokens, ("total_observed", "total_predicted"))
         if hi is not None and lo is not None:

@@ -186,7 +186,10 @@ class LivePlots(QWidget):
                 plot.getAxis(side).setCacheMode(QGraphicsItem.CacheMode.DeviceCoordinateCache)
 
         # Legends in rows across the top: they cover less of the curves than a tall box.
-        self._legends = {id(p): p.addLegend(offset=(8, 4), colCount=3) for p in self.all_plots}
+        # The KV plot's legend sits bottom-right: its top-left corner is where the first switch marker's
+        # label goes, and the KV line starts high on the left.
+        self._legends = {id(p): p.addLegend(offset=(-8, -4) if p is self.kv_plot else (8, 4), colCount=3)
+                         for p in self.all_plots}
         self._build_curves()
 
         # The current slope, large, in the KV plot's corner: the number a speaker points at.

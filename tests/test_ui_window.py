@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from PySide6.QtCore import QSettings, Qt
@@ -68,16 +69,21 @@ def test_a_real_run_reaches_the_plots_and_a_switch_adds_a_marker(qtbot, window):
 
 
 def test_stop_leaves_no_thread_running(qtbot, window):
-    before = {t.ident for t in threading.enumerate()}
     request = RunRequest(source="embedded", max_new_tokens=100_000)
     window.start_run(request)
     qtbot.waitUntil(lambda: window.decode_tokens >= 3, timeout=120_000)
+    thread = window.controller._thread
+    assert thread is not None and thread.isRunning()
+    started = time.perf_counter()
     with qtbot.waitSignal(window.run_finished, timeout=10_000):
         window.stop_run()
+    assert time.perf_counter() - started < 1.0  # cooperative stop between two tokens
     assert window.state == "idle"
     assert not window.controller.is_running()
-    qtbot.waitUntil(lambda: {t.ident for t in threading.enumerate()} <= before | {threading.main_thread().ident},
-                    timeout=5_000)
+    # The worker's QThread has returned from run(). (The window's own sampler and process-table threads
+    # keep running while it is open, and torch's pool threads outlive any one run, so we do not count
+    # OS threads here; tests/test_hardening.py checks closing the window leaves none of ours.)
+    assert window.controller._thread is None
     assert window.decode_tokens < 100_000
 
 

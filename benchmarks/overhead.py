@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from core.generate import DEFAULT_PROMPT, Engine  # noqa: E402
+from core.generate import DEFAULT_PROMPT, Engine, limit_cpu_threads  # noqa: E402
 from core.loading import load_model  # noqa: E402
 from core.probes import MemoryProbe  # noqa: E402
 from core.settings import RunSettings  # noqa: E402
@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     args = ap.parse_args()
     loaded = load_model(args.model, device=args.device)
+    limit_cpu_threads(loaded.device)  # the app's own CPU thread policy, for both sides
     ids = loaded.tokenizer(DEFAULT_PROMPT, return_tensors="pt")["input_ids"].to(loaded.device)
     probe = MemoryProbe(device=loaded.device)
     time_generate(loaded, ids, 16)  # warm-up both paths

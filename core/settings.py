@@ -8,6 +8,7 @@ Spellings are canonical and shared by the command line, recordings and the windo
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from core.attention import AttentionMode, SettingsError, native_attention, parse_attention
@@ -85,7 +86,13 @@ def effective_spec(spec: ModelSpec, settings: RunSettings) -> ModelSpec:
     """The spec whose cache this run holds: the attention mode applied (checked) to the model."""
     if settings.attention is None:
         return spec
-    settings.attention.check(spec)
-    return settings.attention.apply(spec)
+    return _applied(spec, settings.attention)
+
+
+@functools.lru_cache(maxsize=256)
+def _applied(spec: ModelSpec, mode: AttentionMode) -> ModelSpec:
+    # Memoised: the engine predicts at every token and the predictor asks several times per call.
+    mode.check(spec)
+    return mode.apply(spec)
 
 

@@ -42,7 +42,11 @@ def wait(predicate, timeout_s: float) -> bool:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--switch-interval-ms", type=float, default=None,
+                    help="override sys.setswitchinterval (the app's own setting otherwise)")
     args = ap.parse_args()
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1000)
     app = QApplication.instance() or QApplication(sys.argv)
     ini = Path(tempfile.mkdtemp()) / "s.ini"
     window = MainWindow(settings=QSettings(str(ini), QSettings.Format.IniFormat))

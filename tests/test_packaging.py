@@ -208,3 +208,12 @@ def test_main_self_test_exits_0():
     line = [ln for ln in result.stdout.splitlines() if ln.startswith("self-test")][-1]
     assert line.startswith("self-test OK: 8 tokens, KV ")
     assert "observed == predicted" in line and "embedded" in line
+
+
+def test_self_test_failure_reasons_are_one_line():
+    from ui.selftest import _one_line
+
+    numpy_style = "\n\nIMPORTANT: PLEASE READ THIS\n\n  * details\n\nOriginal error was: libfoo.so: bad ELF\n"
+    assert _one_line(numpy_style) == "IMPORTANT: PLEASE READ THIS ... Original error was: libfoo.so: bad ELF"
+    assert _one_line("short") == "short"
+    assert _one_line("") == ""

@@ -2,13 +2,14 @@
 
 It goes the real way through: a Qt application on the offscreen platform, the generation worker
 on its QThread, the embedded demo model built from ``assets/`` (so the bundle's data files are
-found), a prefill and 8 decoded tokens on the CPU, and for every decoded token the observed KV
-bytes compared with the predicted ones. One line on stdout says what passed; on any failure one
+found), a prefill and 8 decoded tokens on the CPU, for every decoded token the observed KV bytes
+compared with the predicted ones, and a pyqtgraph plot of them rendered offscreen. One line on stdout says what passed; on any failure one
 line says why and the exit status is 1. No display, GPU or network is needed.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 import time
@@ -29,6 +30,9 @@ def self_test(timeout_s: float = SELF_TEST_TIMEOUT_S, tokens: int = SELF_TEST_TO
     Prints one line ("self-test OK: ..." or "self-test FAILED: ...") and returns the exit status:
     0 when every decoded token's observed KV bytes equal the predicted ones, else 1.
     """
+    # A crash in native code (a broken bundle, a mismatched Qt) should still say where it happened.
+    if sys.stderr is not None and not faulthandler.is_enabled():  # None in a Windows GUI build
+        faulthandler.enable()
     # Must precede the QApplication: the offscreen platform needs no display server.
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     # The embedded model is built locally; nothing here may wait on the network.
@@ -40,14 +44,42 @@ def self_test(timeout_s: float = SELF_TEST_TIMEOUT_S, tokens: int = SELF_TEST_TO
         print(f"self-test FAILED: {exc}", flush=True)
         return 1
     except Exception as exc:  # noqa: BLE001 - a broken build must say what broke, not crash
-        print(f"self-test FAILED: {type(exc).__name__}: {exc}", flush=True)
+        print(f"self-test FAILED: {type(exc).__name__}: {_one_line(str(exc))}", flush=True)
         return 1
     print(f"self-test OK: {line} ({time.monotonic() - started:.1f} s)", flush=True)
     return 0
 
 
+def _one_line(message: str) -> str:
+    """Long library errors (numpy's ImportError is a page) as one line: their first and last lines."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if len(lines) <= 1:
+        return lines[0] if lines else ""
+    return f"{lines[0]} ... {lines[-1]}"
+
+
+def _render_plot(values: list[int]) -> tuple[int, int]:
+    """Plot the KV bytes with pyqtgraph and export the plot as an image in memory; the image's size.
+
+    The window's plotting stack (pyqtgraph, its QtOpenGL and QtSvg imports, the exporters the File
+    menu uses): a bundle that lacks a piece fails here, not in front of an audience.
+    """
+    import pyqtgraph as pg
+    import pyqtgraph.exporters
+    from PySide6.QtSvg import QSvgGenerator  # noqa: F401 - SVG export needs QtSvg in the bundle
+
+    plot = pg.PlotWidget()
+    plot.resize(320, 200)
+    plot.plot(list(range(len(values))), values)
+    image = pyqtgraph.exporters.ImageExporter(plot.getPlotItem()).export(toBytes=True)
+    plot.close()
+    if image is None or image.isNull() or image.width() == 0:
+        raise SelfTestFailed("pyqtgraph could not render a plot offscreen")
+    return image.width(), image.height()
+
+
 def _run(timeout_s: float, tokens: int) -> str:
-    from PySide6.QtCore import QEventLoop, QTimer
+    from PySide6.QtCore import QEvent, QEventLoop, QTimer
     from PySide6.QtWidgets import QApplication
 
     from core.generate import RunRequest
@@ -74,7 +106,10 @@ def _run(timeout_s: float, tokens: int) -> str:
         timed_out.append(True)
         loop.quit()
 
-    controller.samples.connect(samples.extend)
+    def on_samples(batch: list) -> None:
+        samples.extend(batch)
+
+    controller.samples.connect(on_samples)
     controller.errored.connect(on_error)
     controller.finished.connect(loop.quit)
     timer.timeout.connect(on_timeout)
@@ -87,6 +122,8 @@ def _run(timeout_s: float, tokens: int) -> str:
         raise SelfTestFailed(f"no result within {timeout_s:.0f} s ({len(samples)} samples so far)")
     controller.stop(timeout_s=5.0)  # the run has finished; this only joins its thread
     app.processEvents()  # deliver the last queued sample batch
+    # Let the worker's and thread's deleteLater run now, while everything they refer to is alive.
+    app.sendPostedEvents(None, QEvent.Type.DeferredDelete)
     if errors:
         raise SelfTestFailed(f"the run failed: {errors[0]}")
     decoded = [s for s in samples if s.phase == PHASE_DECODE]
@@ -99,9 +136,10 @@ def _run(timeout_s: float, tokens: int) -> str:
         if sample.kv_bytes_observed != sample.kv_bytes_predicted:
             raise SelfTestFailed(f"token {sample.token}: KV observed {sample.kv_bytes_observed:,} B "
                                  f"!= predicted {sample.kv_bytes_predicted:,} B")
+    width, height = _render_plot([s.kv_bytes_observed for s in decoded])
     last = decoded[-1]
     info = controller.info
     model = info.label if info is not None else "embedded"
     return (f"{len(decoded)} tokens, KV {last.kv_bytes_observed:,} B observed == predicted, "
             f"model {model} on {last.device} ({last.dtype}, {last.attention}, {last.cache} cache), "
-            f"Qt platform {app.platformName()}")
+            f"Qt platform {app.platformName()}, plot {width}x{height}")

@@ -10,6 +10,7 @@ budget, stop/pause polling); the terminal view and the Qt worker both use it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import time
 from dataclasses import dataclass, field
@@ -96,6 +97,25 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize(torch.device(device))
     elif device == "mps":
         torch.mps.synchronize()
+
+
+@functools.lru_cache(maxsize=None)
+def _backend_problem(backend: str) -> str | None:
+    """Why a quantized-cache backend cannot run in this process (None when it can), found by
+    quantizing one small tensor the way transformers' cache layer does. optimum-quanto builds a
+    C++ extension on first use, which fails where no compiler or torch headers exist (the desktop
+    bundle): better a clear refusal at the switch than an error halfway through a forward pass."""
+    from transformers.cache_utils import HQQQuantizedLayer, QuantoQuantizedLayer
+
+    try:
+        layer = (QuantoQuantizedLayer if backend == "quanto" else HQQQuantizedLayer)(nbits=4)
+        probe = torch.zeros(1, 1, 4, 64)
+        layer.update(probe, probe)  # the first update quantizes
+    except ImportError:
+        return f"it is not installed (pip install {'optimum-quanto' if backend == 'quanto' else 'hqq'})"
+    except Exception as exc:  # noqa: BLE001 - extension build errors come as RuntimeError, OSError...
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    return None
 
 
 def limit_cpu_threads(device: str) -> int | None:
@@ -189,12 +209,10 @@ class Engine:
                 raise SettingsError(f"a quantized cache needs full-attention layers; transformers refuses it with a "
                                     f"sliding window ({sliding} of {len(types)} layers of {self.spec.label} slide)")
         if isinstance(strategy, Quantized) and strategy.backend in ("quanto", "hqq"):
-            module = "optimum.quanto" if strategy.backend == "quanto" else "hqq"
-            try:
-                __import__(module)
-            except ImportError as exc:
-                raise SettingsError(f"the {strategy.backend} backend is not installed (pip install "
-                                    f"{'optimum-quanto' if strategy.backend == 'quanto' else 'hqq'})") from exc
+            problem = _backend_problem(strategy.backend)
+            if problem:
+                raise SettingsError(f"the {strategy.backend} cache backend cannot run here: {problem}; "
+                                    "quantized:fp8 (and quantized:hqq:4 where installed) need nothing extra")
         self.settings = self.settings.with_(cache=strategy)
 
     def max_context(self) -> int:

@@ -30,7 +30,21 @@ def _application():
         app = QApplication(sys.argv[:1])
         app.setOrganizationName("KVScope")
         app.setApplicationName("KV Scope")
+        app.setDesktopFileName("kvscope")  # matches packaging/kvscope.desktop, so docks group the window
+        app.setWindowIcon(_app_icon())
     return app
+
+
+def _app_icon():
+    """The app icon at every size we ship (assets/icons/kvscope-N.png, made from kvscope.svg)."""
+    from PySide6.QtGui import QIcon
+
+    from core.spec import ASSETS
+
+    icon = QIcon()
+    for png in sorted((ASSETS / "icons").glob("kvscope-*.png")):
+        icon.addFile(str(png))
+    return icon
 
 
 def _settle(app, window, rounds: int = 6) -> None:

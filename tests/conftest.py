@@ -11,6 +11,9 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 # The embedded model and memoised parameter counts go to a folder of this checkout, so CI starts clean.
 os.environ.setdefault("KVSCOPE_CACHE", str(ROOT / ".pytest_cache" / "kvscope"))
+# Code of remote-code test models goes to one folder per session (transformers imports the
+# `transformers_modules` package once, from one path), never to ~/.cache/huggingface/modules.
+os.environ.setdefault("HF_MODULES_CACHE", str(ROOT / ".pytest_cache" / "hf-modules"))
 # Tests never reach the Hugging Face Hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -323,9 +323,7 @@ def test_model_source_unknown_hub_id_real_process():
 
 def test_model_source_opt_ins_load(models, capsys, monkeypatch, tmp_path):
     """The refusals above are opt-outs, not dead ends: --trust-remote-code and --allow-pickle load and run."""
-    import transformers.dynamic_module_utils as dmu
-
-    monkeypatch.setattr(dmu, "HF_MODULES_CACHE", str(tmp_path / "hf-modules"))  # not ~/.cache
+    # The repository code goes to HF_MODULES_CACHE (one folder per session, see tests/conftest.py).
     monkeypatch.setattr(sys, "path", list(sys.path))
     code, out, err = _cli(capsys, *_run_args(str(models / "remote-code"), "--trust-remote-code"))
     assert code == 0, err

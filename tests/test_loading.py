@@ -293,10 +293,8 @@ class KvscopeRemoteForCausalLM(LlamaForCausalLM):
 @pytest.fixture
 def remote_dir(tiny_dir, tmp_path, monkeypatch) -> tuple[Path, Path]:
     """A model whose classes live in its own folder (auto_map), as hub repos with custom code do."""
-    import transformers.dynamic_module_utils as dmu
-
-    # Keep transformers' copy of the repository code out of ~/.cache/huggingface/modules.
-    monkeypatch.setattr(dmu, "HF_MODULES_CACHE", str(tmp_path / "hf-modules"))
+    # transformers copies the repository code to HF_MODULES_CACHE, which tests/conftest.py points
+    # at one folder per session (the `transformers_modules` package is imported once, from one path).
     monkeypatch.setattr(sys, "path", list(sys.path))
     folder = _copy_model(tiny_dir, tmp_path / "remote-model")
     marker = tmp_path / "remote-code-ran"

@@ -8,6 +8,8 @@ NVML on its own thread once a second (an NVML call can block for a long time on 
 
 from __future__ import annotations
 
+import bisect
+
 import logging
 import math
 import re
@@ -197,8 +199,9 @@ class EventsTable(QTableWidget):
         if len(self.rows) >= MAX_ROWS:
             self.removeRow(0)
             self.rows.pop(0)
-        self.rows.append(row)
-        r = self.rowCount()
+        # In time order: spikes are judged a little after they happen, so they may arrive after later events.
+        r = bisect.bisect_right([existing.time_s for existing in self.rows], row.time_s)
+        self.rows.insert(r, row)
         self.insertRow(r)
         cells = (f"{row.time_s:.2f} s", "" if row.token is None else str(row.token), row.kind, row.size, row.detail)
         for c, text in enumerate(cells):

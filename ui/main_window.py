@@ -344,6 +344,7 @@ class MainWindow(QMainWindow):
                 # A long model name yields its width to the plots instead of widening the window.
                 value.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
                 value.setMinimumWidth(120)
+                value.setWordWrap(True)  # wraps rather than cutting "(random weights)" off in presenter mode
             value.setToolTip(tip)
             box.addWidget(value)
             self.badges[key] = value

@@ -194,5 +194,13 @@ class StatsPanel(QWidget):
             from ui.diagnose import format_duration
 
             when = f"about {format_duration(forecast.seconds)} · " if forecast.seconds is not None else ""
-            tile.set(f"token {forecast.token:,}", f"{when}{forecast.limit}")
+            tile.set(f"token {_compact(forecast.token)}", f"{when}{forecast.limit}")
         tile.value.setStyleSheet(f"color: {warning_color};" if warning_color else "")
+
+
+def _compact(n: int) -> str:
+    """A token count short enough for a big tile: 4,031 / 23.7M / 1.2B."""
+    for size, suffix in ((1_000_000_000, "B"), (1_000_000, "M")):
+        if n >= size:
+            return f"{n / size:.1f}{suffix}"
+    return f"{n:,}"

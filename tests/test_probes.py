@@ -3,6 +3,8 @@ real CPU path with no fake at all."""
 
 from __future__ import annotations
 
+import mmap
+
 import os
 import statistics
 import sys
@@ -206,10 +208,14 @@ def test_cpu_read_takes_well_under_a_millisecond():
 def test_rss_follows_a_real_allocation():
     probe = MemoryProbe("cpu")
     before = probe.read().process_rss
-    block = b"\x01" * (64 * MiB)  # written byte by byte, so every page is resident (calloc'd zeros may not be)
+    # Fresh anonymous pages, each written once: resident for sure. (A Python allocation could reuse heap
+    # memory freed earlier in a long test session, which is already resident and would not move RSS.)
+    block = mmap.mmap(-1, 64 * MiB)
+    for offset in range(0, 64 * MiB, mmap.PAGESIZE):
+        block[offset] = 1
     after = probe.read().process_rss
     assert after - before > 48 * MiB
-    del block
+    block.close()
 
 
 def test_bad_device_is_a_clear_error():

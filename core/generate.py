@@ -127,7 +127,10 @@ def limit_cpu_threads(device: str) -> int | None:
     if device != "cpu" or os.environ.get("OMP_NUM_THREADS"):
         return None
     threads = max(1, (os.cpu_count() or 2) - 1)
-    torch.set_num_threads(threads)
+    # Only ever lower it, and once: re-sizing the pool from a worker thread would leave pool threads
+    # named after that thread behind it. The window calls this on the GUI thread at start-up.
+    if torch.get_num_threads() > threads:
+        torch.set_num_threads(threads)
     return threads
 
 

@@ -21,12 +21,17 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from core.spec import PRESETS_DIR, ModelSpec, SpecError, canonical_dtype, preset_names, spec_from_config
+
+# The tokenizers library's Rust thread pool is created by the first encode on whatever thread does it
+# (the generation worker), takes that thread's name and outlives it. A prompt needs no pool.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 EMBEDDED_SOURCES = ("embedded", "")
 EMBEDDED_HINT = "(the embedded demo model is always available: --model embedded)"

@@ -14,10 +14,11 @@ import threading
 import time
 import traceback
 
-from PySide6.QtCore import QObject, Qt, QThread, Signal, Slot
+from PySide6.QtCore import QObject, Signal, Slot
 
-from core.generate import ModelInfo, RunHooks, RunRequest, run_generation
+from core.generate import ModelInfo, RunHooks, RunRequest, limit_cpu_threads, run_generation
 from core.sample import Sample
+from workers.threaded import ThreadedController
 
 #: Samples leave in batches of at most this many, or at least every FLUSH_S seconds.
 BATCH_MAX = 16
@@ -102,7 +103,7 @@ class _Worker(QObject):
             self.done.emit()
 
 
-class GenerationController(QObject):
+class GenerationController(ThreadedController):
     """Owns one run at a time: its thread and worker. Lives on the GUI thread."""
 
     samples = Signal(list)  # list[Sample], small batches
@@ -114,31 +115,16 @@ class GenerationController(QObject):
 
     def __init__(self, parent: QObject | None = None) -> None:
         super().__init__(parent)
-        self._thread: QThread | None = None
-        self._worker: _Worker | None = None
         self.info: ModelInfo | None = None
+        # Size torch's CPU pool here, on the GUI thread: done later on the worker thread, its pool
+        # threads would be named after (and outlive) the worker thread.
+        limit_cpu_threads("cpu")
 
     def start(self, request: RunRequest) -> None:
         """Start a run; a run already going is stopped first."""
-        if self.is_running():
-            self.stop()
-        thread = QThread()
-        thread.setObjectName("kvscope-generation")
-        worker = _Worker(request)
-        worker.moveToThread(thread)
-        thread.started.connect(worker.work)
-        worker.samples.connect(self.samples)
-        worker.loaded.connect(self._on_loaded)
-        worker.progress.connect(self.progress)
-        worker.errored.connect(self.errored)
-        worker.paused_changed.connect(self.paused_changed)
-        # Direct: quit() is thread-safe, and stop() may be blocking the GUI thread in wait().
-        worker.done.connect(thread.quit, Qt.ConnectionType.DirectConnection)
-        worker.done.connect(self.finished)
-        thread.finished.connect(worker.deleteLater)
-        thread.finished.connect(thread.deleteLater)
-        self._thread, self._worker = thread, worker
-        thread.start()
+        self._launch(_Worker(request), "kvscope-generation", {
+            "samples": self.samples, "loaded": self._on_loaded, "progress": self.progress,
+            "errored": self.errored, "paused_changed": self.paused_changed})
 
     def _on_loaded(self, info: ModelInfo) -> None:
         self.info = info
@@ -158,23 +144,6 @@ class GenerationController(QObject):
     def resume(self) -> None:
         self._send("resume")
 
-    def is_running(self) -> bool:
-        try:
-            return self._thread is not None and self._thread.isRunning()
-        except RuntimeError:  # the C++ thread object is already deleted
-            return False
-
-    def stop(self, timeout_s: float = 1.0) -> bool:
-        """Ask the run to stop between tokens and wait for its thread. True when it ended in time."""
-        worker, thread = self._worker, self._thread
-        if worker is None or thread is None:
-            return True
+    def _request_stop(self, worker: _Worker) -> None:
         worker.abort.set()
         worker.commands.put(("stop",))
-        try:
-            ended = thread.wait(int(timeout_s * 1000)) if thread.isRunning() else True
-        except RuntimeError:
-            ended = True
-        if ended:
-            self._thread = self._worker = None
-        return bool(ended)

@@ -10,10 +10,11 @@ from __future__ import annotations
 import threading
 import time
 
-from PySide6.QtCore import QObject, Qt, QThread, Signal, Slot
+from PySide6.QtCore import QObject, Signal, Slot
 
 from core.generate import ModelInfo
 from core.recording import RecordingError, RecordingReader, spec_from_header
+from workers.threaded import ThreadedController
 
 BATCH_MAX = 32
 FLUSH_S = 0.05
@@ -92,7 +93,7 @@ class _ReplayWorker(QObject):
             self.done.emit()
 
 
-class ReplayController(QObject):
+class ReplayController(ThreadedController):
     """Plays one recording at a time; same signals as the generation controller."""
 
     samples = Signal(list)
@@ -102,29 +103,10 @@ class ReplayController(QObject):
     finished = Signal()
     paused_changed = Signal(bool)
 
-    def __init__(self, parent: QObject | None = None) -> None:
-        super().__init__(parent)
-        self._thread: QThread | None = None
-        self._worker: _ReplayWorker | None = None
-
     def start(self, path: str, speed: float = 1.0) -> None:
-        if self.is_running():
-            self.stop()
-        thread = QThread()
-        thread.setObjectName("kvscope-replay")
-        worker = _ReplayWorker(path, speed)
-        worker.moveToThread(thread)
-        thread.started.connect(worker.work)
-        worker.samples.connect(self.samples)
-        worker.loaded.connect(self.loaded)
-        worker.errored.connect(self.errored)
-        worker.paused_changed.connect(self.paused_changed)
-        worker.done.connect(thread.quit, Qt.ConnectionType.DirectConnection)
-        worker.done.connect(self.finished)
-        thread.finished.connect(worker.deleteLater)
-        thread.finished.connect(thread.deleteLater)
-        self._thread, self._worker = thread, worker
-        thread.start()
+        self._launch(_ReplayWorker(path, speed), "kvscope-replay", {
+            "samples": self.samples, "loaded": self.loaded, "errored": self.errored,
+            "paused_changed": self.paused_changed})
 
     def switch(self, key: str, value: str) -> None:  # a recording cannot be changed
         self.progress.emit("a replay shows what was recorded; switches apply to live runs")
@@ -139,22 +121,6 @@ class ReplayController(QObject):
             self._worker.resume_event.set()
             self.paused_changed.emit(False)
 
-    def is_running(self) -> bool:
-        try:
-            return self._thread is not None and self._thread.isRunning()
-        except RuntimeError:
-            return False
-
-    def stop(self, timeout_s: float = 1.0) -> bool:
-        worker, thread = self._worker, self._thread
-        if worker is None or thread is None:
-            return True
+    def _request_stop(self, worker: _ReplayWorker) -> None:
         worker.abort.set()
         worker.resume_event.set()
-        try:
-            ended = thread.wait(int(timeout_s * 1000)) if thread.isRunning() else True
-        except RuntimeError:
-            ended = True
-        if ended:
-            self._thread = self._worker = None
-        return bool(ended)

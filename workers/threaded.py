@@ -1,0 +1,60 @@
+"""What the generation and replay controllers share: one worker on one named QThread at a time.
+
+superqt's shape: a parentless worker QObject moved to a QThread; ``thread.started -> worker.work``;
+the worker's ``done`` quits the thread (directly: ``quit()`` is thread-safe and ``stop()`` may be
+blocking the GUI thread in ``wait()``); ``deleteLater`` on both when the thread finishes.
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QObject, Qt, QThread
+
+
+class ThreadedController(QObject):
+    """Base of controllers that run one worker at a time. Subclasses declare the signals they relay."""
+
+    def __init__(self, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self._thread: QThread | None = None
+        self._worker: QObject | None = None
+
+    def _launch(self, worker: QObject, name: str, relays: dict[str, object]) -> None:
+        """Move ``worker`` to a new thread named ``name``, connect ``worker.<signal>`` to each relay, start."""
+        if self.is_running():
+            self.stop()
+        thread = QThread()
+        thread.setObjectName(name)
+        worker.moveToThread(thread)
+        thread.started.connect(worker.work)
+        for signal, target in relays.items():
+            getattr(worker, signal).connect(target)
+        worker.done.connect(thread.quit, Qt.ConnectionType.DirectConnection)
+        worker.done.connect(self.finished)
+        thread.finished.connect(worker.deleteLater)
+        thread.finished.connect(thread.deleteLater)
+        self._thread, self._worker = thread, worker
+        thread.start()
+
+    def _request_stop(self, worker: QObject) -> None:
+        """Tell the worker to stop between two units of work (subclasses set their abort flags)."""
+        raise NotImplementedError
+
+    def is_running(self) -> bool:
+        try:
+            return self._thread is not None and self._thread.isRunning()
+        except RuntimeError:  # the C++ thread object is already deleted
+            return False
+
+    def stop(self, timeout_s: float = 1.0) -> bool:
+        """Ask the worker to stop and wait for its thread. True when it ended in time. Never terminate()."""
+        worker, thread = self._worker, self._thread
+        if worker is None or thread is None:
+            return True
+        self._request_stop(worker)
+        try:
+            ended = thread.wait(int(timeout_s * 1000)) if thread.isRunning() else True
+        except RuntimeError:
+            ended = True
+        if ended:
+            self._thread = self._worker = None
+        return bool(ended)

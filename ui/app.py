@@ -114,10 +114,15 @@ def run_window(request=None, screenshot: str | None = None, tokens: int | None =
         loop.exec()
         code = 0
     timer.stop()
+    return _finish_screenshot(app, window, screenshot, code, outcome["timeout"])
+
+
+def _finish_screenshot(app, window, screenshot: str, code: int, timed_out: bool, extra=lambda: "") -> int:
+    """Stop the window's work, draw everything, save the PNG and say so. Returns the exit status."""
     window.shutdown()
     # Drain the queued samples and the finished signal, then draw every curve and number.
     _settle(app, window)
-    if outcome["timeout"]:
+    if timed_out:
         print(f"kvscope: gave up after {SCREENSHOT_TIMEOUT_S:.0f} s with {window.decode_tokens} tokens",
               file=sys.stderr)
         code = 2
@@ -131,7 +136,7 @@ def run_window(request=None, screenshot: str | None = None, tokens: int | None =
     if path is None:
         print(f"kvscope: could not save {screenshot}: {window.error_label.text()}", file=sys.stderr)
         return 1
-    print(f"saved {path} ({window.decode_tokens} tokens, {window.switch_events} switches)")
+    print(f"saved {path} ({window.decode_tokens} tokens, {window.switch_events} switches{extra()})")
     return code
 
 
@@ -196,25 +201,8 @@ def run_replay(path: str, speed: float = 1.0, screenshot: str | None = None, *, 
     else:
         loop.exec()
     timer.stop()
-    window.shutdown()
-    _settle(app, window)
-    if outcome["timeout"]:
-        print(f"kvscope: gave up after {SCREENSHOT_TIMEOUT_S:.0f} s with {window.decode_tokens} tokens",
-              file=sys.stderr)
-        code = 2
-    elif window.last_error:
-        print(f"kvscope: {window.last_error}", file=sys.stderr)
-        code = 1
-    try:
-        saved = window.save_screenshot(screenshot)
-    finally:
-        window.close()
-    if saved is None:
-        print(f"kvscope: could not save {screenshot}: {window.error_label.text()}", file=sys.stderr)
-        return 1
-    print(f"saved {saved} ({window.decode_tokens} tokens, {window.switch_events} switches, "
-          f"{window.spike_count} spikes)")
-    return code
+    return _finish_screenshot(app, window, screenshot, code, outcome["timeout"],
+                              lambda: f", {window.spike_count} spikes")
 
 
 def _temp_dir() -> str:

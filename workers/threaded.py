@@ -2,7 +2,13 @@
 
 superqt's shape: a parentless worker QObject moved to a QThread; ``thread.started -> worker.work``;
 the worker's ``done`` quits the thread (directly: ``quit()`` is thread-safe and ``stop()`` may be
-blocking the GUI thread in ``wait()``); ``deleteLater`` on both when the thread finishes.
+blocking the GUI thread in ``wait()``).
+
+Lifetime: both objects are owned by Python and kept referenced here until their thread has
+finished; they are freed when dropped after that. No ``deleteLater``: a C++ object deleted behind a
+live Python wrapper (the controller still holds it to answer ``is_running``/``stop``) crashed a test
+run, and a QThread dropped while still running aborts the process, so a thread that did not stop in
+time is parked until it finishes rather than dropped.
 """
 
 from __future__ import annotations
@@ -17,11 +23,13 @@ class ThreadedController(QObject):
         super().__init__(parent)
         self._thread: QThread | None = None
         self._worker: QObject | None = None
+        self._parked: list[tuple[QThread, QObject]] = []  # stopped late: kept alive until they finish
 
     def _launch(self, worker: QObject, name: str, relays: dict[str, object]) -> None:
         """Move ``worker`` to a new thread named ``name``, connect ``worker.<signal>`` to each relay, start."""
-        if self.is_running():
-            self.stop()
+        if self.is_running() and not self.stop() and self._thread is not None:
+            self._parked.append((self._thread, self._worker))
+        self._parked = [(t, w) for t, w in self._parked if not t.isFinished()]
         thread = QThread()
         thread.setObjectName(name)
         worker.moveToThread(thread)
@@ -30,8 +38,6 @@ class ThreadedController(QObject):
             getattr(worker, signal).connect(target)
         worker.done.connect(thread.quit, Qt.ConnectionType.DirectConnection)
         worker.done.connect(self.finished)
-        thread.finished.connect(worker.deleteLater)
-        thread.finished.connect(thread.deleteLater)
         self._thread, self._worker = thread, worker
         thread.start()
 
@@ -40,10 +46,7 @@ class ThreadedController(QObject):
         raise NotImplementedError
 
     def is_running(self) -> bool:
-        try:
-            return self._thread is not None and self._thread.isRunning()
-        except RuntimeError:  # the C++ thread object is already deleted
-            return False
+        return self._thread is not None and self._thread.isRunning()
 
     def stop(self, timeout_s: float = 1.0) -> bool:
         """Ask the worker to stop and wait for its thread. True when it ended in time. Never terminate()."""
@@ -51,10 +54,7 @@ class ThreadedController(QObject):
         if worker is None or thread is None:
             return True
         self._request_stop(worker)
-        try:
-            ended = thread.wait(int(timeout_s * 1000)) if thread.isRunning() else True
-        except RuntimeError:
-            ended = True
+        ended = thread.wait(int(timeout_s * 1000)) if thread.isRunning() else True
         if ended:
             self._thread = self._worker = None
         return bool(ended)

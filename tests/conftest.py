@@ -17,3 +17,33 @@ os.environ.setdefault("HF_MODULES_CACHE", str(ROOT / ".pytest_cache" / "hf-modul
 # Tests never reach the Hugging Face Hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+# ------------------------------------------------------------------------------------------------
+# The window, for the UI tests (Qt imported only by the tests that ask for it).
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def settings(tmp_path):
+    """Throwaway QSettings, past the first start (no demo banner)."""
+    from PySide6.QtCore import QSettings
+
+    s = QSettings(str(tmp_path / "kvscope.ini"), QSettings.Format.IniFormat)
+    s.setValue("app/first_start_done", True)
+    return s
+
+
+@pytest.fixture
+def window(qtbot, settings):
+    """A shown MainWindow whose calculator has imported transformers (once, first), shut down after."""
+    from ui.main_window import MainWindow
+
+    w = MainWindow(settings=settings)
+    qtbot.addWidget(w)
+    w.resize(1400, 900)
+    w.show()
+    qtbot.waitUntil(lambda: w.calculator.warm, timeout=60_000)
+    yield w
+    w.shutdown()

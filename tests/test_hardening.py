@@ -77,6 +77,7 @@ from core.probes import NOTE_NO_NVML, MemoryProbe
 from core.recording import RecordingReader, RecordingWriter
 from core.settings import RunSettings
 from tests.fake_pynvml import NVML_ERROR_GPU_IS_LOST, FakeGpu, FakeNvml
+from tests.helpers import os_thread_names, run_in_window
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -250,18 +251,8 @@ def _oom() -> torch.OutOfMemoryError:
 
 
 def _os_threads(prefix: str = "kvscope-") -> list[str]:
-    """Names of this process's OS threads starting with ``prefix`` (a QThread takes its objectName;
-    Linux cuts names to 15 characters)."""
-    task = Path("/proc/self/task")
-    if not task.exists():
-        pytest.skip("needs /proc to see OS threads")
-    names = []
-    for entry in task.iterdir():
-        try:
-            names.append((entry / "comm").read_text().strip())
-        except OSError:  # the thread ended while we looked
-            pass
-    return [n for n in names if n.startswith(prefix[:15])]
+    """This process's OS threads whose names start with ``prefix`` (Linux cuts names to 15 characters)."""
+    return [n for n in os_thread_names() if n.startswith(prefix[:15])]
 
 
 # ================================================================================================
@@ -496,37 +487,17 @@ def test_runtime_out_of_memory_is_recovered(where, capsys, monkeypatch, tmp_path
     assert f"-- [oom] token {len(decoded)}:" in out
 
 
-@pytest.fixture
-def window(qtbot, tmp_path):
-    from PySide6.QtCore import QSettings
-
-    from ui.main_window import MainWindow
-
-    w = MainWindow(settings=QSettings(str(tmp_path / "kvscope.ini"), QSettings.Format.IniFormat))
-    qtbot.addWidget(w)
-    w.resize(1200, 800)
-    w.show()
-    qtbot.waitUntil(lambda: w.calculator.warm, timeout=60_000)  # transformers imported once, first
-    yield w
-    w.shutdown()
-
-
-def _run_in_window(qtbot, window, request, timeout=120_000) -> None:
-    with qtbot.waitSignal(window.run_finished, timeout=timeout):
-        assert window.start_run(request)
-
-
 def test_runtime_out_of_memory_window_stays_usable(qtbot, window, monkeypatch):
     """OOM at token 3 in the window: the message is shown, the controls come back, the next run works."""
     _fail_forward(monkeypatch, call=4, make_error=_oom, loads=(1,))
-    _run_in_window(qtbot, window, RunRequest(device="cpu", max_new_tokens=50))
+    run_in_window(qtbot, window, RunRequest(device="cpu", max_new_tokens=50))
     assert window.last_error.startswith("out of memory in decode at token 3")
     assert window.error_label.text() == window.last_error
     assert window.state == "idle" and window.start_button.isEnabled() and not window.stop_button.isEnabled()
     assert not window.controller.is_running()
     assert window.decode_tokens == 2
     # The next run also carries a "note" event (max context clamped to the model's 4,096): the window takes it.
-    _run_in_window(qtbot, window, RunRequest(device="cpu", max_new_tokens=8,
+    run_in_window(qtbot, window, RunRequest(device="cpu", max_new_tokens=8,
                                              settings=RunSettings(cache=Static(), max_context=100_000)))
     assert window.last_error == "" and window.error_label.text() == ""
     assert window.decode_tokens == 8 and window.start_button.isEnabled()
@@ -602,7 +573,7 @@ def test_runtime_worker_raising_mid_token(qtbot, monkeypatch):
 def test_runtime_worker_raising_mid_token_window_controls_come_back(qtbot, window, monkeypatch):
     """The same fault in the window: the message is shown and Start is enabled again."""
     _fail_forward(monkeypatch, call=4, make_error=lambda: RuntimeError("kernel exploded at token 3"))
-    _run_in_window(qtbot, window, RunRequest(device="cpu", max_new_tokens=50))
+    run_in_window(qtbot, window, RunRequest(device="cpu", max_new_tokens=50))
     assert window.last_error == "RuntimeError: kernel exploded at token 3"
     assert window.error_label.text() == window.last_error
     assert window.state == "idle" and window.start_button.isEnabled()

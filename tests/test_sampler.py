@@ -15,23 +15,10 @@ import torch
 
 from core.probes import NOTE_CPU, NOTE_PROCESS_NA, MemoryProbe, MemoryReading
 from tests.fake_pynvml import FakeGpu, FakeNvml
+from tests.helpers import os_thread_names
 from workers.sampler import THREAD_NAME, MemorySampler
 
 GiB = 1 << 30
-
-
-def os_thread_names() -> list[str]:
-    """Names of this process's OS threads (Linux): a QThread takes its objectName as its name."""
-    task = Path("/proc/self/task")
-    if not task.exists():
-        pytest.skip("needs /proc to see OS threads")
-    names = []
-    for entry in task.iterdir():
-        try:
-            names.append((entry / "comm").read_text().strip())
-        except OSError:  # the thread ended while we looked
-            pass
-    return names
 
 
 def sampler_threads() -> list[str]:

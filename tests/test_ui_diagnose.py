@@ -21,31 +21,9 @@ from ui.diagnose import GpuProcessesPanel, GpuProcessPoller, format_duration
 from ui.main_window import MainWindow
 from ui.synthetic import synthetic_samples
 from ui.theme import theme
+from tests.helpers import run_in_window
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def settings(tmp_path):
-    s = QSettings(str(tmp_path / "kvscope.ini"), QSettings.Format.IniFormat)
-    s.setValue("app/first_start_done", True)
-    return s
-
-
-@pytest.fixture
-def window(qtbot, settings):
-    w = MainWindow(settings=settings)
-    qtbot.addWidget(w)
-    w.resize(1400, 900)
-    w.show()
-    qtbot.waitUntil(lambda: w.calculator.warm, timeout=60_000)
-    yield w
-    w.shutdown()
-
-
-def _run(qtbot, window, request, timeout=120_000):
-    with qtbot.waitSignal(window.run_finished, timeout=timeout):
-        assert window.start_run(request)
 
 
 def test_sampler_readings_reach_the_memory_plot_on_the_samples_time_axis(qtbot, window):
@@ -77,7 +55,7 @@ def test_scripted_run_puts_the_prefill_and_every_switch_in_the_events_table(qtbo
     window.set_record_path(str(record))
     request = RunRequest(source="embedded", max_new_tokens=12, settings=RunSettings(max_context=256),
                          switches=((4, "attention", "mqa"), (8, "cache", "static")))
-    _run(qtbot, window, request)
+    run_in_window(qtbot, window, request)
     assert window.last_error == ""
     rows = window.events_table.rows
     kinds = [r.kind for r in rows if not r.kind.startswith("spike")]
@@ -175,7 +153,7 @@ def test_memory_budget_stops_the_run_with_forecast_and_start_works_again(qtbot, 
     request = window.build_request()
     assert request.memory_budget == int(14.5 * MiB)
     request = RunRequest(source="embedded", max_new_tokens=400, memory_budget=request.memory_budget)
-    _run(qtbot, window, request)
+    run_in_window(qtbot, window, request)
     kinds = window.events_table.kinds()
     assert "forecast" in kinds and "budget reached" in kinds
     assert "memory budget" in window.last_error and window.alert_label.isVisible()
@@ -184,7 +162,7 @@ def test_memory_budget_stops_the_run_with_forecast_and_start_works_again(qtbot, 
     tokens = window.decode_tokens
     assert 0 < tokens < 400
     # The window is usable again: the next run starts, and the alert is gone.
-    _run(qtbot, window, RunRequest(source="embedded", max_new_tokens=3))
+    run_in_window(qtbot, window, RunRequest(source="embedded", max_new_tokens=3))
     assert window.decode_tokens == 3 and window.last_error == "" and not window.alert_label.isVisible()
 
 

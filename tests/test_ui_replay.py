@@ -18,23 +18,6 @@ from ui.screenshot import image_stats
 DEMO = demo_recording_path()
 
 
-@pytest.fixture
-def settings(tmp_path):
-    s = QSettings(str(tmp_path / "kvscope.ini"), QSettings.Format.IniFormat)
-    s.setValue("app/first_start_done", True)
-    return s
-
-
-@pytest.fixture
-def window(qtbot, settings):
-    w = MainWindow(settings=settings)
-    qtbot.addWidget(w)
-    w.resize(1400, 900)
-    w.show()
-    yield w
-    w.shutdown()
-
-
 def _demo_counts():
     with RecordingReader(DEMO) as reader:
         samples = list(reader)

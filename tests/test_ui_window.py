@@ -8,6 +8,7 @@ import pytest
 from PySide6.QtCore import QSettings, Qt
 
 from core.generate import RunRequest
+from tests.helpers import run_in_window
 from ui.app import has_display, run_window
 from ui.main_window import MainWindow
 from ui.screenshot import image_stats
@@ -15,33 +16,11 @@ from ui.stall import StallMeter
 from ui.synthetic import synthetic_samples
 
 
-@pytest.fixture
-def settings(tmp_path):
-    return QSettings(str(tmp_path / "kvscope.ini"), QSettings.Format.IniFormat)
-
-
-@pytest.fixture
-def window(qtbot, settings):
-    w = MainWindow(settings=settings)
-    qtbot.addWidget(w)
-    w.resize(1400, 900)
-    w.show()
-    # transformers is imported once in the calculator's thread before anything else uses it.
-    qtbot.waitUntil(lambda: w.calculator.warm, timeout=60_000)
-    yield w
-    w.shutdown()
-
-
-def _run(qtbot, window, request, timeout=120_000):
-    with qtbot.waitSignal(window.run_finished, timeout=timeout):
-        assert window.start_run(request)
-
-
 def test_a_real_run_reaches_the_plots_and_a_switch_adds_a_marker(qtbot, window):
     meter = StallMeter()
     meter.start()
     request = RunRequest(source="embedded", max_new_tokens=24, switches=((12, "attention", "mqa"),))
-    _run(qtbot, window, request)
+    run_in_window(qtbot, window, request)
     meter.stop()
     assert window.last_error == ""
     assert window.decode_tokens == 24
@@ -86,7 +65,7 @@ def test_stop_leaves_no_thread_running(qtbot, window):
     assert window.decode_tokens < 100_000
 
 
-def test_keys_switch_live_during_a_run(qtbot, window):
+def test_keys_switch_live_during_arun_in_window(qtbot, window):
     request = RunRequest(source="embedded", max_new_tokens=100_000)
     window.start_run(request)
     qtbot.waitUntil(lambda: window.decode_tokens >= 2, timeout=120_000)
@@ -102,7 +81,7 @@ def test_keys_switch_live_during_a_run(qtbot, window):
 
 
 def test_an_error_is_shown_and_the_run_ends(qtbot, window):
-    _run(qtbot, window, RunRequest(source="/no/such/model/folder", max_new_tokens=4))
+    run_in_window(qtbot, window, RunRequest(source="/no/such/model/folder", max_new_tokens=4))
     assert window.last_error
     assert window.error_label.text() == window.last_error
     assert window.state == "idle"

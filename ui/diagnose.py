@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from PySide6.QtCore import QCoreApplication, QObject, Qt, QThread, Signal, Slot
+from PySide6.QtCore import QObject, Qt, QThread, Signal, Slot
 from PySide6.QtGui import QBrush, QColor, QFont
 from PySide6.QtWidgets import QAbstractItemView, QHeaderView, QLabel, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget
 
@@ -25,6 +25,7 @@ from core.forecast import Forecast, budget_forecast, estimate_bytes_per_token, f
 from core.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
 from core.spec import human_bytes
 from core.spikes import EVENT_DECODE, EVENT_LOAD, EVENT_OOM, EVENT_PREFILL, EVENT_STATIC_PREALLOC, EVENT_SWITCH, Event, Spike
+from workers.threaded import return_to_main_thread
 from ui.theme import Theme
 
 log = logging.getLogger(__name__)
@@ -330,9 +331,7 @@ class _PollLoop(QObject):
         finally:
             if probe is not None:
                 probe.close()
-            app = QCoreApplication.instance()
-            if app is not None:
-                self.moveToThread(app.thread())
+            return_to_main_thread(self)
             self.finished.emit()
 
 

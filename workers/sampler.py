@@ -17,9 +17,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from PySide6.QtCore import QCoreApplication, QObject, QThread, Signal, Slot
+from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from core.probes import MemoryProbe, MemoryReading
+from workers.threaded import return_to_main_thread
 
 THREAD_NAME = "kvscope-memory-sampler"
 DEFAULT_RATE_HZ = 20.0
@@ -63,11 +64,7 @@ class _SamplerLoop(QObject):
         finally:
             if probe is not None:
                 probe.close()
-            # Hand the worker back to the main thread so Python can delete it there once the
-            # controller drops it (Qt only lets an object be pushed from its own thread).
-            app = QCoreApplication.instance()
-            if app is not None:
-                self.moveToThread(app.thread())
+            return_to_main_thread(self)
             self.finished.emit()
 
     def _loop(self, probe: MemoryProbe) -> None:

@@ -13,7 +13,7 @@ time is parked until it finishes rather than dropped.
 
 from __future__ import annotations
 
-from PySide6.QtCore import QObject, Qt, QThread
+from PySide6.QtCore import QCoreApplication, QObject, Qt, QThread
 
 
 class ThreadedController(QObject):
@@ -58,3 +58,11 @@ class ThreadedController(QObject):
         if ended:
             self._thread = self._worker = None
         return bool(ended)
+
+
+def return_to_main_thread(worker: QObject) -> None:
+    """Call last on a worker's own thread: hand it back to the main thread so Python can delete it
+    there once its owner drops it (Qt only lets an object be pushed from its own thread)."""
+    app = QCoreApplication.instance()
+    if app is not None:
+        worker.moveToThread(app.thread())

@@ -1,8 +1,9 @@
 """Redraw rate of the live plots with 100,000 points on every curve of every plot, offscreen.
 
 Each frame appends a few new points (so every curve really changes), pushes the buffers to the
-curves (``LivePlots.redraw``, what the window's 30 Hz timer calls) and paints the widget
-synchronously. Prints frames per second; the target is >= 30.
+curves (``LivePlots.redraw``, what the window's 30 Hz timer calls) and lets Qt process its events,
+which paints the three plot views once, as on screen (paint events are counted to prove it).
+Prints frames per second; the target is >= 30.
 
     python benchmarks/plot_fps.py [--points 100000] [--seconds 5] [--size 1600x1000] [--presenter]
 """
@@ -64,26 +65,40 @@ def main(argv: list[str] | None = None) -> int:
     plots.redraw()
     app.processEvents()
 
+    from PySide6.QtCore import QEvent, QObject
+
+    class PaintCounter(QObject):
+        paints = 0
+
+        def eventFilter(self, obj, event):  # noqa: N802 (Qt API)
+            if event.type() == QEvent.Type.Paint:
+                PaintCounter.paints += 1
+            return False
+
+    counter = PaintCounter()
+    for view in (plots.kv_widget, plots.mem_widget, plots.cmp_widget):
+        view.viewport().installEventFilter(counter)
     frames = 0
     next_token = n
     worst = 0.0
+    frame_s: list[float] = []
     start = time.perf_counter()
     while time.perf_counter() - start < args.seconds:
         t0 = time.perf_counter()
         batch = synthetic_samples(5, start_token=next_token, gpu=True)
         next_token += 5
         plots.add_samples(batch)
-        plots.redraw()
-        plots.repaint()  # paint now, synchronously, like a frame on screen
-        app.processEvents()
-        worst = max(worst, time.perf_counter() - t0)
+        plots.redraw()  # what the window's 30 Hz timer calls
+        app.processEvents()  # Qt paints what changed, as it would on screen (once: no forced repaint)
+        frame_s.append(time.perf_counter() - t0)
+        worst = max(worst, frame_s[-1])
         frames += 1
     elapsed = time.perf_counter() - start
     fps = frames / elapsed
     visible = sum(1 for key in curves if plots.curve_visible(key))
     print(f"{fps:.1f} fps  ({frames} frames in {elapsed:.1f} s; {visible} curves x {len(plots.tokens):,} points, "
-          f"{len(plots.markers)} markers, {width}x{height}{', presenter' if args.presenter else ''}; "
-          f"slowest frame {worst * 1000:.0f} ms)")
+          f"{len(plots.markers)} markers, {PaintCounter.paints / max(frames, 1):.1f} view paints per frame, {width}x{height}{', presenter' if args.presenter else ''}; "
+          f"median frame {np.median(frame_s) * 1000:.1f} ms, slowest {worst * 1000:.0f} ms)")
     return 0 if fps >= 30 else 1
 
 

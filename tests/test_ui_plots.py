@@ -114,3 +114,46 @@ def test_event_sample_shape_is_accepted(plots):
     plots.add_samples([refused])
     plots.redraw()
     assert plots.markers == [] and len(plots.tokens) == 0
+
+
+@pytest.mark.parametrize("style", ["solid", "wide", "dash", "fill", "gaps"])
+def test_device_curve_draws_what_pyqtgraph_draws(qtbot, style):
+    """DeviceCurve strokes in device pixels for speed; the picture must be pyqtgraph's own."""
+    import pyqtgraph as pg
+    from PySide6.QtCore import Qt
+    from PySide6.QtGui import QImage
+
+    from ui.plots import DeviceCurve
+
+    rng = np.random.default_rng(3)
+    x = np.arange(600.0) * 200.0  # plot-like scales: tokens and bytes, far from pixels
+    y = 1e8 + np.cumsum(rng.normal(0, 1e6, 600))
+    pen = {"solid": pg.mkPen("#ff8000", width=2), "wide": pg.mkPen("#ff8000", width=4.4),
+           "dash": pg.mkPen("#ff8000", width=2, style=Qt.PenStyle.DashLine)}.get(style, pg.mkPen("#ff8000", width=2))
+    if style == "gaps":
+        y[100:300] = np.nan
+
+    def render(cls) -> QImage:
+        widget = pg.PlotWidget()
+        qtbot.addWidget(widget)
+        widget.resize(500, 300)
+        widget.setBackground("k")
+        item = cls(pen=pen)
+        if style == "fill":
+            item.setFillLevel(0)
+            item.setBrush(pg.mkBrush(0, 128, 255, 90))
+        item.setData(x, y, connect="finite")
+        widget.addItem(item)
+        widget.setXRange(0, 130_000, padding=0)
+        widget.setYRange(0 if style == "fill" else np.nanmin(y), np.nanmax(y) * 1.05, padding=0)
+        widget.show()
+        return widget.grab().toImage().convertToFormat(QImage.Format.Format_RGB32)
+
+    ours, theirs = render(DeviceCurve), render(pg.PlotCurveItem)
+    a = np.frombuffer(ours.constBits(), np.uint8).reshape(ours.height(), ours.width(), 4)[..., :3].astype(int)
+    b = np.frombuffer(theirs.constBits(), np.uint8).reshape(theirs.height(), theirs.width(), 4)[..., :3].astype(int)
+    background = b[2, -3]  # a corner pixel
+    inked = (np.abs(a - background).max(axis=2) > 40) | (np.abs(b - background).max(axis=2) > 40)
+    assert inked.sum() > 1000  # the curve (and fill) is there
+    differ = (np.abs(a - b).max(axis=2) > 40).sum() / inked.sum()
+    assert differ < 0.05, f"{differ:.1%} of the drawn pixels differ"

@@ -1,9 +1,10 @@
 """The three live plots: KV bytes vs token, memory vs time, predicted vs observed with the error.
 
 Samples are appended to preallocated ring buffers as they arrive (cheap, any rate); a fixed-rate
-timer in the window calls ``LivePlots.redraw`` (about 30 Hz), which hands the buffers' views to
-pyqtgraph with ``skipFiniteCheck`` when a column has no gaps. Clip-to-view and 'peak'
-downsampling keep a 100,000-point curve as cheap to draw as the plot is wide.
+timer in the window calls ``LivePlots.redraw`` (about 30 Hz), which hands each changed curve its
+column decimated to one min/max pair per pixel column (``ui.decimate``, incremental: a frame costs
+the new points, not the whole column), so a 100,000-point curve is as cheap to draw as the plot is
+wide. The view ranges always hold all the data, so there is nothing to clip.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyqtgraph as pg
+from pyqtgraph.graphicsItems.PlotCurveItem import arrayToLineSegments as _line_segments
 from PySide6.QtCore import Qt
-from PySide6.QtGui import QColor, QFont
+from PySide6.QtGui import QColor, QFont, QPainter, QTransform
 from PySide6.QtWidgets import QGraphicsItem, QSplitter, QVBoxLayout, QWidget
 
 from core.sample import PHASE_EVENT, Sample
 from core.spec import human_bytes
+from ui.decimate import PeakDecimator
 from ui.ringbuffer import RingBuffer
 from ui.theme import Theme, theme as make_theme
 
@@ -103,16 +106,63 @@ class BytesAxis(pg.AxisItem):
         return out
 
 
+class DeviceCurve(pg.PlotCurveItem):
+    """A curve that maps its points to device pixels itself (numpy) and strokes them untransformed.
+
+    Qt's raster engine strokes a pen wider than 1 px three times slower under the plot's data-to-pixel
+    scale than in plain pixels (and a dashed path far slower still), so ``paint`` transforms the
+    (already decimated) points once with numpy and draws with the identity transform: the same
+    picture, cheaper. Rotated or sheared transforms (none in these plots) take pyqtgraph's path.
+    """
+
+    _LIMIT = 1e7  # device coordinates are clipped here; Qt's rasteriser misbehaves far outside int range
+
+    def paint(self, p, opt, widget):
+        x, y = self.getData()
+        tr = p.transform()
+        if x is None or len(x) < 2 or tr.type().value > QTransform.TransformationType.TxScale.value:
+            return super().paint(p, opt, widget)
+        dx = np.clip(x * tr.m11() + tr.dx(), -self._LIMIT, self._LIMIT)
+        dy = np.clip(y * tr.m22() + tr.dy(), -self._LIMIT, self._LIMIT)
+        connect, check = self.opts["connect"], not self.opts["skipFiniteCheck"]
+        p.save()
+        try:
+            p.resetTransform()
+            p.setRenderHint(QPainter.RenderHint.Antialiasing, bool(self.opts["antialias"]))
+            brush = self.opts["brush"]
+            if self.opts["fillLevel"] is not None and brush is not None and brush.style() != Qt.BrushStyle.NoBrush:
+                base = float(np.clip(self.opts["fillLevel"] * tr.m22() + tr.dy(), -self._LIMIT, self._LIMIT))
+                keep = np.isfinite(dx) & np.isfinite(dy)
+                if keep.sum() >= 2:
+                    fx, fy = dx[keep], dy[keep]
+                    fill = pg.functions.arrayToQPath(np.r_[fx[0], fx, fx[-1]], np.r_[base, fy, base], "all",
+                                                     finiteCheck=False)
+                    fill.closeSubpath()
+                    p.fillPath(fill, brush)
+            pen = self.opts["pen"]
+            if pen is not None and pen.style() != Qt.PenStyle.NoPen:
+                p.setPen(pen)
+                if self._shouldUseDrawLineSegments(pen):
+                    self._device_lines = _line_segments(dx, dy, connect, check, getattr(self, "_device_lines", None))
+                    p.drawLines(*self._device_lines.drawargs())
+                else:
+                    p.drawPath(pg.functions.arrayToQPath(dx, dy, connect, finiteCheck=check))
+        finally:
+            p.restore()
+
+
 @dataclass
 class _Curve:
-    item: pg.PlotDataItem
+    item: DeviceCurve
     buffer: RingBuffer
     x: str
     y: str
     name: str
     legend: pg.LegendItem | None
+    decimator: PeakDecimator
     in_legend: bool = False
-    drawn_version: int = -1
+    drawn_version: tuple[int, int] | None = None  # (buffer version, bins) last drawn
+    y_range: tuple[float, float] | None = None  # min and max of what is drawn (None: nothing)
 
 
 @dataclass
@@ -176,8 +226,6 @@ class LivePlots(QWidget):
             # Ranges are set in steps by _fit_ranges (cheap frames); a live view is not panned by mouse.
             plot.disableAutoRange()
             plot.setMouseEnabled(x=False, y=False)
-            plot.setClipToView(True)
-            plot.setDownsampling(auto=True, mode="peak")
             plot.setMenuEnabled(False)
             plot.hideButtons()
             for side in ("left", "bottom"):
@@ -201,11 +249,11 @@ class LivePlots(QWidget):
         self.error_label.anchor(itemPos=(1, 1), parentPos=(1, 1), offset=(-12, -4))
         # Capacity is a labelled horizontal line outside the auto-range: a small model on a big GPU
         # would otherwise flatten every other curve against zero.
-        self.capacity_line = pg.InfiniteLine(pos=0, angle=0, movable=False, label="",
-                                             labelOpts={"position": 0.5, "anchors": [(0.5, 1), (0.5, 1)]})
+        self.capacity_line = pg.InfiniteLine(movable=False, pos=0, angle=0, label="",
+                                         labelOpts={"position": 0.5, "anchors": [(0.5, 1), (0.5, 1)]})
         self.capacity_line.setVisible(False)
         self.mem_plot.addItem(self.capacity_line, ignoreBounds=True)
-        self.zero_line = pg.InfiniteLine(pos=0, angle=0, movable=False)
+        self.zero_line = pg.InfiniteLine(movable=False, pos=0, angle=0)
         self.error_plot.addItem(self.zero_line, ignoreBounds=True)
         self.slope_bytes_per_token: float | None = None
 
@@ -242,17 +290,14 @@ class LivePlots(QWidget):
 
     def _add_curve(self, key: str, plot: pg.PlotItem, buffer: RingBuffer, x: str, y: str, name: str,
                    style: str = "solid", fill: bool = False, z: int = 0, color: str | None = None) -> None:
-        # 'peak' keeps a min and a max per bin; one bin per pixel column (factor 1, pyqtgraph's default
-        # is 5 per pixel) draws every spike at a fifth of the cost.
-        item = pg.PlotDataItem(autoDownsampleFactor=1.0)
+        # A bare curve item: the data arrive decimated (one min/max pair per pixel column, computed
+        # incrementally), so PlotDataItem's per-frame downsampling, clipping and bounds passes over
+        # the whole column would be pure cost.
+        item = DeviceCurve()
         item.setZValue(z)
-        # Clip-to-view and peak downsampling are per item; the plot-level calls cover items added
-        # before them only, so set them here too.
-        item.setClipToView(True)
-        item.setDownsampling(auto=True, method="peak")
         item.setVisible(False)
         plot.addItem(item)
-        self._curves[key] = _Curve(item, buffer, x, y, name, self._legends[id(plot)])
+        self._curves[key] = _Curve(item, buffer, x, y, name, self._legends[id(plot)], PeakDecimator(buffer, x, y))
         item._kv_style = (color or key, style, fill)
 
     def _build_curves(self) -> None:
@@ -381,7 +426,8 @@ class LivePlots(QWidget):
             if curve.in_legend and curve.legend is not None:
                 curve.legend.removeItem(curve.item)
             curve.in_legend = False
-            curve.drawn_version = -1
+            curve.drawn_version = None
+            curve.y_range = None
         self.apply_theme(self.theme)
 
     def add_samples(self, samples: list[Sample]) -> None:
@@ -465,7 +511,7 @@ class LivePlots(QWidget):
         # Beside the triangle, not above it: above is where the legend rows are.
         text = pg.TextItem(f"+{format_bytes(rise)}", anchor=(-0.15, 0.5))
         text.setPos(time_s, after)
-        line = pg.InfiniteLine(pos=time_s, angle=90, movable=False)
+        line = pg.InfiniteLine(movable=False, pos=time_s, angle=90)
         for item in (line, point, text):
             item.setZValue(5)
             self.mem_plot.addItem(item, ignoreBounds=True)
@@ -505,11 +551,11 @@ class LivePlots(QWidget):
         token = max(int(s.token), 0)
         # Stagger labels of neighbouring markers so they do not print over each other.
         position = (0.93, 0.80, 0.67)[len(self.markers) % 3]
-        kv_line = pg.InfiniteLine(pos=token, angle=90, movable=False, label=label,
-                                  labelOpts={"position": position, "anchors": [(0, 0.5), (0, 0.5)]})
-        mem_line = pg.InfiniteLine(pos=s.time_s, angle=90, movable=False)
-        tot_line = pg.InfiniteLine(pos=token, angle=90, movable=False)
-        err_line = pg.InfiniteLine(pos=token, angle=90, movable=False)
+        kv_line = pg.InfiniteLine(movable=False, pos=token, angle=90, label=label,
+                              labelOpts={"position": position, "anchors": [(0, 0.5), (0, 0.5)]})
+        mem_line = pg.InfiniteLine(movable=False, pos=s.time_s, angle=90)
+        tot_line = pg.InfiniteLine(movable=False, pos=token, angle=90)
+        err_line = pg.InfiniteLine(movable=False, pos=token, angle=90)
         for plot, line in ((self.kv_plot, kv_line), (self.mem_plot, mem_line), (self.total_plot, tot_line),
                            (self.error_plot, err_line)):
             plot.addItem(line, ignoreBounds=True)
@@ -547,17 +593,24 @@ class LivePlots(QWidget):
                         curve.legend.removeItem(curve.item)
                     curve.in_legend = False
                     updated += 1
-                curve.drawn_version = -1
+                curve.drawn_version = None
+                curve.y_range = None
                 continue
-            if curve.drawn_version == curve.buffer.version:
+            # One bin per pixel column of the plot (min and max: two points each), or per pen width
+            # for lines wider than 2 px: a wide line cannot show anything narrower than itself.
+            view = curve.item.getViewBox()
+            px = view.width() if view is not None else 1000.0
+            bins = max(int(px / max(1.0, curve.item.opts["pen"].widthF() / 2.0)), 100)
+            if curve.drawn_version == (curve.buffer.version, bins):
                 continue
-            curve.drawn_version = curve.buffer.version
-            x = curve.buffer.column(curve.x)
-            y = curve.buffer.column(curve.y)
+            curve.drawn_version = (curve.buffer.version, bins)
+            x, y = curve.decimator.data(bins)
             finite = ~np.isnan(y)
             if len(y) == 0 or not finite.any():
                 curve.item.setVisible(False)
+                curve.y_range = None
                 continue
+            curve.y_range = (float(np.nanmin(y)), float(np.nanmax(y)))
             if finite.all():
                 curve.item.setData(x, y, skipFiniteCheck=True, connect="all")
             else:
@@ -597,26 +650,39 @@ class LivePlots(QWidget):
                 if len(c)]
         if ends:
             self._set_x(self.mem_plot, min(e[0] for e in ends), max(e[1] for e in ends))
-        kv_top = _nanmax(self.tokens, ("kv_observed", "kv_predicted"))
+        kv_top = self._top(("kv_observed", "kv_predicted"))
         if kv_top is not None:
             self._set_y(self.kv_plot, 0.0, kv_top, 1.15)
-        mem_top = _nanmax(self.times, ("device_used", "process_gpu", "process_rss", "reserved", "allocated",
-                                       "weights", "kv_share"))
-        sampled_top = _nanmax(self.readings, SAMPLED)
-        if sampled_top is not None:
-            mem_top = sampled_top if mem_top is None else max(mem_top, sampled_top)
+        mem_top = self._top(("device_used", "process_gpu", "process_rss", "reserved", "allocated", "weights",
+                             "kv_share") + tuple(f"sampled_{key}" for key in SAMPLED))
         if mem_top is not None:
             # The memory legend has up to three rows over the curves; host RSS and device used sit
             # near the top of their range, so give the legend its own band above them.
             self._set_y(self.mem_plot, 0.0, mem_top, headroom + 0.3)
-        hi = _nanmax(self.tokens, ("total_observed", "total_predicted"))
-        lo = _nanmin(self.tokens, ("total_observed", "total_predicted"))
+        hi = self._top(("total_observed", "total_predicted"))
+        lo = self._bottom(("total_observed", "total_predicted"))
         if hi is not None and lo is not None:
             span = max(hi - lo, hi * 0.02, 1.0)
             self._set_y(self.total_plot, max(lo - 0.05 * span, 0.0), lo + span, headroom + 0.25, base=lo)
-        err = _nanmax_abs(self.tokens, ("error_total", "error_kv"))
+        err = self._top_abs(("error_total", "error_kv"))
         if err is not None:
             self._set_y(self.error_plot, None, max(err, 0.5), 1.3)
+
+    def _ranges(self, keys: tuple[str, ...]) -> list[tuple[float, float]]:
+        return [r for r in (self._curves[k].y_range for k in keys) if r is not None]
+
+    def _top(self, keys: tuple[str, ...]) -> float | None:
+        """Largest value drawn by any of these curves (decimation keeps every bin's maximum)."""
+        ranges = self._ranges(keys)
+        return max(r[1] for r in ranges) if ranges else None
+
+    def _bottom(self, keys: tuple[str, ...]) -> float | None:
+        ranges = self._ranges(keys)
+        return min(r[0] for r in ranges) if ranges else None
+
+    def _top_abs(self, keys: tuple[str, ...]) -> float | None:
+        ranges = self._ranges(keys)
+        return max(max(abs(r[0]), abs(r[1])) for r in ranges) if ranges else None
 
     def _set_x(self, plot: pg.PlotItem, first: float, last: float) -> None:
         lo, hi = plot.getViewBox().viewRange()[0]
@@ -701,8 +767,9 @@ class LivePlots(QWidget):
 
     def _slope(self, window: int = 32) -> float | None:
         """Bytes per token over the last ``window`` tokens since the last switch (a step is not a slope)."""
-        tok = self.tokens.column("token")
-        kv = self.tokens.column("kv_observed")
+        # The newest rows only: tokens increase, so the last `window` after the marker are among them.
+        tok = self.tokens.column("token")[-4 * window:]
+        kv = self.tokens.column("kv_observed")[-4 * window:]
         if len(tok) < 2:
             return None
         since = self.markers[-1].token if self.markers else -math.inf
@@ -759,36 +826,6 @@ def _mix(a: str, b: str, t: float) -> QColor:
     ca, cb = QColor(a), QColor(b)
     return QColor(round(ca.red() + (cb.red() - ca.red()) * t), round(ca.green() + (cb.green() - ca.green()) * t),
                   round(ca.blue() + (cb.blue() - ca.blue()) * t))
-
-
-def _nanmax(buf: RingBuffer, keys: tuple[str, ...]) -> float | None:
-    best = None
-    for key in keys:
-        col = buf.column(key)
-        if len(col) and not np.isnan(col).all():
-            v = float(np.nanmax(col))
-            best = v if best is None else max(best, v)
-    return best
-
-
-def _nanmin(buf: RingBuffer, keys: tuple[str, ...]) -> float | None:
-    best = None
-    for key in keys:
-        col = buf.column(key)
-        if len(col) and not np.isnan(col).all():
-            v = float(np.nanmin(col))
-            best = v if best is None else min(best, v)
-    return best
-
-
-def _nanmax_abs(buf: RingBuffer, keys: tuple[str, ...]) -> float | None:
-    best = None
-    for key in keys:
-        col = buf.column(key)
-        if len(col) and not np.isnan(col).all():
-            v = float(np.nanmax(np.abs(col)))
-            best = v if best is None else max(best, v)
-    return best
 
 
 def error_percent(observed: int | None, predicted: int | None) -> float | None:

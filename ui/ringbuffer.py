@@ -23,6 +23,8 @@ class RingBuffer:
         self._head = 0  # next write position in [0, capacity)
         self._size = 0
         self.version = 0  # bumped on every change, so a redraw can skip unchanged buffers
+        self.appended = 0  # rows appended since the last clear (absolute row number of the next row)
+        self.cleared = 0  # bumped by clear(), so what was derived from the old rows can be dropped
 
     def __len__(self) -> int:
         return self._size
@@ -31,6 +33,8 @@ class RingBuffer:
         self._data.fill(np.nan)
         self._head = 0
         self._size = 0
+        self.appended = 0
+        self.cleared += 1
         self.version += 1
 
     def append(self, row: dict[str, float | int | None]) -> None:
@@ -41,6 +45,7 @@ class RingBuffer:
         """Append many rows at once (one batch of samples)."""
         if not rows:
             return
+        self.appended += len(rows)
         if len(rows) > self.capacity:
             rows = rows[-self.capacity:]
         n = len(rows)
@@ -65,6 +70,7 @@ class RingBuffer:
         n = lengths.pop()
         if n == 0:
             return
+        self.appended += n
         block = np.full((len(self.columns), n), np.nan, dtype=np.float64)
         for name, arr in values.items():
             block[self._index[name]] = np.asarray(arr, dtype=np.float64)
@@ -87,5 +93,11 @@ class RingBuffer:
     def last(self, name: str) -> float | None:
         """The newest value of ``name`` that is not NaN, or None."""
         col = self.column(name)
-        finite = np.flatnonzero(~np.isnan(col))
-        return float(col[finite[-1]]) if finite.size else None
+        end = len(col)
+        while end > 0:  # look back 64 rows at a time: the newest value is almost always there
+            chunk = col[max(end - 64, 0):end]
+            finite = np.flatnonzero(~np.isnan(chunk))
+            if finite.size:
+                return float(chunk[finite[-1]])
+            end -= len(chunk)
+        return None

@@ -236,4 +236,9 @@ def _is_user_error(exc: Exception) -> bool:
 
 
 if __name__ == "__main__":
+    # The window runs the model in a child process (spawned: core.host.serve). In the packaged app
+    # that child is this same executable; freeze_support turns such a start into the child's work.
+    import multiprocessing
+
+    multiprocessing.freeze_support()
     sys.exit(main())

@@ -333,8 +333,10 @@ class MemoryProbe:
 
     # -- process table ------------------------------------------------------------------------
 
-    def gpu_processes(self) -> list[GpuProcess]:
+    def gpu_processes(self, app_pids: frozenset[int] = frozenset()) -> list[GpuProcess]:
         """Every compute and graphics process on every GPU NVML sees, with its memory.
+
+        ``is_self`` marks this process and ``app_pids`` (the window marks its engine process).
 
         Empty when NVML is unavailable (``last_notes`` says why). Names come from psutil and read
         ``pid N`` where the process is not visible (another user, another PID namespace).
@@ -369,7 +371,8 @@ class MemoryProbe:
             except (nvml.NVMLError, _LibraryMismatch(nvml)) as exc:
                 notes.append(f"GPU {index}: NVML process list failed: {exc}")
             for pid, (used, kind) in sorted(merged.items()):
-                rows.append(GpuProcess(index, pid, _process_name(pid), used, pid == self._pid, kind))
+                rows.append(GpuProcess(index, pid, _process_name(pid), used, pid == self._pid or pid in app_pids,
+                                       kind))
         if any(r.used_bytes is None for r in rows):
             notes.append(NOTE_PROCESS_NA)
         self.last_notes = tuple(notes)

@@ -47,3 +47,19 @@ def window(qtbot, settings):
     qtbot.waitUntil(lambda: w.calculator.warm, timeout=60_000)
     yield w
     w.shutdown()
+
+
+@pytest.fixture
+def thread_window(qtbot, settings):
+    """The window with generation on a thread of this process (KVSCOPE_ENGINE=thread): for tests that
+    patch the model's code here, where the engine process could not see the patch."""
+    from ui.main_window import MainWindow
+    from workers.generation import GenerationController
+
+    w = MainWindow(settings=settings, controller=GenerationController())
+    qtbot.addWidget(w)
+    w.resize(1400, 900)
+    w.show()
+    qtbot.waitUntil(lambda: w.calculator.warm, timeout=60_000)
+    yield w
+    w.shutdown()

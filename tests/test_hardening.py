@@ -487,8 +487,10 @@ def test_runtime_out_of_memory_is_recovered(where, capsys, monkeypatch, tmp_path
     assert f"-- [oom] token {len(decoded)}:" in out
 
 
-def test_runtime_out_of_memory_window_stays_usable(qtbot, window, monkeypatch):
-    """OOM at token 3 in the window: the message is shown, the controls come back, the next run works."""
+def test_runtime_out_of_memory_window_stays_usable(qtbot, thread_window, monkeypatch):
+    """OOM at token 3 in the window: the message is shown, the controls come back, the next run works.
+    (Thread mode: the patched model must run in this process.)"""
+    window = thread_window
     _fail_forward(monkeypatch, call=4, make_error=_oom, loads=(1,))
     run_in_window(qtbot, window, RunRequest(device="cpu", max_new_tokens=50))
     assert window.last_error.startswith("out of memory in decode at token 3")
@@ -570,8 +572,9 @@ def test_runtime_worker_raising_mid_token(qtbot, monkeypatch):
     assert [s.token for s in got if s.phase == "decode"] == [1, 2]
 
 
-def test_runtime_worker_raising_mid_token_window_controls_come_back(qtbot, window, monkeypatch):
+def test_runtime_worker_raising_mid_token_window_controls_come_back(qtbot, thread_window, monkeypatch):
     """The same fault in the window: the message is shown and Start is enabled again."""
+    window = thread_window
     _fail_forward(monkeypatch, call=4, make_error=lambda: RuntimeError("kernel exploded at token 3"))
     run_in_window(qtbot, window, RunRequest(device="cpu", max_new_tokens=50))
     assert window.last_error == "RuntimeError: kernel exploded at token 3"
@@ -727,11 +730,36 @@ def test_files_calculator_bad_config(case, tmp_path, capsys):
 # Shutdown and churn
 
 
-def test_shutdown_close_window_mid_generation(qtbot, window):
-    """Closing the window while it generates returns within 1 s and leaves no KV Scope thread."""
+def test_runtime_engine_process_killed_mid_run(qtbot, window):
+    """The engine process dies mid-run (SIGKILL: what the OOM killer or a crash in a kernel does): the
+    window says so in one line, stays up with its controls back, and the next run starts a new engine."""
+    import signal
+
+    host = window.controller.host
     window.start_run(RunRequest(device="cpu", max_new_tokens=100_000))
     qtbot.waitUntil(lambda: window.decode_tokens >= 3, timeout=120_000)
-    assert window.controller.is_running() and "kvscope-generat" in _os_threads()
+    old_pid = host.pid
+    with qtbot.waitSignal(window.run_finished, timeout=10_000):
+        os.kill(old_pid, signal.SIGKILL)
+    assert window.last_error == ("the engine process ended during the run (killed by signal 9); "
+                                 "the next run starts a new one")
+    assert window.error_label.text() == window.last_error
+    assert window.state == "idle" and window.start_button.isEnabled()
+    run_in_window(qtbot, window, RunRequest(device="cpu", max_new_tokens=5))
+    assert window.last_error == "" and window.decode_tokens == 5
+    assert host.pid not in (None, old_pid)
+
+
+@pytest.mark.parametrize("engine", ["process", "thread"])
+def test_shutdown_close_window_mid_generation(qtbot, request, engine):
+    """Closing the window while it generates returns within 1 s and leaves no KV Scope thread running
+    (the engine process's reader stays, idle, for the next window; the process itself is idle)."""
+    window = request.getfixturevalue("window" if engine == "process" else "thread_window")
+    window.start_run(RunRequest(device="cpu", max_new_tokens=100_000))
+    qtbot.waitUntil(lambda: window.decode_tokens >= 3, timeout=120_000)
+    assert window.controller.is_running()
+    if engine == "thread":
+        assert "kvscope-generat" in _os_threads()
     python_threads = {t.ident for t in threading.enumerate()}
     t0 = time.perf_counter()
     window.close()
@@ -739,9 +767,13 @@ def test_shutdown_close_window_mid_generation(qtbot, window):
     print(f"window.close() mid-generation took {elapsed * 1000:.0f} ms")
     assert elapsed < 1.0
     assert not window.controller.is_running()
-    qtbot.waitUntil(lambda: _os_threads() == [], timeout=500)  # the QThreads' OS threads have exited
+    # The QThreads' OS threads have exited; only the shared engine's pipe reader stays (idle, for the
+    # next window) once an engine process exists in this test session.
+    qtbot.waitUntil(lambda: [n for n in _os_threads() if n != "kvscope-engine-"] == [], timeout=500)
     assert {t.ident for t in threading.enumerate()} <= python_threads
     assert window.decode_tokens < 100_000
+    if engine == "process":
+        assert window.controller.host.run_done.is_set()  # the engine's run ended, not just our view of it
 
 
 CHURN_CYCLE = ["gqa:4", "gqa:2", "mqa", "window:16", "mha", "mla", "gqa:2", "window:16", "mqa", "mha", "gqa:4", "mla"]

@@ -243,12 +243,30 @@ def test_closing_the_window_stops_every_thread(qtbot, settings):
                     pass  # ended while listing
             # Not the generation thread's name: torch's worker pool threads, started from it, inherit
             # its name and live on (a pool); that thread itself is checked by is_running() above.
-            return [n for n in names if n.startswith("kvscope-") and not n.startswith("kvscope-generat")]
+            # Nor the engine process's pipe reader: the engine is the application's, shared by its
+            # windows, and goes when the application quits (test_engine_host_shutdown_ends_process_and_reader).
+            return [n for n in names if n.startswith("kvscope-") and not n.startswith("kvscope-generat")
+                    and n != "kvscope-engine-"]
 
         qtbot.waitUntil(lambda: not ours(), timeout=5_000)
     # Python's list: no thread it knows of is still running (an ended Qt thread may leave a dummy entry).
     assert all(t.ident in before or isinstance(t, threading._DummyThread) or not t.is_alive()
                for t in threading.enumerate() if t is not threading.main_thread())
+
+
+def test_engine_host_shutdown_ends_process_and_reader(qtbot):
+    """What the application's quit does to the engine: the process exits, its reader thread ends."""
+    from workers.host import EngineHost
+
+    host = EngineHost()
+    with qtbot.waitSignal(host.message, timeout=120_000, check_params_cb=lambda kind, *_: kind == "ready"):
+        host.start()
+    process, reader = host._process, host._reader
+    assert process.is_alive() and reader.isRunning() and host.pid == process.pid != os.getpid()
+    host.shutdown(timeout_s=5.0)
+    assert not process.is_alive() and process.exitcode == 0  # it quit when asked, not killed
+    qtbot.waitUntil(lambda: reader.isFinished(), timeout=2_000)
+    assert host.pid is None and not host.is_alive()
 
 
 def test_durations_read_well():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -46,7 +47,9 @@ def test_a_real_run_reaches_the_plots_and_a_switch_adds_a_marker(qtbot, window):
     assert meter.worst_ms < 3000
 
 
-def test_stop_leaves_no_thread_running(qtbot, window):
+def test_stop_leaves_no_thread_running(qtbot, thread_window):
+    """Thread mode (KVSCOPE_ENGINE=thread): the worker's QThread has returned once stopped."""
+    window = thread_window
     request = RunRequest(source="embedded", max_new_tokens=100_000)
     window.start_run(request)
     qtbot.waitUntil(lambda: window.decode_tokens >= 3, timeout=120_000)
@@ -63,6 +66,28 @@ def test_stop_leaves_no_thread_running(qtbot, window):
     # OS threads here; tests/test_hardening.py checks closing the window leaves none of ours.)
     assert window.controller._thread is None
     assert window.decode_tokens < 100_000
+
+
+def test_stop_ends_the_run_in_the_engine_process(qtbot, window):
+    """The default: the model runs in the engine process. Stop ends the run between two tokens; the
+    process stays up, idle, and the next run starts there at once (no second torch import)."""
+    from workers.host import HostedGenerationController
+
+    assert isinstance(window.controller, HostedGenerationController)
+    host = window.controller.host
+    window.start_run(RunRequest(source="embedded", max_new_tokens=100_000))
+    qtbot.waitUntil(lambda: window.decode_tokens >= 3, timeout=120_000)
+    pid = host.pid
+    assert pid is not None and pid != os.getpid()  # the tokens came from another process
+    started = time.perf_counter()
+    with qtbot.waitSignal(window.run_finished, timeout=10_000):
+        window.stop_run()
+    assert time.perf_counter() - started < 1.0
+    assert window.state == "idle" and not window.controller.is_running()
+    assert host.run_done.is_set() and host.is_alive()
+    assert window.decode_tokens < 100_000
+    run_in_window(qtbot, window, RunRequest(source="embedded", max_new_tokens=4))
+    assert window.decode_tokens == 4 and host.pid == pid
 
 
 def test_keys_switch_live_during_arun_in_window(qtbot, window):

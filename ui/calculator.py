@@ -35,6 +35,7 @@ from core.attention import SettingsError, native_attention, parse_attention
 from core.caches import kv_layout, parse_cache
 from core.predict import kv_bytes, kv_elem_bytes, max_context_that_fits, predict
 from core.settings import RunSettings, effective_spec
+from core.hf import freeze_long_lived
 from core.spec import ModelSpec, SpecError, human_bytes, load_spec, parse_size, preset_names
 from ui.plots import BytesAxis, format_tokens
 from ui.theme import Theme, theme as make_theme
@@ -125,6 +126,9 @@ class _WarmJob(QRunnable):
             # Loading the embedded preset's spec goes through AutoConfig, the meta-device model build
             # and cache_utils: all of transformers that a spec load or a model load starts from.
             load_spec("embedded")
+            # The window's long-lived objects (Qt, pyqtgraph, torch, transformers) are all alive now:
+            # out of the collector's walks, so full collections stop pausing the UI thread.
+            freeze_long_lived()
         except Exception:  # the spec loads report their own errors
             log.exception("importing transformers")
         finally:

@@ -316,6 +316,7 @@ class _PollLoop(QObject):
         self._make_probe = make_probe
         self._interval_s = interval_s
         self.abort = threading.Event()
+        self.app_pids: frozenset[int] = frozenset()  # other processes of this app (set from the GUI thread)
 
     @Slot()
     def run(self) -> None:
@@ -323,7 +324,7 @@ class _PollLoop(QObject):
         try:
             probe = self._make_probe()
             while not self.abort.is_set():
-                rows = probe.gpu_processes()
+                rows = probe.gpu_processes(app_pids=self.app_pids)
                 self.updated.emit(rows, "; ".join(probe.last_notes))
                 self.abort.wait(self._interval_s)
         except Exception as exc:  # noqa: BLE001 - shown in the panel, never a silently dead thread
@@ -347,11 +348,13 @@ class GpuProcessPoller(QObject):
         self._probe_factory = probe_factory or _default_probe
         self._thread: QThread | None = None
         self._loop: _PollLoop | None = None
+        self.app_pids: frozenset[int] = frozenset()
 
     def start(self) -> None:
         if self.is_running():
             return
         loop = _PollLoop(self._probe_factory, self.interval_s)
+        loop.app_pids = self.app_pids
         thread = QThread()
         thread.setObjectName("kvscope-gpu-processes")
         loop.moveToThread(thread)
@@ -363,6 +366,12 @@ class GpuProcessPoller(QObject):
 
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.isRunning()
+
+    def set_app_pids(self, pids: set[int]) -> None:
+        """Mark these processes (the engine process) as this app's in the table, from the next poll."""
+        self.app_pids = frozenset(pids)
+        if self._loop is not None:
+            self._loop.app_pids = self.app_pids  # one assignment: safe to read from the poll thread
 
     def stop(self, timeout_s: float = 2.0) -> bool:
         if self._loop is None or self._thread is None:

@@ -80,7 +80,12 @@ def demo_recording_path() -> Path:
 
 
 def _controller_class():
-    """The generation worker's controller (imports torch: done once, when the window is built)."""
+    """The generation controller: the engine host process by default, a thread of this process with
+    KVSCOPE_ENGINE=thread (imports torch: done once, when the window is built)."""
+    from workers.host import HostedGenerationController, engine_mode
+
+    if engine_mode() == "process":
+        return HostedGenerationController
     from workers.generation import GenerationController
 
     return GenerationController
@@ -164,7 +169,7 @@ class MainWindow(QMainWindow):
         self.redraw_timer = QTimer(self)
         self.redraw_timer.setTimerType(Qt.TimerType.PreciseTimer)
         self.redraw_timer.setInterval(int(1000 / REDRAW_HZ))
-        self.redraw_timer.timeout.connect(self._redraw)
+        self.redraw_timer.timeout.connect(lambda: self._redraw(settle=False))
         self.redraw_timer.start()
         self.stats_timer = QTimer(self)
         self.stats_timer.setInterval(STATS_MS)
@@ -177,6 +182,11 @@ class MainWindow(QMainWindow):
 
         self.gpu_poller = GpuProcessPoller(1.0, parent=self)
         self.gpu_poller.updated.connect(self.gpu_panel.show_processes)
+        host = getattr(self.controller, "host", None)
+        if host is not None:  # the model's GPU memory is the engine process's: "this app" in the table
+            host.message.connect(self._on_engine_message)
+            if host.pid is not None:
+                self.gpu_poller.set_app_pids({host.pid})
         self.gpu_poller.start()
         self._start_sampler(self._auto_device())
         self._maybe_offer_demo()
@@ -946,6 +956,10 @@ class MainWindow(QMainWindow):
         except Exception:  # noqa: BLE001 - a UI-only build: host memory is what there is
             return "cpu"
 
+    def _on_engine_message(self, kind: str, payload: object, run: object) -> None:
+        if kind == "ready":
+            self.gpu_poller.set_app_pids({int(payload)})
+
     def _start_sampler(self, device: str) -> None:
         """(Re)start the fixed-rate memory sampler for ``device`` at the chosen rate."""
         try:
@@ -958,7 +972,13 @@ class MainWindow(QMainWindow):
         self.sampler_device = device
         self.sampler_notes = []
         self.sampler_achieved_hz = None
-        sampler = MemorySampler(device, self.sampler_rate_hz, parent=self)
+        host = getattr(self.controller, "host", None)
+        if host is not None:  # the model runs in the engine process: measure that process, from inside it
+            from workers.host import HostedSampler
+
+            sampler = HostedSampler(device, self.sampler_rate_hz, parent=self, host=host)
+        else:
+            sampler = MemorySampler(device, self.sampler_rate_hz, parent=self)
         sampler.readings.connect(self._on_readings)
         sampler.rate_measured.connect(self._on_sampler_rate)
         sampler.note.connect(self._on_sampler_note)
@@ -1293,12 +1313,13 @@ class MainWindow(QMainWindow):
     # ============================================================================================
     # drawing
 
-    def _redraw(self) -> None:
-        """The fixed-rate frame: curves, then any text that arrived. Never raises into Qt."""
+    def _redraw(self, settle: bool = True) -> None:
+        """A frame: curves, then any text that arrived. Never raises into Qt. The fixed-rate timer
+        passes ``settle=False`` (view ranges change one per frame); other callers get them all."""
         try:
             self._feed_spikes(flush=self.state == "idle" and time.monotonic() > self._readings_until
                               and not self._monitor_flushed and not self._spike_queue and self.mode == "live")
-            self.plots.redraw()
+            self.plots.redraw(settle=settle)
             if self._pending_text:
                 self._flush_text()
         except Exception:  # a drawing bug must not kill the timer (and the demo)
@@ -1543,7 +1564,10 @@ class MainWindow(QMainWindow):
         self.stats_timer.stop()
         if self.controller is not None and self.controller.is_running():
             if not self.controller.stop(timeout_s=5.0):
-                log.warning("the generation thread did not stop within 5 s")
+                if hasattr(self.controller, "kill"):  # the engine process: end it, memory and all
+                    self.controller.kill()
+                else:
+                    log.warning("the generation thread did not stop within 5 s")
         if self.replay is not None and self.replay.is_running():
             self.replay.stop(timeout_s=2.0)
         if self.sampler is not None and not self.sampler.stop(timeout_s=2.0):

@@ -42,6 +42,10 @@ SAMPLED = ("device_used", "process_gpu", "process_rss", "reserved", "allocated")
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
+#: A view range that the data outgrows grows by this factor: each change re-renders the axes (the
+#: costliest frames), so few big steps beat many small ones. The data then fills 2/3 to all of it.
+GROW = 1.5
+
 
 def format_bytes(n: float | None) -> str:
     """Human bytes for labels; None (not available) -> 'n/a'."""
@@ -160,6 +164,7 @@ class _Curve:
     name: str
     legend: pg.LegendItem | None
     decimator: PeakDecimator
+    view: str = "kv"  # which of the three views draws it: kv, mem, cmp
     in_legend: bool = False
     drawn_version: tuple[int, int] | None = None  # (buffer version, bins) last drawn
     y_range: tuple[float, float] | None = None  # min and max of what is drawn (None: nothing)
@@ -204,6 +209,9 @@ class LivePlots(QWidget):
         self._last_settings: tuple[str, str, str] | None = None
         self.host_only: bool | None = None  # None until the first sample says whether a GPU reports memory
         self.draws = 0
+        self._range_budget: float = 1  # view range changes left in this frame (see redraw)
+        self._ranges_pending = False
+        self._frame_plots: set[int] = set()  # the plots this frame draws (see redraw)
 
         pg.setConfigOptions(antialias=False)  # antialiasing costs more than it buys at 30 Hz
         self.kv_widget = pg.PlotWidget(axisItems={"left": BytesAxis(orientation="left")})
@@ -221,7 +229,7 @@ class LivePlots(QWidget):
         self.error_plot.getViewBox().setLimits(minYRange=2.0)
 
         self.all_plots = (self.kv_plot, self.mem_plot, self.total_plot, self.error_plot)
-        self._fresh: set[int] = set()
+        self._fresh: set[tuple[int, str]] = set()
         for plot in self.all_plots:
             # Ranges are set in steps by _fit_ranges (cheap frames); a live view is not panned by mouse.
             plot.disableAutoRange()
@@ -297,7 +305,9 @@ class LivePlots(QWidget):
         item.setZValue(z)
         item.setVisible(False)
         plot.addItem(item)
-        self._curves[key] = _Curve(item, buffer, x, y, name, self._legends[id(plot)], PeakDecimator(buffer, x, y))
+        view = {id(self.kv_plot): "kv", id(self.mem_plot): "mem"}.get(id(plot), "cmp")
+        self._curves[key] = _Curve(item, buffer, x, y, name, self._legends[id(plot)], PeakDecimator(buffer, x, y),
+                                   view)
         item._kv_style = (color or key, style, fill)
 
     def _build_curves(self) -> None:
@@ -581,11 +591,23 @@ class LivePlots(QWidget):
     # ---------------------------------------------------------------------------------------------
     # drawing
 
-    def redraw(self) -> int:
-        """Push changed buffers to their curves (the fixed-rate timer's slot). Returns curves updated."""
+    def redraw(self, settle: bool = True) -> int:
+        """Push changed buffers to their curves and fit the view ranges. Returns curves updated.
+
+        ``settle`` (the default) draws every view now. The window's fixed-rate timer passes False, for
+        frame pacing, so that no one frame keeps the UI thread long: the KV view updates at every
+        call, the memory and predicted-vs-observed views at every other call, in turn (each view is a
+        scene Qt repaints separately); at most one view range changes per call (a change re-renders
+        axes). What waits is drawn on the next call.
+        """
         updated = 0
         superseded = SAMPLED if len(self.readings) else ()
+        views = {"kv", "mem", "cmp"} if settle else {"kv", ("mem", "cmp")[self.draws % 2]}
+        self._frame_plots = {id(p) for p in self.all_plots
+                             if {id(self.kv_plot): "kv", id(self.mem_plot): "mem"}.get(id(p), "cmp") in views}
         for key, curve in self._curves.items():
+            if curve.view not in views:
+                continue
             if key in superseded:
                 if curve.item.isVisible() or curve.in_legend:
                     curve.item.setVisible(False)
@@ -626,8 +648,11 @@ class LivePlots(QWidget):
             self.capacity_line.setValue(capacity)
             self.capacity_line.label.setFormat(f"device capacity {format_bytes(capacity)}")
             self.capacity_line.setVisible(True)
-        if updated:
+        if updated or self._ranges_pending or settle:
+            self._range_budget = math.inf if settle else 1
+            self._ranges_pending = False
             self._fit_ranges()
+        if updated:
             self.slope_bytes_per_token = self._slope()
             self._refresh_labels()
         self.draws += 1
@@ -637,8 +662,8 @@ class LivePlots(QWidget):
         """Set every view range ourselves, in steps, instead of pyqtgraph's per-frame auto-range.
 
         A range that changes every frame makes every axis regenerate its ticks and pictures at
-        30 Hz, which costs more than drawing the curves. Ranges here grow in steps (25 % headroom)
-        and only change when the data leaves them, so most frames repaint curves only. The tops
+        30 Hz, which costs more than drawing the curves. Ranges here grow in steps (``GROW``) and
+        only change when the data leaves them, so most frames repaint curves only. The tops
         keep extra room for the legend rows that sit over the plots.
         """
         headroom = 1.45 if self.theme.presenter else 1.3
@@ -684,11 +709,22 @@ class LivePlots(QWidget):
         ranges = self._ranges(keys)
         return max(max(abs(r[0]), abs(r[1])) for r in ranges) if ranges else None
 
+    def _may_change_range(self, plot: pg.PlotItem) -> bool:
+        """One range change per frame, of a view drawn this frame: True (and spent) when allowed."""
+        if self._range_budget <= 0 or id(plot) not in self._frame_plots:
+            self._ranges_pending = True
+            return False
+        self._range_budget -= 1
+        return True
+
     def _set_x(self, plot: pg.PlotItem, first: float, last: float) -> None:
         lo, hi = plot.getViewBox().viewRange()[0]
-        if last > hi or first < lo or (hi - first) > 4 * max(last - first, 1.0) or self._stale(plot):
+        if last > hi or first < lo or (hi - first) > 4 * max(last - first, 1.0) or self._stale(plot, "x"):
+            if not self._may_change_range(plot):
+                self._fresh.discard((id(plot), "x"))  # (if it was stale, it still is: ask again next frame)
+                return
             width = max(last - first, 1.0)
-            plot.setXRange(first, first + width * 1.25 + 1.0, padding=0.0)
+            plot.setXRange(first, first + width * GROW + 1.0, padding=0.0)
 
     def _set_y(self, plot: pg.PlotItem, bottom: float | None, top: float, headroom: float,
                base: float | None = None) -> None:
@@ -697,18 +733,26 @@ class LivePlots(QWidget):
         origin = base if base is not None else (bottom or 0.0)
         want_hi = origin + (top - origin) * headroom
         if bottom is None:
-            if top > hi or top < 0.4 * hi or self._stale(plot):
-                plot.setYRange(-top * headroom, top * headroom, padding=0.0)
+            if top > hi or top < 0.4 * hi or self._stale(plot, "y"):
+                if self._may_change_range(plot):
+                    plot.setYRange(-top * headroom, top * headroom, padding=0.0)
+                else:
+                    self._fresh.discard((id(plot), "y"))
             return
         used = hi - lo
-        if top > hi or bottom < lo or (top - bottom) < 0.45 * used or self._stale(plot):
-            plot.setYRange(bottom, want_hi, padding=0.0)
+        if top > hi or bottom < lo or (top - bottom) < 0.45 * used or self._stale(plot, "y"):
+            if top > hi and hi > lo:  # growing: a step big enough that the next one is a while off
+                want_hi = origin + (top - origin) * headroom * GROW / 1.25
+            if self._may_change_range(plot):
+                plot.setYRange(bottom, want_hi, padding=0.0)
+            else:
+                self._fresh.discard((id(plot), "y"))
 
-    def _stale(self, plot: pg.PlotItem) -> bool:
-        """True once per plot after a reset or theme change (its range belongs to old data)."""
-        if id(plot) in self._fresh:
+    def _stale(self, plot: pg.PlotItem, axis: str) -> bool:
+        """True once per plot axis after a reset or theme change (its range belongs to old data)."""
+        if (id(plot), axis) in self._fresh:
             return False
-        self._fresh.add(id(plot))
+        self._fresh.add((id(plot), axis))
         return True
 
     def curve_data(self, key: str) -> tuple[np.ndarray, np.ndarray]:

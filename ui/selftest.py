@@ -1,7 +1,7 @@
 """``kvscope --self-test``: prove that this build (source checkout or packaged app) really works.
 
-It goes the real way through: a Qt application on the offscreen platform, the generation worker
-on its QThread, the embedded demo model built from ``assets/`` (so the bundle's data files are
+It goes the real way through: a Qt application on the offscreen platform, the generation engine
+in its own process (a child of this executable, as the window runs it), the embedded demo model built from ``assets/`` (so the bundle's data files are
 found), a prefill and 8 decoded tokens on the CPU, for every decoded token the observed KV bytes
 compared with the predicted ones, and a pyqtgraph plot of them rendered offscreen. One line on stdout says what passed; on any failure one
 line says why and the exit status is 1. No display, GPU or network is needed.
@@ -86,12 +86,16 @@ def _run(timeout_s: float, tokens: int) -> str:
     from core.sample import PHASE_DECODE
     from core.spec import ASSETS
     from workers.generation import GenerationController
+    from workers.host import HostedGenerationController, engine_mode
 
     if not ASSETS.is_dir():
         # In a bundle this means the spec did not place assets/ next to core/.
         raise SelfTestFailed(f"assets folder not found at {ASSETS}")
     app = QApplication.instance() or QApplication(sys.argv[:1])
-    controller = GenerationController()
+    # The window's way: the model in the engine process (a child of this executable), unless
+    # KVSCOPE_ENGINE=thread.
+    hosted = engine_mode() == "process"
+    controller = HostedGenerationController() if hosted else GenerationController()
     samples: list = []
     errors: list[str] = []
     loop = QEventLoop()
@@ -140,6 +144,10 @@ def _run(timeout_s: float, tokens: int) -> str:
     last = decoded[-1]
     info = controller.info
     model = info.label if info is not None else "embedded"
+    where = "in this process"
+    if hosted:
+        where = f"in the engine process (pid {controller.host.pid})"
+        controller.host.shutdown()
     return (f"{len(decoded)} tokens, KV {last.kv_bytes_observed:,} B observed == predicted, "
-            f"model {model} on {last.device} ({last.dtype}, {last.attention}, {last.cache} cache), "
+            f"model {model} on {last.device} ({last.dtype}, {last.attention}, {last.cache} cache) {where}, "
             f"Qt platform {app.platformName()}, plot {width}x{height}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QFrame, QGridLayout, QLabel, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QFrame, QGridLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
 from core.sample import Sample
 from core.spec import ModelSpec, SpecError, human_bytes
@@ -116,11 +116,25 @@ class _Tile(QFrame):
         self.note.setObjectName("statNote")
         for w in (self.name, self.value, self.note):
             layout.addWidget(w)
+        # A number that changes width must not re-lay out the window around it (several times a
+        # second, every widget beside it repainted): the tile's width comes from its column.
+        for w in (self.value, self.note):
+            w.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+            w.setMinimumWidth(0)
         self.setToolTip(tooltip)
+        self._style = ""
 
     def set(self, value: str, note: str = "") -> None:
-        self.value.setText(value)
-        self.note.setText(note)
+        if self.value.text() != value:
+            self.value.setText(value)
+        if self.note.text() != note:
+            self.note.setText(note)
+
+    def set_value_style(self, style: str) -> None:
+        """A style sheet for the number (a warning colour); re-polishing is costly, so only on a change."""
+        if style != self._style:
+            self._style = style
+            self.value.setStyleSheet(style)
 
 
 class StatsPanel(QWidget):
@@ -195,7 +209,7 @@ class StatsPanel(QWidget):
 
             when = f"about {format_duration(forecast.seconds)} · " if forecast.seconds is not None else ""
             tile.set(f"token {_compact(forecast.token)}", f"{when}{forecast.limit}")
-        tile.value.setStyleSheet(f"color: {warning_color};" if warning_color else "")
+        tile.set_value_style(f"color: {warning_color};" if warning_color else "")
 
 
 def _compact(n: int) -> str:

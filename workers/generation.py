@@ -1,31 +1,25 @@
-"""The generation worker: drives core.generate on a QThread; commands in, Sample batches out.
+"""The generation worker in the window's own process (thread mode): core.host.RunDriver on a QThread.
 
-Shape from superqt's ``_qthreading``: a parentless QObject moved to a named QThread;
-``thread.started -> worker.work``; the worker's ``done`` quits the thread; ``deleteLater`` on
-both. Commands (switch, pause, resume, stop) go through a thread-safe queue and take effect
-between two tokens; stopping is cooperative (an abort flag checked between tokens) and prompt.
-An exception becomes ``errored`` with a one-line message, never a silently dead thread.
+The window normally runs generation in the engine host process (``workers.host``); this is the
+same driver on a thread of the window's process, for ``KVSCOPE_ENGINE=thread`` and for tests that
+patch the model in this process. Shape from superqt's ``_qthreading``: a parentless QObject moved
+to a named QThread; ``thread.started -> worker.work``; the worker's ``done`` quits the thread.
+Commands (switch, pause, resume, stop) take effect between two tokens; stopping is cooperative and
+prompt. An exception becomes ``errored`` with a one-line message, never a silently dead thread.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
-import time
-import traceback
-
 from PySide6.QtCore import QObject, Signal, Slot
 
-from core.generate import ModelInfo, RunHooks, RunRequest, limit_cpu_threads, run_generation
-from core.sample import Sample
+from core.generate import ModelInfo, RunRequest, limit_cpu_threads
+from core.host import RunDriver
 from workers.threaded import ThreadedController
-
-#: Samples leave in batches of at most this many, or at least every FLUSH_S seconds.
-BATCH_MAX = 16
-FLUSH_S = 0.05
 
 
 class _Worker(QObject):
+    """core.host.RunDriver on a QThread: its messages become these signals."""
+
     samples = Signal(list)
     loaded = Signal(object)
     progress = Signal(str)
@@ -35,71 +29,18 @@ class _Worker(QObject):
 
     def __init__(self, request: RunRequest) -> None:
         super().__init__()
-        self.request = request
-        self.commands: "queue.Queue[tuple[str, ...]]" = queue.Queue()
-        self.abort = threading.Event()
-        self.paused = False
-        self._batch: list[Sample] = []
-        self._last_flush = time.monotonic()
+        self.driver = RunDriver(request, self._send)
+        self._signals = {"samples": self.samples, "loaded": self.loaded, "progress": self.progress,
+                         "errored": self.errored, "paused": self.paused_changed}
 
-    # --- hooks called on the worker thread by core.generate
-    def _emit(self, sample: Sample) -> None:
-        self._batch.append(sample)
-        now = time.monotonic()
-        if sample.is_event or len(self._batch) >= BATCH_MAX or now - self._last_flush >= FLUSH_S:
-            self._flush()
-
-    def _flush(self) -> None:
-        if self._batch:
-            batch, self._batch = self._batch, []
-            self.samples.emit(batch)
-        self._last_flush = time.monotonic()
-
-    def _poll(self) -> list[tuple[str, str]]:
-        """Drain commands; while paused, wait here (between tokens) until resumed or stopped."""
-        switches: list[tuple[str, str]] = []
-        while True:
-            timeout = 0.05 if self.paused else None
-            try:
-                command = self.commands.get(timeout=timeout) if self.paused else self.commands.get_nowait()
-            except queue.Empty:
-                if self.paused and not self.abort.is_set():
-                    continue
-                break
-            kind = command[0]
-            if kind == "switch":
-                switches.append((command[1], command[2]))
-            elif kind == "pause" and not self.paused:
-                self.paused = True
-                self._flush()
-                self.paused_changed.emit(True)
-            elif kind == "resume" and self.paused:
-                self.paused = False
-                self.paused_changed.emit(False)
-            elif kind == "stop":
-                self.abort.set()
-                break
-            if not self.paused and self.commands.empty():
-                break
-        return switches
+    def _send(self, kind: str, payload: object) -> None:
+        self._signals[kind].emit(payload)
 
     @Slot()
     def work(self) -> None:
         try:
-            run_generation(self.request, RunHooks(
-                emit=self._emit, loaded=self.loaded.emit, progress=self.progress.emit,
-                poll=self._poll, should_stop=self.abort.is_set))
-        except Exception as exc:  # noqa: BLE001 - every failure reaches the window as a message
-            self._flush()
-            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            known = type(exc).__name__ in ("LoadError", "SettingsError", "SpecError", "GenerationError",
-                                           "BudgetExceeded", "RecordingError")
-            if not known:
-                traceback.print_exc()
-                message = f"{type(exc).__name__}: {message}"
-            self.errored.emit(message)
+            self.driver.run()
         finally:
-            self._flush()
             self.done.emit()
 
 
@@ -132,7 +73,7 @@ class GenerationController(ThreadedController):
 
     def _send(self, *command: str) -> None:
         if self._worker is not None:
-            self._worker.commands.put(command)
+            self._worker.driver.command(*command)
 
     def switch(self, key: str, value: str) -> None:
         """Queue a switch (``attention``/``attn-impl``/``cache``, value as on the CLI) for between tokens."""
@@ -145,5 +86,4 @@ class GenerationController(ThreadedController):
         self._send("resume")
 
     def _request_stop(self, worker: _Worker) -> None:
-        worker.abort.set()
-        worker.commands.put(("stop",))
+        worker.driver.stop()

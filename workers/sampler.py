@@ -14,12 +14,12 @@ dead thread.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
-from core.probes import MemoryProbe, MemoryReading
+from core.host import sample_memory
+from core.probes import MemoryProbe
 from workers.threaded import return_to_main_thread
 
 THREAD_NAME = "kvscope-memory-sampler"
@@ -55,52 +55,14 @@ class _SamplerLoop(QObject):
 
     @Slot()
     def run(self) -> None:
-        probe: MemoryProbe | None = None
+        signals = {"readings": self.readings, "rate": self.rate_measured, "note": self.note,
+                   "sampler_errored": self.errored}
         try:
-            probe = self._make_probe()
-            self._loop(probe)
-        except Exception as exc:  # noqa: BLE001 - must reach the window, not die silently
-            self.errored.emit(f"memory sampler stopped: {type(exc).__name__}: {exc}")
+            sample_memory(self._make_probe, lambda: self._period, lambda kind, payload: signals[kind].emit(payload),
+                          self._abort, self._batch_s, self._rate_window_s)
         finally:
-            if probe is not None:
-                probe.close()
             return_to_main_thread(self)
             self.finished.emit()
-
-    def _loop(self, probe: MemoryProbe) -> None:
-        batch: list[MemoryReading] = []
-        seen_notes: set[str] = set()
-        last_emit = time.monotonic()
-        rate_start: float | None = None  # intervals since then / time since then = achieved rate
-        rate_count = 0
-        next_tick = last_emit
-        while not self._abort.is_set():
-            reading = probe.read()
-            batch.append(reading)
-            for line in reading.notes:
-                if line not in seen_notes:  # each explanation once, not 20 times a second
-                    seen_notes.add(line)
-                    self.note.emit(line)
-            now = time.monotonic()
-            if now - last_emit >= self._batch_s:
-                self.readings.emit(batch)
-                batch, last_emit = [], now
-            if rate_start is None:
-                rate_start = reading.time_s
-            else:
-                rate_count += 1
-                elapsed = reading.time_s - rate_start
-                if elapsed >= self._rate_window_s:
-                    self.rate_measured.emit(rate_count / elapsed)
-                    rate_start, rate_count = reading.time_s, 0
-            # A fixed schedule, not sleep(period): the read time does not slow the rate. After a
-            # stall (a busy CPU), start afresh rather than firing a burst of catch-up readings.
-            next_tick += self._period
-            if next_tick < now:
-                next_tick = now + self._period
-            self._abort.wait(next_tick - now)
-        if batch:
-            self.readings.emit(batch)
 
 
 class MemorySampler(QObject):

@@ -71,6 +71,7 @@ class ModelInfo:
     attention_choices: tuple[str, ...]
     cache_choices: tuple[tuple[str, str | None], ...]
     attn_impl_choices: tuple[str, ...]
+    max_context: int | None = None  # the run's context limit (the model's maximum unless set lower)
 
 
 def parse_switch(text: str) -> tuple[int, str, str]:
@@ -566,7 +567,8 @@ def model_info(loaded: Any, engine: Engine, probe: Any = None) -> ModelInfo:
         total = int(psutil.virtual_memory().total)
     return ModelInfo(label=loaded.label, source=loaded.source, device=loaded.device,
                      device_name=_device_name(loaded.device), dtype=loaded.dtype, spec=spec, total_memory=total,
-                     attention_choices=tuple(attention), cache_choices=tuple(caches), attn_impl_choices=ATTN_IMPLS)
+                     attention_choices=tuple(attention), cache_choices=tuple(caches), attn_impl_choices=ATTN_IMPLS,
+                     max_context=engine.max_context())
 
 
 @dataclass
@@ -594,6 +596,7 @@ def run_generation(request: RunRequest, hooks: RunHooks) -> list[Sample]:
     from core.probes import MemoryProbe
 
     ensure_transformers()
+    _check_settings_before_loading(request)
     loaded = load_model(request.source, device=request.device, dtype=request.dtype,
                         trust_remote_code=request.trust_remote_code, allow_pickle=request.allow_pickle,
                         progress=hooks.progress)
@@ -626,6 +629,27 @@ def run_generation(request: RunRequest, hooks: RunHooks) -> list[Sample]:
         if writer is not None:
             writer.close()
         probe.close()
+
+
+def _check_settings_before_loading(request: RunRequest) -> None:
+    """Refuse settings the model cannot take (gqa:3 on 8 heads) before seconds of weight loading.
+
+    Only where the config is at hand (the embedded model, a local folder); a hub model's config
+    comes with its weights, and the engine checks the same again once loaded.
+    """
+    from pathlib import Path
+
+    from core.settings import effective_spec
+    from core.spec import SpecError, load_spec
+
+    source = request.source
+    if source != "embedded" and not Path(source).expanduser().is_dir():
+        return
+    try:
+        spec = load_spec(source)
+    except SpecError:
+        return  # load_model says what is wrong with the folder, with its own message
+    effective_spec(spec, request.settings)  # SettingsError: the one-line refusal
 
 
 def _settings_dict(request: RunRequest, engine: Engine) -> dict[str, Any]:

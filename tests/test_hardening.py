@@ -338,6 +338,17 @@ def test_settings_gqa_group_count_not_dividing_heads(capsys):
     assert calc_line == line
 
 
+def test_settings_refused_before_the_weights_load(monkeypatch):
+    """The same refusal comes before any weights load (the window shows it at once, not after a load)."""
+    def load(*args, **kwargs):
+        raise AssertionError("weights were loaded for settings the model cannot take")
+
+    monkeypatch.setattr(loading, "load_model", load)
+    request = RunRequest(device="cpu", settings=RunSettings(attention=parse_attention("gqa:3")))
+    with pytest.raises(SettingsError, match=r"^gqa:3 does not divide 8 query heads"):
+        run_generation(request, RunHooks())
+
+
 def test_settings_context_beyond_model_maximum_calc(capsys):
     """calc answers beyond the trained maximum (4,096 for the embedded model) but marks every such row."""
     code, out, err = _cli(capsys, "calc", "--context", "4k,8k,16k", "--gpu-memory", "64GiB")

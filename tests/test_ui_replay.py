@@ -53,6 +53,11 @@ def test_demo_replays_through_the_window_with_every_switch_marked(replayed):
     assert "gqa:2" in w.text_view.toPlainText()  # the switch markers in the streamed text
     assert w.state == "idle" and w.mode == "replay"
     assert len(w.plots.readings) == 0  # a replay shows what was recorded, not this machine's memory
+    # "KV at max context" is about the recorded run (max context 1,024), not the model's 4,096.
+    w.refresh_stats()
+    assert w.info.max_context == 1024
+    assert w.stats_panel.stats.max_context == 1024
+    assert w.stats_panel.tiles["kv_at_max"].note.text() == "predicted, 1K tokens"
 
 
 def test_export_plots_png_svg_and_summary_write_real_files(replayed, tmp_path):

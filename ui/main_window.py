@@ -1362,7 +1362,8 @@ class MainWindow(QMainWindow):
             stats = compute_stats(
                 s, self.plots.slope_bytes_per_token, self.info.spec if self.info else None,
                 batch=req.settings.batch if req else 1, kv_dtype=req.settings.kv_dtype if req else None,
-                max_context=(req.settings.max_context if req else None), host_available=host)
+                max_context=(req.settings.max_context if req and req.settings.max_context else
+                             (self.info.max_context if self.info else None)), host_available=host)
             self.stats_panel.show_stats(stats)
             self._refresh_forecast(s, host)
             if s is not None:

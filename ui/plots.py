@@ -17,7 +17,7 @@ import numpy as np
 import pyqtgraph as pg
 from pyqtgraph.graphicsItems.PlotCurveItem import arrayToLineSegments as _line_segments
 from PySide6.QtCore import Qt
-from PySide6.QtGui import QColor, QFont, QPainter, QTransform
+from PySide6.QtGui import QColor, QFont, QFontMetrics, QPainter, QTransform
 from PySide6.QtWidgets import QGraphicsItem, QSplitter, QVBoxLayout, QWidget
 
 from core.sample import PHASE_EVENT, Sample
@@ -155,6 +155,24 @@ class DeviceCurve(pg.PlotCurveItem):
             p.restore()
 
 
+class SparseAxis(pg.AxisItem):
+    """A value axis whose labels stay two text lines apart, however large the type (a short plot in
+    presenter mode otherwise prints its labels over each other)."""
+
+    def tickSpacing(self, minVal, maxVal, size):  # noqa: N802 (pyqtgraph API)
+        span = abs(maxVal - minVal)
+        if not math.isfinite(span) or span <= 0 or size <= 0:
+            return super().tickSpacing(minVal, maxVal, size)
+        font = self.style.get("tickFont") or QFont()
+        wanted = max(1.0, size / (2.2 * QFontMetrics(font).height()))
+        raw = span / wanted
+        power = 10.0 ** math.floor(math.log10(raw))
+        for step in (1, 2, 2.5, 5, 10):
+            if step * power >= raw:
+                break
+        return [(step * power, 0.0)]
+
+
 @dataclass
 class _Curve:
     item: DeviceCurve
@@ -220,7 +238,7 @@ class LivePlots(QWidget):
         self.kv_plot: pg.PlotItem = self.kv_widget.getPlotItem()
         self.mem_plot: pg.PlotItem = self.mem_widget.getPlotItem()
         self.total_plot: pg.PlotItem = self.cmp_widget.addPlot(row=0, col=0, axisItems={"left": BytesAxis(orientation="left")})
-        self.error_plot: pg.PlotItem = self.cmp_widget.addPlot(row=1, col=0)
+        self.error_plot: pg.PlotItem = self.cmp_widget.addPlot(row=1, col=0, axisItems={"left": SparseAxis("left")})
         self.cmp_widget.ci.layout.setRowStretchFactor(0, 3)
         self.cmp_widget.ci.layout.setRowStretchFactor(1, 2)
         self.error_plot.setXLink(self.total_plot)
@@ -244,8 +262,10 @@ class LivePlots(QWidget):
         # Legends in rows across the top: they cover less of the curves than a tall box.
         # The KV plot's legend sits bottom-right: its top-left corner is where the first switch marker's
         # label goes, and the KV line starts high on the left.
+        # The two small predicted-vs-observed plots have no legend box (it hid the line it named): their
+        # title and their error label name the curves in the curves' colours.
         self._legends = {id(p): p.addLegend(offset=(-8, -4) if p is self.kv_plot else (8, 4), colCount=3)
-                         for p in self.all_plots}
+                         for p in (self.kv_plot, self.mem_plot)}
         self._build_curves()
 
         # The current slope, large, in the KV plot's corner: the number a speaker points at.
@@ -306,7 +326,7 @@ class LivePlots(QWidget):
         item.setVisible(False)
         plot.addItem(item)
         view = {id(self.kv_plot): "kv", id(self.mem_plot): "mem"}.get(id(plot), "cmp")
-        self._curves[key] = _Curve(item, buffer, x, y, name, self._legends[id(plot)], PeakDecimator(buffer, x, y),
+        self._curves[key] = _Curve(item, buffer, x, y, name, self._legends.get(id(plot)), PeakDecimator(buffer, x, y),
                                    view)
         item._kv_style = (color or key, style, fill)
 
@@ -340,7 +360,8 @@ class LivePlots(QWidget):
         titles = {
             id(self.kv_plot): "KV cache vs token",
             id(self.mem_plot): self._memory_title(),
-            id(self.total_plot): "Predicted vs observed total",
+            id(self.total_plot): (f"Total: <span style='color:{theme.curves['total_observed']}'>observed</span> vs "
+                                  f"<span style='color:{theme.curves['total_predicted']}'>predicted</span>"),
             id(self.error_plot): "",
         }
         for widget in (self.kv_widget, self.mem_widget, self.cmp_widget):
@@ -362,7 +383,9 @@ class LivePlots(QWidget):
             plot.showGrid(x=False, y=False)
             title = titles[id(plot)]
             plot.setTitle(title, color=theme.text, size=title_size) if title else plot.setTitle(None)
-            legend = self._legends[id(plot)]
+            legend = self._legends.get(id(plot))
+            if legend is None:
+                continue
             legend.setLabelTextColor(theme.text)
             legend.setLabelTextSize(f"{max(theme.font_pt - 1, 8)}pt")
             legend.setBrush(pg.mkBrush(QColor(theme.background).lighter(115 if theme.name == "dark" else 97)))
@@ -688,7 +711,7 @@ class LivePlots(QWidget):
         lo = self._bottom(("total_observed", "total_predicted"))
         if hi is not None and lo is not None:
             span = max(hi - lo, hi * 0.02, 1.0)
-            self._set_y(self.total_plot, max(lo - 0.05 * span, 0.0), lo + span, headroom + 0.25, base=lo)
+            self._set_y(self.total_plot, max(lo - 0.05 * span, 0.0), lo + span, 1.15, base=lo)
         err = self._top_abs(("error_total", "error_kv"))
         if err is not None:
             self._set_y(self.error_plot, None, max(err, 0.5), 1.3)
@@ -832,12 +855,12 @@ class LivePlots(QWidget):
         slope = "" if self.slope_bytes_per_token is None else f"+{format_bytes(self.slope_bytes_per_token)} / token"
         err = self.tokens.last("error_kv")
         tot = self.tokens.last("error_total")
-        parts = []
+        parts = []  # coloured like their curves: this label is the error plot's legend
         if err is not None:
-            parts.append(f"KV {err:+.2f}%")
+            parts.append(f"<span style='color:{t.curves['error_kv']}'>KV {err:+.2f}%</span>")
         if tot is not None:
-            parts.append(f"total {tot:+.2f}%")
-        errors = "   ".join(parts)
+            parts.append(f"<span style='color:{t.curves['error_total']}'>total {tot:+.2f}%</span>")
+        errors = "&nbsp;&nbsp;&nbsp;".join(parts)
         # Re-laying out rich text is costly; only touch a label whose text or look changed.
         key = (slope, errors, t)
         if key == getattr(self, "_labels_key", None):

@@ -181,8 +181,11 @@ class StatsPanel(QWidget):
         """Lay the tiles out in ``columns`` columns (1 in the side panel, more in presenter mode)."""
         for tile in self.tiles.values():
             self.grid.removeWidget(tile)
-        for i, tile in enumerate(self.tiles.values()):
-            self.grid.addWidget(tile, i // columns, i % columns)
+        tiles = list(self.tiles.values())
+        for i, tile in enumerate(tiles):
+            # A last tile alone on its row takes the whole row (the forecast: the longest text).
+            span = columns - i % columns if i == len(tiles) - 1 else 1
+            self.grid.addWidget(tile, i // columns, i % columns, 1, span)
 
     def show_stats(self, s: LiveStats) -> None:
         self.stats = s
@@ -195,7 +198,8 @@ class StatsPanel(QWidget):
         t["free"].set(human_bytes(s.free), s.free_source or "not available")
         fit = "n/a" if s.tokens_fit is None else f"{s.tokens_fit:,}"
         t["tokens_fit"].set(fit, f"until {s.fit_limit}" if s.fit_limit else "")
-        speed = "n/a" if s.tokens_per_s is None else f"{s.tokens_per_s:.1f} tok/s"
+        # Three figures are enough, and a wide number would not fit a presenter-mode tile.
+        speed = "n/a" if s.tokens_per_s is None else f"{s.tokens_per_s:{'.0f' if s.tokens_per_s >= 100 else '.1f'}} tok/s"
         t["speed"].set(speed, f"token {s.tokens:,}" if s.tokens is not None else "")
 
     def show_forecast(self, forecast, warning_color: str | None = None) -> None:

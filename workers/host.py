@@ -268,7 +268,7 @@ class HostedGenerationController(QObject):
             self.errored.emit(payload)
         elif kind == "paused":
             self.paused_changed.emit(payload)
-        elif kind == "done" and self._running:  # (after a stop() that saw the end, already told)
+        elif kind == "done":  # (also after a stop() that saw the end: as a thread's finished does)
             self._running = False
             self.finished.emit()
 

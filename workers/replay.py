@@ -25,6 +25,8 @@ def info_from_header(header: dict, path: str) -> ModelInfo:
     spec = spec_from_header(header)
     device = header.get("device") if isinstance(header.get("device"), dict) else {}
     total = device.get("total_memory")
+    settings = header.get("settings") if isinstance(header.get("settings"), dict) else {}
+    context = settings.get("max_context")
     return ModelInfo(
         label=str(header["model"].get("label") or spec.label) + " — replay",
         source=path,
@@ -34,6 +36,8 @@ def info_from_header(header: dict, path: str) -> ModelInfo:
         spec=spec,
         total_memory=total if isinstance(total, int) and not isinstance(total, bool) and total > 0 else None,
         attention_choices=(), cache_choices=(), attn_impl_choices=(),
+        # The recorded run's context limit ("KV at max context" is about that run, not the model).
+        max_context=context if isinstance(context, int) and not isinstance(context, bool) and context > 0 else None,
     )
 
 

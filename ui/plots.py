@@ -311,6 +311,11 @@ class LivePlots(QWidget):
         self.splitter.setStretchFactor(0, 3)
         self.splitter.setStretchFactor(1, 2)
         layout.addWidget(self.splitter)
+        for view in (self.kv_widget, self.mem_widget, self.cmp_widget):
+            # Each view paints every pixel of itself (its background brush first): Qt need not repaint
+            # the widgets underneath whenever a view updates.
+            view.viewport().setAttribute(Qt.WidgetAttribute.WA_OpaquePaintEvent)
+            view.viewport().setAttribute(Qt.WidgetAttribute.WA_NoSystemBackground)
         self.apply_theme(self.theme)
 
     # ---------------------------------------------------------------------------------------------

@@ -83,6 +83,7 @@ class EngineHost(QObject):
         self.run_done = threading.Event()
         self.pid: int | None = None  # the engine's pid, once it said it is ready
         self.starts = 0  # engine processes started so far (a new one needs its sampler command again)
+        self.last_was_ready = False  # whether the engine that ended last had said it was ready
 
     def is_alive(self) -> bool:
         return self._process is not None and self._process.is_alive()
@@ -133,6 +134,7 @@ class EngineHost(QObject):
             return  # an old child's reader, after a restart
         process.join(1.0)
         code = process.exitcode if process.exitcode is not None else -1
+        self.last_was_ready = self.pid is not None  # it had started (not an engine that cannot start)
         self.pid = None
         self.exited.emit(code)
 
@@ -280,7 +282,8 @@ class HostedGenerationController(QObject):
                 self.errored.emit(f"the engine process ended during the run ({how}); the next run starts a new one")
             self.finished.emit()
         self._killed = False
-        self.host.start()  # warm again for the next run
+        if self.host.last_was_ready:
+            self.host.start()  # warm again for the next run (an engine that cannot start waits for one)
 
 
 class HostedSampler(QObject):

@@ -46,5 +46,12 @@ run strategies --switch 12:cache=static --switch 24:cache=quantized:4 --switch 3
 run fp16 --dtype fp16 --switch 16:attention=mqa
 run budget --memory-budget 64MiB --tokens 400 || true
 [ -f scripts/gpu_probe_check.py ] && { echo "=== probes"; $PY scripts/gpu_probe_check.py --out "$OUT" || fail=1; }
+# The window's way on CUDA: the model in the engine process (a spawned child that initialises CUDA
+# itself), the 20 Hz sampler reading its allocator there, switches live; then the UI-thread figure.
+echo "=== window (engine process) on CUDA"
+if QT_QPA_PLATFORM=offscreen HF_HUB_OFFLINE=1 timeout 240 $PY main.py --screenshot "$OUT/window-cuda.png" \
+     --model "$MODEL" --device cuda --tokens 96 --switch 32:attention=gqa:2 --switch 64:attention=mqa \
+     > "$OUT/window.txt" 2>&1; then tail -n 2 "$OUT/window.txt"; else echo "FAILED ($?)"; tail -n 6 "$OUT/window.txt"; fail=1; fi
+QT_QPA_PLATFORM=offscreen timeout 240 $PY benchmarks/ui_stall.py --tokens 200 --engine process 2>&1 | grep -v propagateSizeHints | tail -n 2
 echo "gpu_check: $([ $fail = 0 ] && echo OK || echo FAILURES) (outputs in $OUT)"
 exit $fail

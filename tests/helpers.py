@@ -25,3 +25,8 @@ def os_thread_names() -> list[str]:
         except OSError:  # the thread ended while we looked
             pass
     return names
+
+
+def engine_that_cannot_start(conn) -> None:
+    """An engine process main that dies before it is ready (as one whose torch fails to import would)."""
+    raise SystemExit(3)

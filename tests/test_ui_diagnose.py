@@ -204,6 +204,16 @@ def test_gpu_processes_panel_lists_every_process_and_highlights_this_app(qtbot):
     assert table.item(cells.index(mine), 2).font().bold()
     assert next(row for row in cells if row[1] == "4242")[3] == "n/a"  # N/A, never 0
     assert next(row for row in cells if row[1] == "4343")[0] == "1"
+    assert not next(row for row in cells if row[1] == "4343")[2].endswith("(this app)")
+    # The engine process (another pid) is this app's too, once the window names it.
+    poller.set_app_pids({4343})
+    with qtbot.waitSignal(poller.updated, timeout=5_000):
+        poller.start()
+    assert poller.stop()
+    cells = [[panel.table.item(r, c).text() for c in range(panel.table.columnCount())] for r in range(3)]
+    assert next(row for row in cells if row[1] == "4343")[2].endswith("(this app)")
+    assert next(row for row in cells if row[1] == str(me))[2].endswith("(this app)")
+    assert not next(row for row in cells if row[1] == "4242")[2].endswith("(this app)")
 
 
 def test_gpu_processes_panel_without_a_driver_says_so(qtbot):
@@ -275,3 +285,22 @@ def test_durations_read_well():
     assert format_duration(720) == "12 min"
     assert format_duration(3.5 * 3600) == "3.5 h"
     assert format_duration(None) == "n/a"
+
+
+def test_an_engine_that_cannot_start_fails_the_run_once_and_is_not_restarted_in_a_loop(qtbot):
+    """The engine dies before it is ready: the run ends with one line naming the exit code, and the
+    host does not respawn it by itself (a broken install must not become a process storm)."""
+    from tests.helpers import engine_that_cannot_start
+    from workers.host import EngineHost, HostedGenerationController
+
+    host = EngineHost(target=engine_that_cannot_start)
+    controller = HostedGenerationController(host=host)
+    errors: list[str] = []
+    controller.errored.connect(errors.append)
+    with qtbot.waitSignal(controller.finished, timeout=60_000):
+        controller.start(RunRequest(source="embedded", max_new_tokens=4))
+    assert errors == ["the engine process ended during the run (exit code 3); the next run starts a new one"]
+    assert not controller.is_running()
+    qtbot.wait(1_500)
+    assert host.starts <= 2 and not host.is_alive()  # the one at construction and the run's, no more
+    host.shutdown()

@@ -73,8 +73,9 @@ class EngineHost(QObject):
     message = Signal(str, object, object)  # (kind, payload, run id or None) from core.host
     exited = Signal(int)  # the process ended; its exit code (negative: killed by that signal)
 
-    def __init__(self, parent: QObject | None = None) -> None:
+    def __init__(self, parent: QObject | None = None, target: Any = serve) -> None:
         super().__init__(parent)
+        self._target = target  # the child's main (core.host.serve; a test gives one that fails)
         self._process: Any = None
         self._conn: Any = None
         self._reader: _Reader | None = None
@@ -95,7 +96,7 @@ class EngineHost(QObject):
         self._forget()
         ctx = multiprocessing.get_context("spawn")
         ours, theirs = ctx.Pipe(duplex=True)
-        process = ctx.Process(target=serve, args=(theirs,), name="kvscope-engine", daemon=True)
+        process = ctx.Process(target=self._target, args=(theirs,), name="kvscope-engine", daemon=True)
         process.start()
         theirs.close()  # the child holds its end; ours sees EOF when the child is gone
         self._process, self._conn = process, ours

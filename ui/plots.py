@@ -290,8 +290,9 @@ class LivePlots(QWidget):
             "(element size x elements, summed over layers).\nDashed: the predictor's bytes for the same "
             "token and settings.\nVertical lines: live switches of attention mode, kernel or cache.")
         self.mem_widget.setToolTip(
-            "Memory over wall-clock time.\nDevice capacity (dashed line, when in view) and used: NVML (whole GPU).\nThis process: NVML "
-            "per-process GPU memory, or the process's resident set (RSS) with no GPU.\nReserved / allocated: "
+            "Memory over wall-clock time.\nDevice capacity (dashed line, when in view) and used: NVML (whole GPU).\nThis process: "
+            "the process the model runs in (the engine), NVML per-process GPU memory, or its resident set (RSS) "
+            "with no GPU.\nReserved / allocated: "
             "the torch caching allocator.\nKV share: the measured bytes of the KV cache.\nA missing curve means "
             "the hardware cannot report it (shown as n/a, never as 0).")
         self.cmp_widget.setToolTip(

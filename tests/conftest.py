@@ -35,16 +35,22 @@ def settings(tmp_path):
     return s
 
 
-@pytest.fixture
-def window(qtbot, settings):
-    """A shown MainWindow whose calculator has imported transformers (once, first), shut down after."""
+def _shown_window(qtbot, settings, controller=None):
+    """A shown MainWindow whose calculator has imported transformers (once, first)."""
     from ui.main_window import MainWindow
 
-    w = MainWindow(settings=settings)
+    w = MainWindow(settings=settings, controller=controller)
     qtbot.addWidget(w)
     w.resize(1400, 900)
     w.show()
     qtbot.waitUntil(lambda: w.calculator.warm, timeout=60_000)
+    return w
+
+
+@pytest.fixture
+def window(qtbot, settings):
+    """The window as the app opens it (the model in the engine process), shut down after."""
+    w = _shown_window(qtbot, settings)
     yield w
     w.shutdown()
 
@@ -53,13 +59,8 @@ def window(qtbot, settings):
 def thread_window(qtbot, settings):
     """The window with generation on a thread of this process (KVSCOPE_ENGINE=thread): for tests that
     patch the model's code here, where the engine process could not see the patch."""
-    from ui.main_window import MainWindow
     from workers.generation import GenerationController
 
-    w = MainWindow(settings=settings, controller=GenerationController())
-    qtbot.addWidget(w)
-    w.resize(1400, 900)
-    w.show()
-    qtbot.waitUntil(lambda: w.calculator.warm, timeout=60_000)
+    w = _shown_window(qtbot, settings, GenerationController())
     yield w
     w.shutdown()

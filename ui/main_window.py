@@ -82,13 +82,9 @@ def demo_recording_path() -> Path:
 def _controller_class():
     """The generation controller: the engine host process by default, a thread of this process with
     KVSCOPE_ENGINE=thread (imports torch: done once, when the window is built)."""
-    from workers.host import HostedGenerationController, engine_mode
+    from workers.host import controller_class
 
-    if engine_mode() == "process":
-        return HostedGenerationController
-    from workers.generation import GenerationController
-
-    return GenerationController
+    return controller_class()
 
 
 class MainWindow(QMainWindow):

@@ -247,6 +247,9 @@ class LivePlots(QWidget):
         self.error_plot.getViewBox().setLimits(minYRange=2.0)
 
         self.all_plots = (self.kv_plot, self.mem_plot, self.total_plot, self.error_plot)
+        # Which of the three views (scenes Qt repaints separately) draws each plot; see redraw.
+        self._view_of = {id(self.kv_plot): "kv", id(self.mem_plot): "mem", id(self.total_plot): "cmp",
+                         id(self.error_plot): "cmp"}
         self._fresh: set[tuple[int, str]] = set()
         for plot in self.all_plots:
             # Ranges are set in steps by _fit_ranges (cheap frames); a live view is not panned by mouse.
@@ -331,7 +334,7 @@ class LivePlots(QWidget):
         item.setZValue(z)
         item.setVisible(False)
         plot.addItem(item)
-        view = {id(self.kv_plot): "kv", id(self.mem_plot): "mem"}.get(id(plot), "cmp")
+        view = self._view_of[id(plot)]
         self._curves[key] = _Curve(item, buffer, x, y, name, self._legends.get(id(plot)), PeakDecimator(buffer, x, y),
                                    view)
         item._kv_style = (color or key, style, fill)
@@ -632,8 +635,7 @@ class LivePlots(QWidget):
         updated = 0
         superseded = SAMPLED if len(self.readings) else ()
         views = {"kv", "mem", "cmp"} if settle else {"kv", ("mem", "cmp")[self.draws % 2]}
-        self._frame_plots = {id(p) for p in self.all_plots
-                             if {id(self.kv_plot): "kv", id(self.mem_plot): "mem"}.get(id(p), "cmp") in views}
+        self._frame_plots = {key for key, view in self._view_of.items() if view in views}
         for key, curve in self._curves.items():
             if curve.view not in views:
                 continue

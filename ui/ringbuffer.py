@@ -45,22 +45,15 @@ class RingBuffer:
         """Append many rows at once (one batch of samples)."""
         if not rows:
             return
-        self.appended += len(rows)
-        if len(rows) > self.capacity:
-            rows = rows[-self.capacity:]
-        n = len(rows)
-        block = np.full((len(self.columns), n), np.nan, dtype=np.float64)
+        appended = len(rows)
+        rows = rows[-self.capacity:]  # only the newest fit
+        block = np.full((len(self.columns), len(rows)), np.nan, dtype=np.float64)
         for j, row in enumerate(rows):
             for name, value in row.items():
                 i = self._index.get(name)
                 if i is not None and value is not None:
                     block[i, j] = value
-        positions = (self._head + np.arange(n)) % self.capacity
-        self._data[:, positions] = block
-        self._data[:, positions + self.capacity] = block
-        self._head = int((self._head + n) % self.capacity)
-        self._size = min(self.capacity, self._size + n)
-        self.version += 1
+        self._write(block, appended)
 
     def extend_arrays(self, values: dict[str, np.ndarray]) -> None:
         """Append equal-length arrays column-wise (a recording or a benchmark loaded at once)."""
@@ -70,17 +63,20 @@ class RingBuffer:
         n = lengths.pop()
         if n == 0:
             return
-        self.appended += n
         block = np.full((len(self.columns), n), np.nan, dtype=np.float64)
         for name, arr in values.items():
             block[self._index[name]] = np.asarray(arr, dtype=np.float64)
-        if n > self.capacity:
-            block, n = block[:, -self.capacity:], self.capacity
+        self._write(block[:, -self.capacity:], n)
+
+    def _write(self, block: np.ndarray, appended: int) -> None:
+        """Store ``block`` (columns x rows, at most ``capacity`` rows: the newest of ``appended``)."""
+        n = block.shape[1]
         positions = (self._head + np.arange(n)) % self.capacity
         self._data[:, positions] = block
         self._data[:, positions + self.capacity] = block
         self._head = int((self._head + n) % self.capacity)
         self._size = min(self.capacity, self._size + n)
+        self.appended += appended
         self.version += 1
 
     def column(self, name: str) -> np.ndarray:

@@ -85,8 +85,7 @@ def _run(timeout_s: float, tokens: int) -> str:
     from core.generate import RunRequest
     from core.sample import PHASE_DECODE
     from core.spec import ASSETS
-    from workers.generation import GenerationController
-    from workers.host import HostedGenerationController, engine_mode
+    from workers.host import HostedGenerationController, controller_class
 
     if not ASSETS.is_dir():
         # In a bundle this means the spec did not place assets/ next to core/.
@@ -94,8 +93,8 @@ def _run(timeout_s: float, tokens: int) -> str:
     app = QApplication.instance() or QApplication(sys.argv[:1])
     # The window's way: the model in the engine process (a child of this executable), unless
     # KVSCOPE_ENGINE=thread.
-    hosted = engine_mode() == "process"
-    controller = HostedGenerationController() if hosted else GenerationController()
+    controller = controller_class()()
+    hosted = isinstance(controller, HostedGenerationController)
     samples: list = []
     errors: list[str] = []
     loop = QEventLoop()

@@ -47,13 +47,6 @@ class _Worker(QObject):
 class GenerationController(ThreadedController):
     """Owns one run at a time: its thread and worker. Lives on the GUI thread."""
 
-    samples = Signal(list)  # list[Sample], small batches
-    loaded = Signal(object)  # ModelInfo
-    progress = Signal(str)
-    errored = Signal(str)
-    finished = Signal()
-    paused_changed = Signal(bool)
-
     def __init__(self, parent: QObject | None = None) -> None:
         super().__init__(parent)
         self.info: ModelInfo | None = None

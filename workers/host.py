@@ -3,7 +3,7 @@
 ``EngineHost`` spawns the child (the ``spawn`` start method everywhere: forking a process that runs
 Qt and torch threads is unsafe) and reads its messages on a named QThread that only waits on the
 pipe, so unpickling a batch is all it ever asks of the GIL. Messages are re-emitted as the Qt
-signal ``message(kind, payload)``, delivered on the GUI thread.
+signal ``message(kind, payload, run)``, delivered on the GUI thread.
 
 ``HostedGenerationController`` and ``HostedSampler`` have the signals and methods of
 ``workers.generation.GenerationController`` and ``workers.sampler.MemorySampler``: the window
@@ -23,6 +23,7 @@ from typing import Any
 from PySide6.QtCore import QCoreApplication, QObject, QThread, Signal
 
 from core.host import serve
+from workers.threaded import RunSignals
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,16 @@ def engine_mode() -> str:
         log.warning("%s=%r: expected 'process' or 'thread'; using 'process'", ENGINE_ENV, mode)
         return "process"
     return mode
+
+
+def controller_class() -> type:
+    """The generation controller the window (and the self-test) uses: the engine process by default,
+    a thread of this process with KVSCOPE_ENGINE=thread."""
+    if engine_mode() == "process":
+        return HostedGenerationController
+    from workers.generation import GenerationController
+
+    return GenerationController
 
 
 class _Reader(QThread):
@@ -193,15 +204,8 @@ def _shutdown_shared() -> None:
         _shared.shutdown()
 
 
-class HostedGenerationController(QObject):
+class HostedGenerationController(RunSignals):
     """GenerationController's interface, with the run in the engine process."""
-
-    samples = Signal(list)
-    loaded = Signal(object)
-    progress = Signal(str)
-    errored = Signal(str)
-    finished = Signal()
-    paused_changed = Signal(bool)
 
     def __init__(self, parent: QObject | None = None, host: EngineHost | None = None) -> None:
         super().__init__(parent)

@@ -20,6 +20,11 @@ BATCH_MAX = 32
 FLUSH_S = 0.05
 
 
+def _positive_int(value: object) -> int | None:
+    """``value`` if it is a positive int (not a bool), else None: header fields are untrusted."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def info_from_header(header: dict, path: str) -> ModelInfo:
     """ModelInfo for the window from a recording header (untrusted: validated)."""
     spec = spec_from_header(header)
@@ -34,10 +39,10 @@ def info_from_header(header: dict, path: str) -> ModelInfo:
         device_name=str(device.get("device_name", device.get("name", "?"))) + " (recorded)",
         dtype=str(spec.dtype),
         spec=spec,
-        total_memory=total if isinstance(total, int) and not isinstance(total, bool) and total > 0 else None,
+        total_memory=_positive_int(total),
         attention_choices=(), cache_choices=(), attn_impl_choices=(),
         # The recorded run's context limit ("KV at max context" is about that run, not the model).
-        max_context=context if isinstance(context, int) and not isinstance(context, bool) and context > 0 else None,
+        max_context=_positive_int(context),
     )
 
 
@@ -99,13 +104,6 @@ class _ReplayWorker(QObject):
 
 class ReplayController(ThreadedController):
     """Plays one recording at a time; same signals as the generation controller."""
-
-    samples = Signal(list)
-    loaded = Signal(object)
-    progress = Signal(str)
-    errored = Signal(str)
-    finished = Signal()
-    paused_changed = Signal(bool)
 
     def start(self, path: str, speed: float = 1.0) -> None:
         self._launch(_ReplayWorker(path, speed), "kvscope-replay", {

@@ -13,11 +13,23 @@ time is parked until it finishes rather than dropped.
 
 from __future__ import annotations
 
-from PySide6.QtCore import QCoreApplication, QObject, Qt, QThread
+from PySide6.QtCore import QCoreApplication, QObject, Qt, QThread, Signal
 
 
-class ThreadedController(QObject):
-    """Base of controllers that run one worker at a time. Subclasses declare the signals they relay."""
+class RunSignals(QObject):
+    """What the window connects to on any run controller (generation in a thread or in the engine
+    process, replay): the same six signals, declared once."""
+
+    samples = Signal(list)  # list[Sample], small batches
+    loaded = Signal(object)  # ModelInfo
+    progress = Signal(str)
+    errored = Signal(str)
+    finished = Signal()
+    paused_changed = Signal(bool)
+
+
+class ThreadedController(RunSignals):
+    """Base of controllers that run one worker at a time on a QThread, relaying its signals to ours."""
 
     def __init__(self, parent: QObject | None = None) -> None:
         super().__init__(parent)

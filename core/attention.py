@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from core.spec import SLIDING_ATTENTION, ModelSpec, SpecError
+from core.spec import FULL_ATTENTION, SLIDING_ATTENTION, ModelSpec, SpecError, model_facts
 
 
 class SettingsError(SpecError):
@@ -64,14 +64,25 @@ class AttentionMode:
 
 def _with_kv_heads(spec: ModelSpec, kv_heads: int) -> ModelSpec:
     """The spec with ``kv_heads`` K/V heads; k_proj/v_proj parameters change with it (one
-    ``hidden x head_dim`` matrix, plus a bias row when the model has one, per head per layer)."""
+    ``hidden x head_dim`` matrix, plus a bias row when the model has one, per head per layer).
+
+    The layer pattern: a model that mixes sliding and full layers (Gemma 3, Qwen2 with
+    max_window_layers) keeps its own pattern, as the engine keeps it; a model whose every layer
+    slides (Mistral) is in the ``window`` mode when built, and a head mode means full attention.
+    """
     if spec.is_mla:
         # Expanding MLA to per-head K/V: K is nope+rope wide, V is v_head_dim wide (DeepSeek's layout).
         return replace(spec, num_kv_heads=kv_heads, head_dim=(spec.qk_nope_head_dim or 0) + (spec.qk_rope_head_dim or 0),
                        kv_lora_rank=None)
-    bias = 1 if spec.config.get("attention_bias") or spec.model_type == "qwen2" else 0
+    bias = 1 if spec.kv_bias else 0
     delta = 2 * spec.num_layers * (kv_heads - spec.num_kv_heads) * spec.head_dim * (spec.hidden_size + bias)
-    return replace(spec, num_kv_heads=kv_heads, num_parameters=spec.num_parameters + delta)
+    spec = replace(spec, num_kv_heads=kv_heads, num_parameters=spec.num_parameters + delta)
+    return full_attention(spec) if spec.num_full_layers == 0 else spec
+
+
+def full_attention(spec: ModelSpec) -> ModelSpec:
+    """``spec`` with every layer attending to (and caching) every token."""
+    return replace(spec, sliding_window=None, layer_types=(FULL_ATTENTION,) * spec.num_layers)
 
 
 @dataclass(frozen=True)
@@ -127,16 +138,41 @@ def mla_dims(spec: ModelSpec) -> tuple[int, int]:
     return 4 * spec.head_dim, max(1, spec.head_dim // 2)
 
 
+def mla_twin_config(spec: ModelSpec) -> dict:
+    """The sizes of the DeepseekV3 model that stands in for ``spec`` in MLA mode (``core.convert.build_mla_twin``
+    builds it; the predictor counts its parameters from the same dict, so both describe one model).
+
+    Same hidden size, layers, vocab, query heads and MLP width; a dense MLP in every layer (no MoE);
+    latent rank and rope part from ``mla_dims``; qk_nope_head_dim = v_head_dim = head_dim; no query
+    compression; full attention in every layer (DeepseekV3 has no sliding window).
+    """
+    rank, rope = mla_dims(spec)
+    inter = spec.intermediate_size
+    return dict(
+        model_type="deepseek_v3", vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+        intermediate_size=inter, moe_intermediate_size=inter, num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_query_heads, num_key_value_heads=spec.num_query_heads,
+        kv_lora_rank=rank, q_lora_rank=None, qk_rope_head_dim=rope, qk_nope_head_dim=spec.head_dim,
+        v_head_dim=spec.head_dim, first_k_dense_replace=spec.num_layers,
+        max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=spec.tie_word_embeddings,
+    )
+
+
 @dataclass(frozen=True)
 class MLA(AttentionMode):
     name: ClassVar[str] = "mla"
     help: ClassVar[str] = "multi-head latent (DeepSeek-V2/V3): caches one compressed latent plus a rope key per token"
 
     def apply(self, spec: ModelSpec) -> ModelSpec:
+        if spec.is_mla:
+            return spec
         rank, rope = mla_dims(spec)
-        return replace(spec, kv_lora_rank=rank, qk_rope_head_dim=rope,
-                       qk_nope_head_dim=spec.qk_nope_head_dim or spec.head_dim,
-                       v_head_dim=spec.v_head_dim or spec.head_dim)
+        twin = mla_twin_config(spec)
+        facts = model_facts(twin)
+        return replace(full_attention(spec), kv_lora_rank=rank, qk_rope_head_dim=rope,
+                       qk_nope_head_dim=spec.head_dim, v_head_dim=spec.head_dim,
+                       num_parameters=facts.parameters if facts else spec.num_parameters,
+                       buffer_bytes=facts.buffer_bytes if facts else spec.buffer_bytes, kv_bias=False)
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ Every function here works on any Llama/Mistral/Qwen2-style model (``q_proj``/``k
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -47,7 +48,7 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-from core.attention import SettingsError, mla_dims
+from core.attention import SettingsError, mla_twin_config
 from core.spec import FULL_ATTENTION, SLIDING_ATTENTION, ModelSpec
 
 __all__ = [
@@ -110,16 +111,36 @@ def _text_config(model: nn.Module):
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
+#: Names under which architectures keep one fused Q/K/V projection (GPT-2's Conv1D c_attn, GPT-NeoX,
+#: Falcon, Phi-3, MPT, Baichuan, OLMo): their K/V heads are rows of a shared matrix.
+FUSED_QKV_NAMES = ("c_attn", "query_key_value", "qkv_proj", "Wqkv", "W_pack", "att_proj", "qkv")
+
+
 def _attention_modules(model: nn.Module) -> list[nn.Module]:
-    """Every attention module with per-head K/V projections (MLA modules have none)."""
+    """Every attention module with per-head K/V projections and grouped K/V heads; SettingsError with
+    the real reason for a model that has none (fused QKV, a latent cache, MHA-only attention)."""
     modules = [m for m in model.modules()
                if isinstance(getattr(m, "k_proj", None), nn.Linear) and isinstance(getattr(m, "v_proj", None), nn.Linear)
                and hasattr(m, "num_key_value_groups")]
-    if not modules:
-        raise SettingsError(
-            f"{type(model).__name__} has no k_proj/v_proj attention layers whose K/V heads can be converted "
-            "(a latent-attention model such as DeepSeek caches a latent, not heads)")
-    return modules
+    if modules:
+        return modules
+    name = type(model).__name__
+    for module in model.modules():
+        fused = next((n for n in FUSED_QKV_NAMES if isinstance(getattr(module, n, None), nn.Module)), None)
+        if fused:
+            raise SettingsError(f"{name} computes Q, K and V in one fused projection ({fused}); changing its K/V "
+                                "heads needs separate k_proj/v_proj layers")
+        if hasattr(module, "kv_a_proj_with_mqa") or hasattr(module, "kv_b_proj"):
+            raise SettingsError(f"{name} caches a compressed latent (MLA), not K/V heads: there are no heads to regroup")
+        if isinstance(getattr(module, "k_proj", None), nn.Linear):
+            raise SettingsError(f"{name}'s attention has no grouped K/V heads (no num_key_value_groups): it computes "
+                                "one K/V head per query head and cannot share them")
+    raise SettingsError(f"{name} has no k_proj/v_proj attention layers whose K/V heads can be converted")
+
+
+def kv_heads_problem(model: nn.Module) -> None:
+    """Raise SettingsError with the real reason when the model's K/V heads cannot be regrouped."""
+    kv_heads_of(model)
 
 
 def _head_dim(attn: nn.Module, config) -> int:
@@ -506,6 +527,36 @@ def with_window(model: nn.Module, window: int | None) -> nn.Module:
                         "(Llama, Mistral and Qwen2/Qwen3 are)")
 
 
+_PATTERN_CONFIG_FIELDS = ("sliding_window", "use_sliding_window", "max_window_layers", "layer_types")
+_PATTERN_MODULE_FIELDS = ("layer_type", "sliding_window", "is_sliding", "attention_type", "has_sliding_layers")
+
+
+def layer_pattern(model: nn.Module) -> dict:
+    """Which layers slide and by how much, as the model holds it now (config fields and the attributes
+    attention modules copy from it): what ``restore_layer_pattern`` puts back."""
+    config = _text_config(model)
+    fields = {k: copy.deepcopy(getattr(config, k)) for k in _PATTERN_CONFIG_FIELDS if hasattr(config, k)}
+    modules = {}
+    for name, module in model.named_modules():
+        saved = {k: getattr(module, k) for k in _PATTERN_MODULE_FIELDS if k in vars(module)}
+        if saved:
+            modules[name] = saved
+    return {"config": fields, "modules": modules}
+
+
+def restore_layer_pattern(model: nn.Module, pattern: dict) -> None:
+    """Put back a pattern taken with ``layer_pattern`` (a model's own sliding/full layers)."""
+    config = _text_config(model)
+    for key, value in pattern["config"].items():
+        setattr(config, key, copy.deepcopy(value))
+        if model.config is not config and hasattr(model.config, key):
+            setattr(model.config, key, copy.deepcopy(value))
+    named = dict(model.named_modules())
+    for name, saved in pattern["modules"].items():
+        for key, value in saved.items():
+            setattr(named[name], key, value)
+
+
 def convert_cache_window(cache: Cache, window: int | None, config) -> int:
     """Turn a live DynamicCache's layers into sliding-window layers of ``window`` (or back to full), in place.
 
@@ -581,7 +632,7 @@ def _spec_of(config) -> ModelSpec:
                      max_position_embeddings=int(getattr(text, "max_position_embeddings", 2048)),
                      dtype="float32", num_parameters=1, layer_types=(FULL_ATTENTION,) * text.num_hidden_layers,
                      kv_lora_rank=getattr(text, "kv_lora_rank", None),
-                     qk_rope_head_dim=getattr(text, "qk_rope_head_dim", None))
+                     qk_rope_head_dim=getattr(text, "qk_rope_head_dim", None), config=text.to_dict())
 
 
 def build_mla_twin(config, seed: int = 0, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
@@ -603,32 +654,18 @@ def build_mla_twin(config, seed: int = 0, dtype: torch.dtype | None = None, devi
     spec = _spec_of(config)
     if spec.is_mla:
         raise SettingsError("this model already caches a latent (MLA); it needs no MLA twin")
-    rank, rope = mla_dims(spec)
     rope_parameters = getattr(text, "rope_parameters", None) or {}
-    theta = float(rope_parameters.get("rope_theta", getattr(text, "rope_theta", 10000.0)))
+    theta = float(rope_parameters.get("rope_theta", getattr(text, "rope_theta", None) or 10000.0))
+    sizes = {k: v for k, v in mla_twin_config(spec).items() if k != "model_type"}
     mla_config = DeepseekV3Config(
-        vocab_size=text.vocab_size,
-        hidden_size=text.hidden_size,
-        intermediate_size=text.intermediate_size,
-        moe_intermediate_size=text.intermediate_size,
-        num_hidden_layers=text.num_hidden_layers,
-        num_attention_heads=text.num_attention_heads,
-        num_key_value_heads=text.num_attention_heads,
-        kv_lora_rank=rank,
-        q_lora_rank=None,
-        qk_rope_head_dim=rope,
-        qk_nope_head_dim=spec.head_dim,
-        v_head_dim=spec.head_dim,
-        first_k_dense_replace=text.num_hidden_layers,
-        hidden_act=getattr(text, "hidden_act", "silu"),
-        max_position_embeddings=spec.max_position_embeddings,
-        rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+        **sizes,
+        hidden_act=getattr(text, "hidden_act", None) or "silu",
+        rms_norm_eps=getattr(text, "rms_norm_eps", None) or 1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": theta},
-        tie_word_embeddings=spec.tie_word_embeddings,
         pad_token_id=getattr(text, "pad_token_id", None),
         bos_token_id=getattr(text, "bos_token_id", None),
         eos_token_id=getattr(text, "eos_token_id", None),
-        initializer_range=getattr(text, "initializer_range", 0.02),
+        initializer_range=getattr(text, "initializer_range", None) or 0.02,
     )
     mla_config._attn_implementation = getattr(text, "_attn_implementation", None) or "sdpa"
     with torch.random.fork_rng(devices=[]):

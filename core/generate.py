@@ -180,11 +180,15 @@ class Engine:
         # The embedded demo model has random weights: left alone it samples lone UTF-8 continuation
         # bytes and control characters, which print as U+FFFD or nothing. Its nonsense reads better without them (real models: untouched).
         self._suppressed = self._broken_byte_tokens() if loaded.label.startswith("embedded demo model") else None
-        # Apply the requested starting settings to the model before the prefill.
-        if settings.attention is not None and settings.attention.key != self.mode.key:
-            self._set_attention(settings.attention, live=False)
-        self.settings = self.settings.with_(attention=self.mode)
-        self._check_cache_strategy(settings.cache)
+        #: The model's own sliding/full layers, put back when a mode that changed them is left.
+        self._native_pattern = None
+        # Apply the requested starting settings to the model before the prefill, checked as a whole
+        # (attention x cache x device x architecture) first.
+        target = settings.attention or self.mode
+        self._check_target(target, parse_attn_impl(settings.attn_impl), settings.cache)
+        if target.key != self.mode.key:
+            self._set_attention(target, live=False)
+        self.settings = self.settings.with_(attention=self.mode, cache=settings.cache)
         self._set_attn_impl(settings.attn_impl)
 
     # ---------------------------------------------------------------------------------- settings
@@ -193,31 +197,58 @@ class Engine:
     def seq_len(self) -> int:
         return 0 if self.ids is None else int(self.ids.shape[1])
 
-    def _check_cache_strategy(self, strategy: CacheStrategy) -> None:
+    def _check_target(self, mode: AttentionMode, impl: str, strategy: CacheStrategy) -> None:
+        """Refuse, before anything changes, a combination of attention mode, kernel and cache this model
+        cannot run (SettingsError with the reason). What this does not foresee, the switch transaction
+        catches: it tries the new state on one forward pass and undoes everything if that fails."""
+        from core import convert
+
+        label = self.spec.label
+        target = self.settings.with_(attention=mode, cache=strategy, attn_impl=impl)
+        eff = effective_spec(self.spec, target)  # SettingsError for gqa:N that does not divide the heads
         if strategy.needs_cuda and not self.device.startswith("cuda"):
             raise SettingsError(f"the {strategy.key} cache needs CUDA (this run is on {self.device}): "
                                 "it moves layers between GPU and CPU memory")
-        if isinstance(strategy, Quantized) and self.mode.name == "window":
-            raise SettingsError("a quantized cache needs full-attention layers; transformers refuses it with a "
-                                "sliding window (switch attention away from window first)")
-        if isinstance(strategy, Quantized) and self.mode.name == "mla":
-            raise SettingsError("a quantized cache is not supported with MLA's latent cache here")
+        if isinstance(mode, Window) and mode.window < 2:
+            raise SettingsError("a sliding window must be at least 2 tokens (transformers keeps the last W - 1)")
+        if self.spec.is_mla and not isinstance(mode, MLA):
+            raise SettingsError(f"{label} caches a compressed latent (MLA): it has no K/V heads to regroup and no "
+                                f"sliding-window layers, so {mode.key} is not available for it")
+        if not isinstance(mode, MLA) and eff.num_kv_heads != self.spec.num_kv_heads:
+            convert.kv_heads_problem(self.base_model)
         if isinstance(strategy, Quantized):
-            # Models built with some sliding layers (Qwen2 max_window_layers, Gemma 3): the same test
-            # QuantizedCache makes, so a live switch is refused here, not by a ValueError mid-run.
-            from transformers.cache_utils import get_layer_types_and_kwargs
-
-            types, _ = get_layer_types_and_kwargs(self.model.config.get_text_config(decoder=True))
-            sliding = sum(1 for t in types if t != "full_attention")
+            sliding = eff.num_sliding_layers
             if sliding:
+                which = f"slide under {mode.key}" if isinstance(mode, Window) else f"of {label} slide"
                 raise SettingsError(f"a quantized cache needs full-attention layers; transformers refuses it with a "
-                                    f"sliding window ({sliding} of {len(types)} layers of {self.spec.label} slide)")
-        if isinstance(strategy, Quantized) and strategy.backend in ("quanto", "hqq"):
-            problem = _backend_problem(strategy.backend)
-            if problem:
-                raise SettingsError(f"the {strategy.backend} cache backend cannot run here: {problem}; "
-                                    "quantized:fp8 (and quantized:hqq:4 where installed) need nothing extra")
-        self.settings = self.settings.with_(cache=strategy)
+                                    f"sliding window ({sliding} of {eff.num_layers} layers {which})")
+            if strategy.backend in ("quanto", "hqq"):
+                problem = _backend_problem(strategy.backend)
+                if problem:
+                    raise SettingsError(f"the {strategy.backend} cache backend cannot run here: {problem}; "
+                                        "quantized:fp8 (and quantized:hqq:4 where installed) need nothing extra")
+            if self.cache is not None and self.seq_len:
+                # A cache switch quantizes everything held at once; an attention switch keeps the cache's own count.
+                base = self.cache_base_tokens if isinstance(self.settings.cache, Quantized) else self.seq_len
+                self._check_quantized_shapes(eff, target, strategy, base)
+
+    def _check_quantized_shapes(self, eff: ModelSpec, target: RunSettings, strategy: Quantized, base: int) -> None:
+        """A quantized cache quantizes everything it holds at its first update (``base`` tokens) and at each
+        residual flush after it; quanto and hqq refuse tensors that their groups do not divide. Try every
+        such moment up to the context limit with the predictor's formulas (they raise what the backends raise)."""
+        from core.caches import kv_layout
+        from core.predict import kv_elem_bytes
+
+        if strategy.backend == "fp8" or base <= 0:
+            return
+        layout = kv_layout(eff)
+        elem = kv_elem_bytes(self.spec, target)
+        for n in range(base, max(self.max_context(), base) + 1, strategy.residual_length):
+            try:
+                strategy.kv_bytes(layout, target.batch, n, elem, prompt_tokens=base)
+            except SettingsError as exc:
+                raise SettingsError(f"{strategy.key} with {target.attention.key} would fail when the cache is "
+                                    f"quantized at {n:,} tokens: {exc}") from None
 
     def max_context(self) -> int:
         """What a static cache preallocates: the setting, else the model's maximum."""
@@ -282,64 +313,92 @@ class Engine:
             return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
         return contextlib.nullcontext()
 
-    def _set_attention(self, mode: AttentionMode, live: bool) -> str:
-        """Convert the model (and, when ``live``, the cache) to ``mode``. Returns what happened, for the event."""
+    def _layer_pattern_model(self, eff: ModelSpec):
+        """The base model with the sliding/full layers ``eff`` describes (a Llama gets a Mistral twin for a window)."""
         from core import convert
 
-        mode.check(self.spec)
-        if isinstance(mode, MLA):
+        if self._native_pattern is None:
+            self._native_pattern = convert.layer_pattern(self.base_model)
+        if eff.layer_types == self.spec.layer_types and eff.sliding_window == self.spec.sliding_window:
+            convert.restore_layer_pattern(self.base_model, self._native_pattern)
+            return self.base_model
+        if eff.num_full_layers == 0:
+            return convert.with_window(self.base_model, eff.sliding_window)
+        if eff.num_sliding_layers == 0:
+            convert.restore_layer_pattern(self.base_model, self._native_pattern)
+            return convert.with_window(self.base_model, None)
+        raise SettingsError(f"{self.spec.label} cannot take the layer pattern of this mode")
+
+    def _set_attention(self, mode: AttentionMode, live: bool) -> str:
+        """Convert the model (and, when ``live``, the cache) to ``mode``. Returns what happened, for the event.
+
+        Not atomic by itself: ``apply`` runs it inside a transaction that undoes it on failure."""
+        from core import convert
+
+        previous = self.mode
+        before = effective_spec(self.spec, self.settings)
+        eff = effective_spec(self.spec, self.settings.with_(attention=mode))
+        if isinstance(mode, MLA) and not self.spec.is_mla:
             if self.mla_model is None:
                 self.mla_model = convert.build_mla_twin(self.base_model.config, seed=0,
                                                         dtype=next(self.base_model.parameters()).dtype,
                                                         device=self.device, source_model=self.base_model)
                 self.mla_model.eval()
-                self.mla_model.set_attn_implementation(
-                    "eager" if self.settings.attn_impl == "eager" else "sdpa")
             self.model = self.mla_model
             self.mode = mode
             self.settings = self.settings.with_(attention=mode)
+            self._set_attn_impl(self.settings.attn_impl)
             self._weights_observed = model_weight_bytes(self.model)
-            if live:
+            if live and self.cache is not None:
                 return self._rerun("MLA is a different model (latent cache)")
             return "mla"
-        previous = self.mode
-        window = mode.window if isinstance(mode, Window) else None
-        # Window keeps the model's own K/V heads; MHA/GQA/MQA set theirs (Window.apply leaves them).
-        target = mode.apply(self.spec).num_kv_heads
-        exact = convert.set_kv_heads(self.base_model, target)
-        self.model = convert.with_window(self.base_model, window)
-        self._set_attn_impl(self.settings.attn_impl)
+        target = eff.num_kv_heads
+        exact = True
+        if target != self.spec.num_kv_heads or convert.kv_heads_of(self.base_model) != target:
+            exact = convert.set_kv_heads(self.base_model, target)
+        self.model = self._layer_pattern_model(eff)
         self.mode = mode
         self.settings = self.settings.with_(attention=mode)
+        self._set_attn_impl(self.settings.attn_impl)
         self._weights_observed = model_weight_bytes(self.model)
         if not live or self.cache is None:
             return mode.key
-        if previous.name == "mla":
+        if previous.name == "mla" and not self.spec.is_mla:
             return self._rerun("leaving MLA's latent cache")
-        if self._lost_tokens_if_unwindowed(previous) > 0 and window is None:
+        pattern_changed = (before.layer_types, before.sliding_window) != (eff.layer_types, eff.sliding_window)
+        if pattern_changed and self._tokens_lost(before, eff):
             return self._rerun(f"the {previous.key} cache no longer holds the earliest tokens")
-        note = "exact (heads repeated)" if exact else "approximate (heads mean-pooled)"
-        try:
-            old_heads = convert.cache_heads(self.cache)
-            if old_heads is not None and old_heads != target:
-                exact = convert.convert_cache_kv_heads(self.cache, old_heads, target) and exact
-                note = "exact (heads repeated)" if exact else "approximate (heads mean-pooled)"
-            if isinstance(mode, Window) or isinstance(previous, Window):
-                if isinstance(self.settings.cache, Dynamic):
-                    convert.convert_cache_window(self.cache, window, self.model.config)
-                else:
-                    fresh = self._new_cache()
-                    convert.refill_cache(fresh, convert.dense_kv(self.cache), seq_length=self.seq_len)
-                    self.cache = fresh
-                note = f"cache trimmed to the last {window - 1} tokens" if window else "full attention"
-        except (SettingsError, NotImplementedError, RuntimeError) as exc:
-            return self._rerun(f"the live cache could not be converted ({exc})")
-        return f"cache converted in place, {note}"
+        notes = []
+        old_heads = convert.cache_heads(self.cache)
+        if old_heads is not None and old_heads != target:
+            exact = convert.convert_cache_kv_heads(self.cache, old_heads, target) and exact
+            notes.append(f"{old_heads} -> {target} K/V heads, " + ("exact (heads repeated)" if exact
+                                                                   else "approximate (heads mean-pooled)"))
+        if pattern_changed:
+            fresh = self._new_cache()
+            convert.refill_cache(fresh, convert.dense_kv(self.cache), seq_length=self.seq_len)
+            self.cache = fresh
+            if eff.num_full_layers == 0:
+                notes.append(f"every layer keeps the last {eff.sliding_window - 1} tokens")
+            elif eff.num_sliding_layers:
+                notes.append(f"the model's own window ({eff.sliding_window}) on {eff.num_sliding_layers} of "
+                             f"{eff.num_layers} layers")
+            else:
+                notes.append("full attention in every layer")
+        elif eff.num_sliding_layers and eff.num_full_layers:
+            notes.append(f"the model's own window ({eff.sliding_window}) stays on {eff.num_sliding_layers} of "
+                         f"{eff.num_layers} layers")
+        return "cache converted in place" + (f": {'; '.join(notes)}" if notes else "")
 
-    def _lost_tokens_if_unwindowed(self, previous: AttentionMode) -> int:
-        if not isinstance(previous, Window):
-            return 0
-        return max(0, self.seq_len - (previous.window - 1))
+    def _tokens_lost(self, before: ModelSpec, after: ModelSpec) -> bool:
+        """Whether some layer would need tokens that its sliding window has already dropped."""
+        n = self.seq_len
+        for old, new in zip(before.layer_types, after.layer_types):
+            held = n if old != "sliding_attention" else min(n, (before.sliding_window or n + 1) - 1)
+            needed = n if new != "sliding_attention" else min(n, (after.sliding_window or n + 1) - 1)
+            if held < needed:
+                return True
+        return False
 
     def _rerun(self, why: str) -> str:
         """Rebuild the cache by running every token so far through the current model (no new token)."""
@@ -352,35 +411,84 @@ class Engine:
             self.cache = out.cache if getattr(out, "cache", None) is not None else self.cache
         return f"re-ran {self.seq_len} tokens: {why}"
 
+    #: Engine fields a switch may change; the transaction restores them on failure.
+    _SWITCH_STATE = ("model", "mla_model", "mode", "settings", "kernel", "cache", "cache_base_tokens",
+                     "_next_logits", "_weights_observed", "_native_pattern")
+
     def apply(self, key: str, value: str | AttentionMode | CacheStrategy) -> Sample:
-        """Switch a setting between two tokens. Returns the event Sample (also on a refused switch)."""
+        """Switch a setting between two tokens, all or nothing. Returns the event Sample.
+
+        The target (attention x kernel x cache x architecture) is checked first; then the model and the
+        cache are converted together and tried on one forward pass (which is then undone). Any failure
+        restores the previous model, cache and settings exactly and raises SettingsError with the
+        reason, so the run goes on as before. A switch to the current setting changes nothing and
+        returns a ``note`` event that says so.
+        """
+        from core.transaction import Snapshot
+
         t = self.clock()
         name, parsed = parse_switch_value(key, value) if isinstance(value, str) else (
             {"attention": "attention", "cache": "cache"}.get(key, "attn_impl"), value)
         before = {"attention": self.mode.key, "attn_impl": self.settings.attn_impl, "cache": self.settings.cache.key}
-        with torch.inference_mode():
-            if name == "attention":
-                detail = self._set_attention(parsed, live=True)
-            elif name == "attn_impl":
-                self._set_attn_impl(parsed)
-                detail = f"kernel {self.kernel}"
-            else:
-                detail = self._switch_cache(parsed)
-        after = {"attention": self.mode.key, "attn_impl": self.settings.attn_impl, "cache": self.settings.cache.key}
+        wanted = parsed if name == "attn_impl" else parsed.key
         label = name.replace("_", "-")
+        if wanted == before[name]:
+            return self._sample(PHASE_EVENT, f"{label}: {before[name]} (no change: already {wanted})", event="note",
+                                step_s=self.clock() - t)
+        mode = parsed if name == "attention" else self.mode
+        impl = parsed if name == "attn_impl" else self.settings.attn_impl
+        strategy = parsed if name == "cache" else self.settings.cache
+        self._check_target(mode, impl, strategy)
+        snapshot = Snapshot([self.base_model, self.model, self.mla_model], self.cache, self, self._SWITCH_STATE)
+        try:
+            with torch.inference_mode():
+                if name == "attention":
+                    detail = self._set_attention(parsed, live=True)
+                elif name == "attn_impl":
+                    self._set_attn_impl(parsed)
+                    detail = f"kernel {self.kernel}"
+                else:
+                    detail = self._switch_cache(parsed)
+                self._trial_step()
+        except Exception as exc:  # noqa: BLE001 - every failure is undone and reported as a refusal
+            snapshot.restore()
+            del snapshot
+            gc.collect()
+            if isinstance(exc, (SettingsError, SpecError)):
+                raise
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            why = "not enough memory for the conversion" if _is_oom(exc) else \
+                f"transformers could not run it ({type(exc).__name__}: {first})"
+            raise SettingsError(f"{why}; nothing was changed") from exc
+        del snapshot
+        gc.collect()
+        after = {"attention": self.mode.key, "attn_impl": self.settings.attn_impl, "cache": self.settings.cache.key}
         text = f"{label}: {before[name]} -> {after[name]} ({detail})"
         return self._sample(PHASE_EVENT, text, event="switch", step_s=self.clock() - t)
+
+    def _trial_step(self) -> None:
+        """Run one forward pass on the converted model and cache, then undo what it added to the cache:
+        a switch that transformers would refuse at the next token is refused now, with nothing changed."""
+        from core.transaction import CacheSnapshot
+
+        if self.cache is None or self.ids is None or not self.seq_len:
+            return
+        undo = CacheSnapshot(self.cache)
+        try:
+            with torch.inference_mode(), self._kernel_context():
+                self.model(input_ids=self.ids[:, -1:], cache=self.cache, use_cache=True, logits_to_keep=1)
+        finally:
+            undo.restore()
 
     def _switch_cache(self, strategy: CacheStrategy) -> str:
         from core import convert
 
-        old_strategy = self.settings.cache
-        self._check_cache_strategy(strategy)
         if self.cache is None or self.seq_len == 0:
+            self.settings = self.settings.with_(cache=strategy)
             return "takes effect at the prefill"
         if isinstance(strategy, Static) and self.seq_len >= self.max_context():
-            self.settings = self.settings.with_(cache=old_strategy)
             raise SettingsError(f"a static cache of {self.max_context():,} tokens cannot hold the {self.seq_len:,} so far")
+        self.settings = self.settings.with_(cache=strategy)
         fresh = self._new_cache(strategy)
         try:
             convert.refill_cache(fresh, convert.dense_kv(self.cache), seq_length=self.seq_len)
@@ -389,7 +497,6 @@ class Engine:
         self.cache = fresh
         self.cache_base_tokens = self.seq_len
         self._set_attn_impl(self.settings.attn_impl)  # the flash kernel may accept this cache's mask or not
-        gc.collect()
         return "cache moved across" + (" (quantized: lossy)" if isinstance(strategy, Quantized) else "")
 
     # ---------------------------------------------------------------------------------- tokens
@@ -401,6 +508,9 @@ class Engine:
         if isinstance(self.settings.cache, Static) and prompt_ids.shape[1] >= self.max_context():
             raise GenerationError(f"the prompt ({prompt_ids.shape[1]:,} tokens) does not fit a static cache of "
                                   f"{self.max_context():,}; raise --max-context")
+        if isinstance(self.settings.cache, Quantized):
+            self._check_quantized_shapes(effective_spec(self.spec, self.settings), self.settings, self.settings.cache,
+                                         int(prompt_ids.shape[1]))
         self.ids = prompt_ids.to(self.device)
         self.prompt_tokens = int(prompt_ids.shape[1])
         self.cache = self._new_cache()

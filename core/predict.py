@@ -50,9 +50,10 @@ class Prediction:
 
 
 def weight_bytes(spec: ModelSpec, settings: RunSettings) -> int:
-    """Bytes of the parameters: count (meta-device exact, adjusted for K/V head changes) x dtype size."""
+    """Bytes of the parameters (count, meta-device exact and adjusted for K/V head changes, x dtype size)
+    plus the model's buffers (rotary tables, in the dtype they are built in)."""
     eff = effective_spec(spec, settings)
-    return int(eff.num_parameters * dtype_bytes(settings.weight_dtype or spec.dtype))
+    return int(eff.num_parameters * dtype_bytes(settings.weight_dtype or spec.dtype)) + eff.buffer_bytes
 
 
 def kv_elem_bytes(spec: ModelSpec, settings: RunSettings) -> float:
@@ -90,7 +91,7 @@ def activation_bytes(spec: ModelSpec, settings: RunSettings, q_len: int, kv_len:
     dt = dtype_bytes(settings.weight_dtype or spec.dtype)
     heads = eff.num_query_heads
     head_dim = eff.head_dim
-    inter = int(spec.config.get("intermediate_size") or 4 * spec.hidden_size)
+    inter = spec.intermediate_size
     attended = kv_len
     if eff.sliding_window and eff.num_full_layers == 0:
         attended = min(kv_len, eff.sliding_window + q_len)

@@ -91,6 +91,8 @@ class ModelSpec:
     qk_nope_head_dim: int | None = None
     v_head_dim: int | None = None
     display_name: str = ""
+    buffer_bytes: int = 0  # the model's buffers (rotary tables...), in the dtype they are built in
+    kv_bias: bool = False  # k_proj/v_proj carry a bias (Qwen2, attention_bias=True)
     config: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @property
@@ -108,6 +110,12 @@ class ModelSpec:
     @property
     def label(self) -> str:
         return self.display_name or self.name
+
+    @property
+    def intermediate_size(self) -> int:
+        """The MLP width under every spelling configs use (4 x hidden when a config names none)."""
+        value = _first(self.config, "intermediate_size", "n_inner", "ffn_hidden_size", "ffn_dim", "d_ff")
+        return int(value) if isinstance(value, (int, float)) and value > 0 else 4 * self.hidden_size
 
     def gqa_group_counts(self) -> list[int]:
         """KV-head counts reachable by GQA on this model: the divisors of the query-head count."""
@@ -263,9 +271,20 @@ def _build_hf_config(cfg: dict[str, Any]):
         return None
 
 
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a meta-device build of a config tells: exact parameter count, the bytes of the model's
+    buffers (rotary ``inv_freq`` and the like, which stay in the dtype they are built in: float32
+    for rotary tables, also when the weights load in fp16), and whether K/V projections carry a bias."""
+
+    parameters: int
+    buffer_bytes: int = 0
+    kv_bias: bool = False
+
+
 @functools.lru_cache(maxsize=64)
-def _meta_parameter_count(config_json: str) -> int | None:
-    """Exact parameter count of the model a config describes, built on the meta device (no memory)."""
+def _meta_facts(config_json: str) -> ModelFacts | None:
+    """Facts of the model a config describes, built on the meta device (no memory)."""
     import torch
 
     ensure_transformers()
@@ -279,8 +298,11 @@ def _meta_parameter_count(config_json: str) -> int | None:
             model = AutoModelForCausalLM.from_config(hf_config)
     except Exception:  # unknown architecture, encoder-only, remote code...
         return None
-    # parameters() yields tied weights once, which is what the weights occupy.
-    return int(sum(p.numel() for p in model.parameters()))
+    # parameters() yields tied weights once, which is what the weights occupy; buffers likewise.
+    params = int(sum(p.numel() for p in model.parameters()))
+    buffers = int(sum(b.numel() * b.element_size() for b in model.buffers()))
+    kv_bias = any(getattr(getattr(m, "k_proj", None), "bias", None) is not None for m in model.modules())
+    return ModelFacts(params, buffers, kv_bias)
 
 
 def _cache_dir() -> Path:
@@ -290,31 +312,38 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("KVSCOPE_CACHE") or Path.home() / ".cache" / "kvscope")
 
 
-def parameter_count(cfg: dict[str, Any]) -> int | None:
-    """Exact parameter count from a meta-device build; memoised on disk, as DeepSeek-V3 takes seconds."""
+def model_facts(cfg: dict[str, Any]) -> ModelFacts | None:
+    """Exact facts from a meta-device build; memoised on disk, as DeepSeek-V3 takes seconds."""
     key = json.dumps({k: v for k, v in cfg.items() if k != "_kvscope"}, sort_keys=True, default=str)
     digest = hashlib.sha256(key.encode()).hexdigest()[:24]
-    store = _cache_dir() / "param_counts.json"
+    store = _cache_dir() / "model_facts.json"
     try:
         known = json.loads(store.read_text()) if store.is_file() else {}
-        if isinstance(known, dict) and isinstance(known.get(digest), int):
-            return known[digest]
+        entry = known.get(digest) if isinstance(known, dict) else None
+        if isinstance(entry, list) and len(entry) == 3 and all(isinstance(v, int) for v in entry):
+            return ModelFacts(entry[0], entry[1], bool(entry[2]))
     except (OSError, ValueError):
         known = {}
     import os
 
-    count = _meta_parameter_count(key)
-    if count is not None:
+    facts = _meta_facts(key)
+    if facts is not None:
         try:
             store.parent.mkdir(parents=True, exist_ok=True)
             known = known if isinstance(known, dict) else {}
-            known[digest] = count
+            known[digest] = [facts.parameters, facts.buffer_bytes, int(facts.kv_bias)]
             tmp = store.with_suffix(f".{os.getpid()}.tmp")  # unique: processes may race
             tmp.write_text(json.dumps(known))
             tmp.replace(store)
         except OSError:
             pass
-    return count
+    return facts
+
+
+def parameter_count(cfg: dict[str, Any]) -> int | None:
+    """Exact parameter count from a meta-device build (memoised on disk)."""
+    facts = model_facts(cfg)
+    return None if facts is None else facts.parameters
 
 
 def _estimate_parameters(cfg: dict[str, Any], layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
@@ -401,9 +430,12 @@ def spec_from_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
         window = getattr(hf_config, "sliding_window", None)
     if SLIDING_ATTENTION not in types:
         window = None
-    n_params = parameter_count(cfg) if hf_config is not None else None
-    if n_params is None:
+    facts = model_facts(cfg) if hf_config is not None else None
+    if facts is None:
         n_params = _estimate_parameters(cfg, layers, hidden, heads, kv_heads, head_dim, vocab, tied)
+        buffer_bytes, kv_bias = 0, bool(cfg.get("attention_bias"))
+    else:
+        n_params, buffer_bytes, kv_bias = facts.parameters, facts.buffer_bytes, facts.kv_bias
 
     return ModelSpec(
         name=name,
@@ -418,6 +450,8 @@ def spec_from_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
         max_position_embeddings=max_pos,
         dtype=dtype,
         num_parameters=int(n_params),
+        buffer_bytes=int(buffer_bytes),
+        kv_bias=kv_bias,
         layer_types=types,
         sliding_window=window,
         display_name=str(meta.get("display_name", "")) if meta else "",

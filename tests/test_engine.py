@@ -48,7 +48,7 @@ CACHES = ["dynamic", "static", "quantized:4", "quantized:2", "quantized:hqq:4", 
 
 def _refused(attention: str, cache: str) -> bool:
     # transformers' QuantizedCache refuses sliding layers; MLA's latent cache is run dynamic/static only.
-    return cache.startswith("quantized") and (attention.startswith("window") or attention == "mla")
+    return cache.startswith("quantized") and attention.startswith("window")
 
 
 @pytest.mark.parametrize("attention", ATTENTION)

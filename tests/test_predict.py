@@ -33,13 +33,15 @@ def test_worked_example_kv_bytes(llama8b):
 
 
 def test_worked_example_weights_and_crossover(llama8b):
-    # 8,030,261,248 parameters (meta-device count) x 2 bytes.
+    # 8,030,261,248 parameters (meta-device count) x 2 bytes, plus the rotary tables: inv_freq and
+    # original_inv_freq, 64 float32 each (the buffers stay float32 when the weights load in fp16).
     p = predict(llama8b, FP16, 4096)
     assert llama8b.num_parameters == 8_030_261_248
-    assert p.breakdown.weights == 16_060_522_496
+    assert llama8b.buffer_bytes == 2 * 64 * 4
+    assert p.breakdown.weights == 16_060_522_496 + 512 == 16_060_523_008
     assert p.total == p.breakdown.weights + p.breakdown.kv_cache + p.breakdown.activations
-    # The cache passes the weights where tokens x 131072 > 16,060,522,496: at 122,533 tokens.
-    assert kv_overtakes_weights_at(llama8b, FP16) == 16_060_522_496 // 131_072 + 1 == 122_533
+    # The cache passes the weights where tokens x 131072 > 16,060,523,008: at 122,533 tokens.
+    assert kv_overtakes_weights_at(llama8b, FP16) == 16_060_523_008 // 131_072 + 1 == 122_533
 
 
 def test_mha_gqa_mqa_ratios(llama8b):
@@ -58,7 +60,7 @@ def test_gqa_must_divide_query_heads(llama8b):
 def test_mha_conversion_changes_weight_count(llama8b):
     # k_proj and v_proj grow from 8 to 32 heads: 2 x 32 layers x 24 heads x 128 x 4096 more parameters.
     mha = predict(llama8b, FP16.with_(attention=parse_attention("mha")), 1)
-    assert mha.breakdown.weights == (8_030_261_248 + 2 * 32 * 24 * 128 * 4096) * 2
+    assert mha.breakdown.weights == (8_030_261_248 + 2 * 32 * 24 * 128 * 4096) * 2 + 512
 
 
 def test_window_caps_and_static_preallocates(llama8b):
@@ -129,7 +131,7 @@ def _calc_inproc(capsys, *args: str) -> tuple[int, str, str]:
 def test_calc_prints_worked_example():
     out = _calc("--model", "llama-3-8b", "--context", "4k,32k,128k", "--dtype", "fp16")
     assert out.returncode == 0, out.stderr
-    for figure in ("536,870,912 B", "4,294,967,296 B", "17,179,869,184 B", "16,060,522,496 B (16.06 GB)",
+    for figure in ("536,870,912 B", "4,294,967,296 B", "17,179,869,184 B", "16,060,523,008 B (16.06 GB)",
                    "overtakes the weights at 122,533 tokens"):
         assert figure in out.stdout
 

@@ -94,7 +94,7 @@ def render_table(result: CalcResult) -> str:
         f"{spec.label}: {spec.num_layers} layers, {spec.num_query_heads} query heads, {spec.num_kv_heads} KV heads, "
         f"head_dim {spec.head_dim}, {spec.num_parameters:,} parameters",
         f"attention {settings.attention_key(spec)}, weights {wdtype}, KV {kvdtype}, batch {settings.batch}, "
-        f"cache {settings.cache.key}, attn-impl {settings.attn_impl}",
+        f"cache {settings.cache.key}, attn-impl {_kernel_text(spec, settings.attn_impl)}",
     ]
     if eff.sliding_window:
         wider = result.rows and eff.sliding_window > max(p.context for p in result.rows)
@@ -139,3 +139,10 @@ def render_table(result: CalcResult) -> str:
 
 def render_json(result: CalcResult) -> str:
     return json.dumps(result.to_json())
+
+
+def _kernel_text(spec, attn_impl: str) -> str:
+    actual = spec.kernel_for(attn_impl)
+    if actual == attn_impl:
+        return attn_impl
+    return f"{actual} ({attn_impl} asked; transformers runs {spec.model_type} with eager attention only)"

@@ -136,7 +136,10 @@ def limit_cpu_threads(device: str) -> int | None:
 
 
 def _is_oom(exc: BaseException) -> bool:
-    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+    """CUDA/MPS out-of-memory errors, and the CPU allocator's ("DefaultCPUAllocator: can't allocate memory")."""
+    text = str(exc).lower()
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in text \
+        or "can't allocate memory" in text
 
 
 class Engine:
@@ -185,7 +188,13 @@ class Engine:
         # Apply the requested starting settings to the model before the prefill, checked as a whole
         # (attention x cache x device x architecture) first.
         target = settings.attention or self.mode
-        self._check_target(target, parse_attn_impl(settings.attn_impl), settings.cache)
+        impl = parse_attn_impl(settings.attn_impl)
+        if impl != "eager" and not getattr(self.base_model, "_supports_sdpa", True):
+            self.notes.append(f"attn-impl {impl} is not available for {type(self.base_model).__name__} (transformers "
+                              "runs it with eager attention only): using eager")
+            settings = settings.with_(attn_impl="eager")
+            impl = "eager"
+        self._check_target(target, impl, settings.cache)
         if target.key != self.mode.key:
             self._set_attention(target, live=False)
         self.settings = self.settings.with_(attention=self.mode, cache=settings.cache)
@@ -206,6 +215,9 @@ class Engine:
         label = self.spec.label
         target = self.settings.with_(attention=mode, cache=strategy, attn_impl=impl)
         eff = effective_spec(self.spec, target)  # SettingsError for gqa:N that does not divide the heads
+        if impl != "eager" and not getattr(self.base_model, "_supports_sdpa", True):
+            raise SettingsError(f"transformers runs {type(self.base_model).__name__} with eager attention only "
+                                f"(it refuses sdpa for it, e.g. sdpa cannot softcap scores): {impl} is not available")
         if strategy.needs_cuda and not self.device.startswith("cuda"):
             raise SettingsError(f"the {strategy.key} cache needs CUDA (this run is on {self.device}): "
                                 "it moves layers between GPU and CPU memory")
@@ -734,7 +746,15 @@ def run_generation(request: RunRequest, hooks: RunHooks) -> list[Sample]:
         for note in engine.notes:
             emit(engine.event("note", note))
         snapshot = _start_snapshot(request, loaded.device)
-        return _loop(request, engine, hooks, emit, snapshot)
+        try:
+            return _loop(request, engine, hooks, emit, snapshot)
+        except Exception as exc:
+            if not getattr(exc, "kvscope_reported", False):
+                # Errors are data: the recording and the events table get the failure and the settings at
+                # that moment before the error reaches the caller (which still fails the run).
+                with contextlib.suppress(Exception):
+                    emit(engine.event("error", error_text(exc, engine)))
+            raise
     finally:
         if writer is not None:
             writer.close()
@@ -843,6 +863,14 @@ def _loop(request: RunRequest, engine: Engine, hooks: RunHooks, emit: Callable[[
     return kept
 
 
+def error_text(exc: BaseException, engine: Engine) -> str:
+    """One line for an error event: what failed, where, and under which settings."""
+    first = (str(exc).strip().splitlines() or [""])[0][:240]
+    what = first if isinstance(exc, (GenerationError, SettingsError, SpecError)) else f"{type(exc).__name__}: {first}"
+    return (f"{what} (at token {engine.generated}; attention {engine.mode.key}, attn-impl "
+            f"{engine.settings.attn_impl}, cache {engine.settings.cache.key})")
+
+
 def _check_budget(engine: Engine, budget: int, emit: Callable[[Sample], None]) -> None:
     """Before each token: weights + observed KV + next-token KV growth + predicted activations <= budget."""
     n_next = engine.seq_len + 1
@@ -854,7 +882,9 @@ def _check_budget(engine: Engine, budget: int, emit: Callable[[Sample], None]) -
         text = (f"memory budget {human_bytes(budget)} reached at token {engine.generated + 1} "
                 f"(needs {human_bytes(need)}); the forecast said token {forecast}")
         emit(engine.event("budget", text))
-        raise BudgetExceeded(text)
+        exc = BudgetExceeded(text)
+        exc.kvscope_reported = True
+        raise exc
 
 
 def _out_of_memory(engine: Engine, emit: Callable[[Sample], None], exc: BaseException, where: str) -> list[Sample]:
@@ -864,7 +894,9 @@ def _out_of_memory(engine: Engine, emit: Callable[[Sample], None], exc: BaseExce
             f"The predictor had said KV {human_bytes(predicted)}")
     sample = engine.event("oom", text)
     emit(sample)
-    raise GenerationError(text)
+    exc = GenerationError(text)
+    exc.kvscope_reported = True
+    raise exc
 
 
 def iter_run(request: RunRequest) -> Iterator[Sample]:

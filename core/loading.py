@@ -542,6 +542,16 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or "out of memory" in str(exc).lower()
 
 
+def _model_class(config: Any, trust_remote_code: bool) -> Any:
+    """The class AutoModelForCausalLM would build for ``config`` (None when it cannot tell)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except (KeyError, ValueError):
+        return None
+
+
 def _load(load_from: str, name: str, label: str, source: str, folder: Path | None, dev: str, dtype: str,
           trust_remote_code: bool, allow_pickle: bool, say: Callable[[str], None], offer: bool) -> LoadedModel:
     import torch
@@ -558,12 +568,15 @@ def _load(load_from: str, name: str, label: str, source: str, folder: Path | Non
         dtype_name = str(torch_dtype).removeprefix("torch.")
 
         say(f"loading weights ({dtype_name})…")
+        # sdpa where transformers runs the class with it; eager where it refuses (Gemma 2 cannot softcap in sdpa).
+        model_class = _model_class(config, trust_remote_code)
+        attn = "sdpa" if getattr(model_class, "_supports_sdpa", True) else "eager"
         try:
             model, info = AutoModelForCausalLM.from_pretrained(
                 load_from,
                 config=config,
                 dtype=torch_dtype,
-                attn_implementation="sdpa",
+                attn_implementation=attn,
                 # None = prefer safetensors, fall back to pickle; True = safetensors or fail.
                 use_safetensors=None if allow_pickle else True,
                 trust_remote_code=trust_remote_code,

@@ -95,7 +95,7 @@ def activation_bytes(spec: ModelSpec, settings: RunSettings, q_len: int, kv_len:
     attended = kv_len
     if eff.sliding_window and eff.num_full_layers == 0:
         attended = min(kv_len, eff.sliding_window + q_len)
-    if settings.attn_impl == "eager":
+    if spec.kernel_for(settings.attn_impl) == "eager":
         attention = b * heads * q_len * attended * (dt + FP32)
     else:
         attention = b * heads * q_len * (head_dim + 1) * FP32

@@ -93,6 +93,7 @@ class ModelSpec:
     display_name: str = ""
     buffer_bytes: int = 0  # the model's buffers (rotary tables...), in the dtype they are built in
     kv_bias: bool = False  # k_proj/v_proj carry a bias (Qwen2, attention_bias=True)
+    supports_sdpa: bool = True  # False where transformers runs the model with eager only (Gemma 2)
     config: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @property
@@ -116,6 +117,10 @@ class ModelSpec:
         """The MLP width under every spelling configs use (4 x hidden when a config names none)."""
         value = _first(self.config, "intermediate_size", "n_inner", "ffn_hidden_size", "ffn_dim", "d_ff")
         return int(value) if isinstance(value, (int, float)) and value > 0 else 4 * self.hidden_size
+
+    def kernel_for(self, attn_impl: str) -> str:
+        """The attention implementation that would really run for a requested one."""
+        return attn_impl if self.supports_sdpa or attn_impl == "eager" else "eager"
 
     def gqa_group_counts(self) -> list[int]:
         """KV-head counts reachable by GQA on this model: the divisors of the query-head count."""
@@ -280,6 +285,7 @@ class ModelFacts:
     parameters: int
     buffer_bytes: int = 0
     kv_bias: bool = False
+    supports_sdpa: bool = True
 
 
 @functools.lru_cache(maxsize=64)
@@ -302,7 +308,8 @@ def _meta_facts(config_json: str) -> ModelFacts | None:
     params = int(sum(p.numel() for p in model.parameters()))
     buffers = int(sum(b.numel() * b.element_size() for b in model.buffers()))
     kv_bias = any(getattr(getattr(m, "k_proj", None), "bias", None) is not None for m in model.modules())
-    return ModelFacts(params, buffers, kv_bias)
+    # transformers refuses sdpa for some classes (Gemma 2: sdpa cannot softcap); they load with eager.
+    return ModelFacts(params, buffers, kv_bias, bool(getattr(type(model), "_supports_sdpa", True)))
 
 
 def _cache_dir() -> Path:
@@ -320,8 +327,8 @@ def model_facts(cfg: dict[str, Any]) -> ModelFacts | None:
     try:
         known = json.loads(store.read_text()) if store.is_file() else {}
         entry = known.get(digest) if isinstance(known, dict) else None
-        if isinstance(entry, list) and len(entry) == 3 and all(isinstance(v, int) for v in entry):
-            return ModelFacts(entry[0], entry[1], bool(entry[2]))
+        if isinstance(entry, list) and len(entry) == 4 and all(isinstance(v, int) for v in entry):
+            return ModelFacts(entry[0], entry[1], bool(entry[2]), bool(entry[3]))
     except (OSError, ValueError):
         known = {}
     import os
@@ -331,7 +338,7 @@ def model_facts(cfg: dict[str, Any]) -> ModelFacts | None:
         try:
             store.parent.mkdir(parents=True, exist_ok=True)
             known = known if isinstance(known, dict) else {}
-            known[digest] = [facts.parameters, facts.buffer_bytes, int(facts.kv_bias)]
+            known[digest] = [facts.parameters, facts.buffer_bytes, int(facts.kv_bias), int(facts.supports_sdpa)]
             tmp = store.with_suffix(f".{os.getpid()}.tmp")  # unique: processes may race
             tmp.write_text(json.dumps(known))
             tmp.replace(store)
@@ -433,9 +440,10 @@ def spec_from_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
     facts = model_facts(cfg) if hf_config is not None else None
     if facts is None:
         n_params = _estimate_parameters(cfg, layers, hidden, heads, kv_heads, head_dim, vocab, tied)
-        buffer_bytes, kv_bias = 0, bool(cfg.get("attention_bias"))
+        buffer_bytes, kv_bias, supports_sdpa = 0, bool(cfg.get("attention_bias")), True
     else:
         n_params, buffer_bytes, kv_bias = facts.parameters, facts.buffer_bytes, facts.kv_bias
+        supports_sdpa = facts.supports_sdpa
 
     return ModelSpec(
         name=name,
@@ -452,6 +460,7 @@ def spec_from_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
         num_parameters=int(n_params),
         buffer_bytes=int(buffer_bytes),
         kv_bias=kv_bias,
+        supports_sdpa=supports_sdpa,
         layer_types=types,
         sliding_window=window,
         display_name=str(meta.get("display_name", "")) if meta else "",

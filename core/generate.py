@@ -462,6 +462,8 @@ class Engine:
                 else:
                     detail = self._switch_cache(parsed)
                 self._trial_step()
+                if name == "attn_impl":
+                    detail = f"kernel {self.kernel}"  # as measured on the trial pass
         except Exception as exc:  # noqa: BLE001 - every failure is undone and reported as a refusal
             snapshot.restore()
             del snapshot
@@ -480,17 +482,24 @@ class Engine:
 
     def _trial_step(self) -> None:
         """Run one forward pass on the converted model and cache, then undo what it added to the cache:
-        a switch that transformers would refuse at the next token is refused now, with nothing changed."""
+        a switch that transformers would refuse at the next token is refused now, with nothing changed.
+        The pass is profiled: ``self.kernel`` becomes the attention kernel PyTorch really dispatched."""
         from core.transaction import CacheSnapshot
 
         if self.cache is None or self.ids is None or not self.seq_len:
             return
-        undo = CacheSnapshot(self.cache)
-        try:
-            with torch.inference_mode(), self._kernel_context():
-                self.model(input_ids=self.ids[:, -1:], cache=self.cache, use_cache=True, logits_to_keep=1)
-        finally:
-            undo.restore()
+        from core.kernels import measure_kernel
+
+        with torch.inference_mode():  # the cache's tensors are inference tensors: undo in the same mode
+            undo = CacheSnapshot(self.cache)
+            try:
+                with self._kernel_context():
+                    measured = measure_kernel(lambda: self.model(input_ids=self.ids[:, -1:], cache=self.cache,
+                                                                 use_cache=True, logits_to_keep=1))
+            finally:
+                undo.restore()
+        if measured is not None:
+            self.kernel = measured
 
     def _switch_cache(self, strategy: CacheStrategy) -> str:
         from core import convert
@@ -534,6 +543,7 @@ class Engine:
         _sync(self.device)
         dt = self.clock() - t
         self._next_logits = out.logits[:, -1, :].float()
+        self._trial_step()  # measures the attention kernel a decode step runs (untimed, undone)
         return self._sample(PHASE_PREFILL, text, step_s=dt)
 
     def _broken_byte_tokens(self) -> torch.Tensor:

@@ -28,7 +28,7 @@ class Sample:
     attention: str
     attn_impl: str
     cache: str
-    kernel: str  # attention kernel that actually ran: eager, sdpa-math, sdpa-flash, flash_attention_2 ...
+    kernel: str  # attention kernel a decode step dispatched, measured with the profiler (core/kernels.py): eager, sdpa-math, sdpa-flash, sdpa-flash-cpu, sdpa-mem-efficient, sdpa-cudnn, flash_attention_2
     device: str
     dtype: str
     # observed

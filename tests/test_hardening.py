@@ -220,7 +220,8 @@ def _hub_refuses(monkeypatch, error_name: str, status: int) -> None:
 
 def _fail_forward(monkeypatch, call: int, make_error, loads: tuple[int, ...] = (1,)) -> dict:
     """Every model run_generation loads (the real load_model) gets a forward that raises
-    ``make_error()`` at its ``call``-th call (1 = the prefill, k + 1 = token k), for the
+    ``make_error()`` at its ``call``-th call (1 = the prefill, 2 = the prefill's profiled trial pass that
+    measures the kernel, k + 2 = token k), for the
     ``loads``-th loads only (1-based), so a later run in the same test works normally."""
     real_load = loading.load_model
     state = {"loads": 0}
@@ -480,7 +481,7 @@ def test_runtime_out_of_memory_is_recovered(where, capsys, monkeypatch, tmp_path
     allocator inside the model's forward, which is exactly where this test raises it. On CUDA the
     engine's free_cache also returns the cached blocks to the driver (torch.cuda.empty_cache).
     """
-    _fail_forward(monkeypatch, call=1 if where == "prefill" else 6, make_error=_oom)
+    _fail_forward(monkeypatch, call=1 if where == "prefill" else 7, make_error=_oom)
     record = tmp_path / "oom.jsonl"
     code, out, err = _cli(capsys, "run", "--device", "cpu", "--tokens", "20", "--record", str(record))
     line = _one_line_error(code, err)
@@ -502,7 +503,7 @@ def test_runtime_out_of_memory_window_stays_usable(qtbot, thread_window, monkeyp
     """OOM at token 3 in the window: the message is shown, the controls come back, the next run works.
     (Thread mode: the patched model must run in this process.)"""
     window = thread_window
-    _fail_forward(monkeypatch, call=4, make_error=_oom, loads=(1,))
+    _fail_forward(monkeypatch, call=5, make_error=_oom, loads=(1,))
     run_in_window(qtbot, window, RunRequest(device="cpu", max_new_tokens=50))
     assert window.last_error.startswith("out of memory in decode at token 3")
     assert window.error_label.text() == window.last_error
@@ -568,7 +569,7 @@ def test_runtime_worker_raising_mid_token(qtbot, monkeypatch):
     then `finished` fires, the tokens before it arrived, and no generation thread is left."""
     from workers.generation import GenerationController
 
-    _fail_forward(monkeypatch, call=4, make_error=lambda: RuntimeError("kernel exploded at token 3"))
+    _fail_forward(monkeypatch, call=5, make_error=lambda: RuntimeError("kernel exploded at token 3"))
     controller = GenerationController()
     errors: list[str] = []
     got: list = []
@@ -586,7 +587,7 @@ def test_runtime_worker_raising_mid_token(qtbot, monkeypatch):
 def test_runtime_worker_raising_mid_token_window_controls_come_back(qtbot, thread_window, monkeypatch):
     """The same fault in the window: the message is shown and Start is enabled again."""
     window = thread_window
-    _fail_forward(monkeypatch, call=4, make_error=lambda: RuntimeError("kernel exploded at token 3"))
+    _fail_forward(monkeypatch, call=5, make_error=lambda: RuntimeError("kernel exploded at token 3"))
     run_in_window(qtbot, window, RunRequest(device="cpu", max_new_tokens=50))
     assert window.last_error == "RuntimeError: kernel exploded at token 3"
     assert window.error_label.text() == window.last_error

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from core.attention import SettingsError
-from core.spec import SLIDING_ATTENTION, ModelSpec
+from core.spec import INDEXED_ATTENTION, SLIDING_ATTENTION, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -28,11 +28,13 @@ class LayerKV:
     k_dim: int
     v_dim: int
     window: int | None = None
+    extra: int = 0  # elements per token cached beside K/V in one head: a DSA layer's indexer key
+
 
     @property
     def width(self) -> int:
-        """Elements per token (K and V together) in this layer, per sequence."""
-        return self.heads * (self.k_dim + self.v_dim)
+        """Elements per token (K and V together, and any indexer key) in this layer, per sequence."""
+        return self.heads * (self.k_dim + self.v_dim) + self.extra
 
 
 def kv_layout(spec: ModelSpec) -> tuple[LayerKV, ...]:
@@ -42,8 +44,11 @@ def kv_layout(spec: ModelSpec) -> tuple[LayerKV, ...]:
         shape = dict(heads=1, k_dim=int(spec.kv_lora_rank or 0), v_dim=int(spec.qk_rope_head_dim or 0))
     else:
         shape = dict(heads=spec.num_kv_heads, k_dim=spec.head_dim, v_dim=spec.v_head_dim or spec.head_dim)
+    # DynamicIndexedLayer / StaticIndexedLayer: indexer keys [b, tokens, index_head_dim] beside K/V.
+    extra = int(spec.indexer_head_dim or 0)
     return tuple(
-        LayerKV(window=spec.sliding_window if t == SLIDING_ATTENTION else None, **shape) for t in spec.layer_types
+        LayerKV(window=spec.sliding_window if t == SLIDING_ATTENTION else None,
+                extra=extra if t == INDEXED_ATTENTION else 0, **shape) for t in spec.layer_types
     )
 
 
@@ -98,7 +103,7 @@ class Dynamic(CacheStrategy):
         # DynamicLayer.update: keys = cat([keys, new], dim=-2) -> [b, h, tokens, d].
         # DynamicSlidingWindowLayer.update keeps full_states[:, :, -sliding_window + 1:], i.e. W - 1 tokens.
         held = tokens if layer.window is None else min(tokens, layer.window - 1)
-        return _dense(batch, layer.heads, held, layer.k_dim + layer.v_dim, elem_bytes)
+        return _dense(batch, layer.heads, held, layer.k_dim + layer.v_dim, elem_bytes) + _dense(batch, 1, held, layer.extra, elem_bytes)
 
 
 @dataclass(frozen=True)
@@ -110,7 +115,7 @@ class Static(CacheStrategy):
         # StaticLayer.lazy_initialization: zeros([b, h, max_cache_len, d]) for K and for V, on first update.
         # StaticSlidingWindowLayer: max_cache_len = min(sliding_window, max_cache_len).
         slots = max_context if layer.window is None else min(layer.window, max_context)
-        return _dense(batch, layer.heads, slots, layer.k_dim + layer.v_dim, elem_bytes)
+        return _dense(batch, layer.heads, slots, layer.k_dim + layer.v_dim, elem_bytes) + _dense(batch, 1, slots, layer.extra, elem_bytes)
 
 
 QUANT_BACKENDS = ("quanto", "hqq", "fp8")

@@ -24,7 +24,7 @@ from core.measure import cache_bytes, model_weight_bytes
 from core.predict import activation_bytes, kv_bytes, predict, weight_bytes
 from core.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
 from core.settings import ATTN_IMPLS, RunSettings, effective_spec, parse_attn_impl, parse_switch_value
-from core.spec import ModelSpec, SpecError, human_bytes
+from core.spec import INDEXED_ATTENTION, ModelSpec, SpecError, human_bytes
 
 DEFAULT_PROMPT = "Every token keeps a key and a value in every layer, so the cache grows: "
 TOP_K = 40
@@ -510,6 +510,9 @@ class Engine:
         if isinstance(strategy, Static) and self.seq_len >= self.max_context():
             raise SettingsError(f"a static cache of {self.max_context():,} tokens cannot hold the {self.seq_len:,} so far")
         self.settings = self.settings.with_(cache=strategy)
+        if INDEXED_ATTENTION in self.spec.layer_types:
+            # A DSA layer's indexer keys cannot be carried across (dense_kv reads K/V only): recompute them.
+            return self._rerun("the sparse-attention indexer keys are recomputed in the new cache")
         fresh = self._new_cache(strategy)
         try:
             convert.refill_cache(fresh, convert.dense_kv(self.cache), seq_length=self.seq_len)

@@ -23,6 +23,8 @@ EMBEDDED_PRESET = "embedded"
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+#: A full-attention layer that also caches one indexer key per token (DeepSeek-V3.2 / GLM DSA sparse attention).
+INDEXED_ATTENTION = "indexed_attention"
 
 #: Bytes per element of the dtypes a user can name. Keys are the spellings we accept; see DTYPE_ALIASES.
 DTYPE_BYTES: dict[str, float] = {
@@ -93,6 +95,7 @@ class ModelSpec:
     display_name: str = ""
     buffer_bytes: int = 0  # the model's buffers (rotary tables...), in the dtype they are built in
     kv_bias: bool = False  # k_proj/v_proj carry a bias (Qwen2, attention_bias=True)
+    indexer_head_dim: int | None = None  # DSA indexer keys cached per token in indexed layers
     supports_sdpa: bool = True  # False where transformers runs the model with eager only (Gemma 2)
     config: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
@@ -370,7 +373,8 @@ def _layer_types(cfg: dict[str, Any], hf_config, layers: int, window: int | None
             from transformers.cache_utils import get_layer_types_and_kwargs
 
             types, _ = get_layer_types_and_kwargs(hf_config.get_text_config(decoder=True))
-            return tuple(SLIDING_ATTENTION if t in ("sliding_attention", "chunked_attention") else FULL_ATTENTION
+            return tuple(SLIDING_ATTENTION if t in ("sliding_attention", "chunked_attention")
+                         else INDEXED_ATTENTION if t == INDEXED_ATTENTION else FULL_ATTENTION
                          for t in types)
         except Exception:
             pass
@@ -461,6 +465,7 @@ def spec_from_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
         buffer_bytes=int(buffer_bytes),
         kv_bias=kv_bias,
         supports_sdpa=supports_sdpa,
+        indexer_head_dim=_first(cfg, "index_head_dim", "indexer_head_dim") if INDEXED_ATTENTION in types else None,
         layer_types=types,
         sliding_window=window,
         display_name=str(meta.get("display_name", "")) if meta else "",

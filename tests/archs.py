@@ -120,8 +120,8 @@ for _names, _value in (
       "decoder_attention_heads"), HEADS),
     (("num_key_value_heads", "num_kv_heads", "n_head_kv", "kv_n_heads", "multi_query_group_num", "num_query_groups",
       "swa_num_key_value_heads"), KV_HEADS),
-    (("head_dim", "attention_head_dim", "kv_channels", "dim_head", "d_head", "swa_head_dim", "attention_head_size"),
-     HEAD_DIM),
+    (("head_dim", "attention_head_dim", "kv_channels", "dim_head", "d_head", "swa_head_dim", "attention_head_size",
+      "rotary_dim"), HEAD_DIM),
     (("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size", "dff", "dim_ff", "d_inner", "decoder_ffn_dim",
       "intermediate_size_mlp", "dense_intermediate_size", "feed_forward_size", "prefix_dense_intermediate_size"),
      INTERMEDIATE),
@@ -161,6 +161,10 @@ for _names, _value in (
     for _name in _names:
         _SIZES[_name] = _value
 
+#: Widths and head sizes a config class may derive from the hidden size and heads (when its default is None).
+_DERIVABLE = frozenset(n for n, v in _SIZES.items() if v in (HIDDEN, HEAD_DIM)) - {
+    "hidden_size", "n_embd", "d_model", "emb_dim", "embedding_dim"}
+
 #: Fields some config classes default to None although their model class needs a number (their
 #: defaults do not build); filled only when None.
 _FILL_IF_NONE: dict[str, int] = {
@@ -198,11 +202,17 @@ _EXCEPTIONS: dict[str, dict[str, Any]] = {
     # Defaults that do not build in this transformers (the model class needs what the config lacks):
     # Cohere Compass reads RoPE per layer type and its default has none;
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
-    # DBRX's attention reads attn_config.rope_theta, which DbrxAttentionConfig does not declare;
-    "dbrx": {"attn_config": {"rope_theta": 10000.0}},
     # Moshi derives audio_vocab_size from an audio encoder config given to it; its default has none,
     # so the default's audio_vocab_size is None, which its depth decoder refuses (2048 = the codebook).
     "moshi": {"audio_vocab_size": 2048},
+    # DBRX's attention reads attn_config.rope_theta, which DbrxAttentionConfig does not declare, and
+    # clamps q/k/v to attn_config.clip_qkv, whose default None makes torch.clamp fail (checkpoints use 8).
+    "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
+    # Hybrids whose default has no attention layer at all (real checkpoints have some): one attention layer.
+    "bamba": {"attn_layer_indices": [1]},
+    "granitemoehybrid": {"layer_types": ["linear_attention", "attention"]},
+    # RecurrentGemma cycles block_types (recurrent, recurrent, attention): 3 layers to reach attention.
+    "recurrent_gemma": {"_layers": 3},
     # LFM2-MoE's layer_types defaults to None (LFM2's own config derives it): one conv, one attention layer.
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
 }
@@ -257,8 +267,12 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _shrink_dict(d: dict[str, Any], model_type: str, vocab: int, nested: bool = False) -> dict[str, Any]:
-    """Overrides for one (flat) config dict; nested configs (``*_config`` dicts) recurse."""
+def _shrink_dict(d: dict[str, Any], model_type: str, vocab: int, nested: bool = False,
+                 derived: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """Overrides for one (flat) config dict; nested configs (``*_config`` dicts) recurse.
+
+    ``derived``: fields the config class computes from others when left None (Zamba's attention width
+    is 2 x hidden): these are left to the class (passed as None) when they are widths or head sizes."""
     exceptions = {} if nested else _EXCEPTIONS.get(model_type, {})
     mha = _EXCEPTIONS.get(model_type, {}).get("_mha", False)
     out: dict[str, Any] = {}
@@ -272,6 +286,8 @@ def _shrink_dict(d: dict[str, Any], model_type: str, vocab: int, nested: bool = 
             continue
         if name in _LAYER_COUNT_FIELDS and isinstance(value, int):
             out[name] = layers
+        elif name in derived and name in _DERIVABLE and value is not None:
+            out[name] = None
         elif name in _SIZES and isinstance(value, int):
             # Never grow a field (a window of 4 stays 4; a top-k of 1 stays 1); zeros stay (no MTP).
             out[name] = min(value, _SIZES[name])
@@ -307,6 +323,12 @@ def _shrink_dict(d: dict[str, Any], model_type: str, vocab: int, nested: bool = 
         if isinstance(value, list) and name not in per_layer and value and all(isinstance(v, int) for v in value):
             out[name] = [v for v in value if v < layers]
     _fit_ssm_heads(d, out)
+    # DeepSeek-style MLA configs set head_dim to the rotary part of a key: keep that identity.
+    if isinstance(d.get("head_dim"), int) and d.get("head_dim") == d.get("qk_rope_head_dim"):
+        out["head_dim"] = out.get("qk_rope_head_dim", d["qk_rope_head_dim"])
+    # MLA (a latent expanded per query head): the classes expect as many K/V heads as query heads.
+    if d.get("kv_lora_rank") and d.get("num_key_value_heads") == d.get("num_attention_heads"):
+        mha = True
     if mha and "num_key_value_heads" in d:
         out["num_key_value_heads"] = out.get("num_attention_heads", d.get("num_attention_heads"))
     for k, v in exceptions.items():
@@ -319,7 +341,8 @@ def _fit_ssm_heads(d: dict[str, Any], out: dict[str, Any]) -> None:
     """Mamba-2 style mixers require heads x head_dim == expand x hidden (or the SSM width): recompute the heads."""
     get = lambda k: out.get(k, d.get(k))  # noqa: E731
     for heads, head_dim, expand, width in (("mamba_n_heads", "mamba_d_head", "mamba_expand", "mamba_d_ssm"),
-                                           ("num_heads", "head_dim", "expand", None)):
+                                           ("num_heads", "head_dim", "expand", None),
+                                           ("n_mamba_heads", "mamba_headdim", "mamba_expand", None)):
         if all(isinstance(get(k), int) for k in (heads, head_dim, expand)) and "hidden_size" in d:
             inner = get(width) if width and isinstance(get(width), int) else get(expand) * get("hidden_size")
             out[heads] = max(1, inner // get(head_dim))
@@ -359,6 +382,25 @@ def _text_only_config(model_type: str, config):
     return None
 
 
+def _derived_fields(config_class) -> frozenset[str]:
+    """Fields whose class default is None (the class fills them in from other fields)."""
+    import dataclasses
+
+    if not dataclasses.is_dataclass(config_class):
+        return frozenset()
+    return frozenset(f.name for f in dataclasses.fields(config_class) if f.default is None)
+
+
+def _declared_fields(config_class) -> frozenset[str]:
+    """Names a config class declares (dataclass fields and attribute_map aliases); empty if unknown."""
+    import dataclasses
+
+    if not dataclasses.is_dataclass(config_class):
+        return frozenset()
+    aliases = getattr(config_class, "attribute_map", {}) or {}
+    return frozenset(f.name for f in dataclasses.fields(config_class)) | frozenset(aliases) | frozenset(aliases.values())
+
+
 def _quiet() -> None:
     import transformers
 
@@ -382,7 +424,13 @@ def tiny_config(model_type: str):
                                  f"({type(exc).__name__}: {_first_line(exc)})") from exc
         text = _text_only_config(model_type, default)
         base = default if text is None else text
-        overrides = _shrink_dict(base.to_dict(), model_type, embedded_vocab_size())
+        overrides = _shrink_dict(base.to_dict(), model_type, embedded_vocab_size(), derived=_derived_fields(type(base)))
+        fields = _declared_fields(type(base))
+        if fields:
+            # Widths the class sets itself in __post_init__ without declaring them (Zamba2's attention
+            # width): passing them would overwrite what it derives from the shrunk sizes.
+            exc = set(_EXCEPTIONS.get(model_type, {}))
+            overrides = {k: v for k, v in overrides.items() if k in fields or k in exc or k not in _DERIVABLE}
         overrides.pop("model_type", None)
         overrides["dtype"] = "float32"
         try:
@@ -492,10 +540,29 @@ class BuildResult:
     reason: str = ""  # why not, when not ok
     parameters: int = 0
     seconds: float = 0.0
+    forward: str = ""  # "" when 8 tokens run through the model with a DynamicCache, else the error
 
 
-def survey(model_types: list[str] | None = None) -> list[BuildResult]:
-    """Try to build every (or the given) decoder-only model type tiny, in memory. Deterministic."""
+def forward_problem(model, tokens: int = 8) -> str:
+    """Run ``tokens`` tokens then one more through ``model`` with a DynamicCache; "" or the error, one line."""
+    import torch
+    from transformers import DynamicCache
+
+    ids = torch.randint(3, model.config.get_text_config().vocab_size, (1, tokens + 1),
+                        generator=torch.Generator().manual_seed(0))
+    try:
+        cache = DynamicCache(config=model.config)
+        with torch.inference_mode():
+            model(input_ids=ids[:, :tokens], cache=cache, use_cache=True)
+            model(input_ids=ids[:, tokens:], cache=cache, use_cache=True)
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {_first_line(exc)}"
+    return ""
+
+
+def survey(model_types: list[str] | None = None, forward: bool = False) -> list[BuildResult]:
+    """Try to build every (or the given) decoder-only model type tiny, in memory. Deterministic.
+    With ``forward``, also run a few tokens through each (``BuildResult.forward``: "" when that works)."""
     import time
 
     out = []
@@ -508,7 +575,7 @@ def survey(model_types: list[str] | None = None) -> list[BuildResult]:
                                    seconds=time.perf_counter() - t))
             continue
         out.append(BuildResult(model_type, True, parameters=sum(p.numel() for p in model.parameters()),
-                               seconds=time.perf_counter() - t))
+                               seconds=time.perf_counter() - t, forward=forward_problem(model) if forward else ""))
     return out
 
 
@@ -539,9 +606,11 @@ def __getattr__(name: str):
 
 
 if __name__ == "__main__":
-    results = survey()
+    import sys
+
+    results = survey(sys.argv[1:] or None, forward=True)
     for r in results:
         print(f"{r.model_type:28s} {'ok' if r.ok else 'NO':3s} {r.seconds:5.2f}s "
-              f"{r.parameters if r.ok else r.reason}")
+              f"{r.parameters if r.ok else r.reason}" + (f"  FORWARD FAILS: {r.forward}" if r.forward else ""))
     print(f"{sum(r.ok for r in results)} of {len(results)} decoder-only types build; "
           f"{len(registry_model_types())} in the registry")

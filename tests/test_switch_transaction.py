@@ -1,0 +1,133 @@
+"""A live switch is all or nothing (core/transaction.py, Engine.apply), and errors in a run are data."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from core import convert
+from core.attention import SettingsError
+from core.generate import Engine, RunHooks, RunRequest, run_generation
+from core.loading import load_model
+from core.measure import cache_bytes
+from core.settings import RunSettings
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    torch.set_num_threads(1)
+    return load_model("embedded", device="cpu")
+
+
+def _engine(tokens: int = 3) -> Engine:
+    engine = Engine(load_model("embedded", device="cpu"), RunSettings(), seed=0)
+    ids = engine.loaded.tokenizer("Every token keeps a key and a value", return_tensors="pt")["input_ids"]
+    engine.prefill(ids, "p")
+    for _ in range(tokens):
+        engine.step()
+    return engine
+
+
+def _fingerprint(engine: Engine):
+    attn = engine.base_model.model.layers[0].self_attn
+    return (engine.mode.key, engine.settings, engine.model is engine.base_model, id(attn.k_proj.weight),
+            attn.k_proj.out_features, attn.num_key_value_groups, engine.base_model.config.num_key_value_heads,
+            cache_bytes(engine.cache).logical, engine.cache.get_seq_length(), engine.kernel)
+
+
+def _next_tokens(engine: Engine, n: int = 4):
+    return [engine.step() for _ in range(n)]
+
+
+@pytest.mark.parametrize("fail_in", ["layer pattern", "cache conversion", "trial pass"])
+def test_a_switch_that_fails_halfway_changes_nothing(fail_in, monkeypatch):
+    """mqa converts k_proj/v_proj first; a failure after that (the next step, the cache, the trial forward
+    pass) must leave the model, the cache and the settings exactly as before, and generation identical
+    to an engine that was never asked to switch."""
+    reference, engine = _engine(), _engine()
+    before = _fingerprint(engine)
+    if fail_in == "layer pattern":
+        monkeypatch.setattr(Engine, "_layer_pattern_model", lambda self, eff: (_ for _ in ()).throw(RuntimeError("boom")))
+    elif fail_in == "cache conversion":
+        # The model gets 1 K/V head but the cache keeps 8: only the trial pass can notice.
+        monkeypatch.setattr(convert, "convert_cache_kv_heads", lambda cache, old, new: True)
+    else:
+        real = Engine._trial_step
+
+        def trial(self):
+            real(self)
+            raise RuntimeError("the trial pass failed")
+
+        monkeypatch.setattr(Engine, "_trial_step", trial)
+    with pytest.raises(SettingsError, match="nothing was changed"):
+        engine.apply("attention", "mqa")
+    monkeypatch.undo()
+    assert _fingerprint(engine) == before
+    ours, theirs = _next_tokens(engine), _next_tokens(reference)
+    assert [s.text for s in ours] == [s.text for s in theirs]
+    assert all(s.kv_bytes_observed == s.kv_bytes_predicted for s in ours)
+    assert torch.equal(engine._next_logits, reference._next_logits)
+
+
+def test_refusals_name_the_reason_before_touching_anything():
+    engine = _engine()
+    before = _fingerprint(engine)
+    with pytest.raises(SettingsError, match="gqa:3 does not divide 8 query heads"):
+        engine.apply("attention", "gqa:3")
+    engine.apply("cache", "quantized:4")
+    # A quantized cache refuses sliding layers: said before any conversion.
+    with pytest.raises(SettingsError, match="quantized cache needs full-attention layers"):
+        engine.apply("attention", "window:8")
+    assert engine.mode.key == "mha" and engine.settings.cache.key == "quantized:4"
+    engine.apply("cache", "dynamic")
+    assert _fingerprint(engine)[0] == before[0]
+
+
+def test_quantized_shapes_are_checked_at_every_future_requantization():
+    """quanto groups 64 elements: with one K/V head of 32 dims, an odd token count cannot be grouped. The
+    switch is refused now, not at the residual flush 128 tokens later (the ValueError seen on stage)."""
+    engine = Engine(load_model("embedded", device="cpu"), RunSettings(), seed=0)
+    ids = engine.loaded.tokenizer("abc", return_tensors="pt")["input_ids"]
+    assert ids.shape[1] % 2 == 1
+    engine.prefill(ids, "abc")
+    engine.apply("cache", "quantized:4")
+    with pytest.raises(SettingsError, match=r"quantized at \d+ tokens: quanto cannot quantize"):
+        engine.apply("attention", "mqa")
+    assert all(s.kv_bytes_observed == s.kv_bytes_predicted for s in _next_tokens(engine, 3))
+
+
+def test_a_switch_to_the_current_setting_says_no_change():
+    engine = _engine()
+    event = engine.apply("attention", "mha")
+    assert event.event == "note" and "no change" in event.text
+    event = engine.apply("attn-impl", "sdpa")
+    assert event.event == "note" and "no change" in event.text
+
+
+def test_the_kernel_is_measured_not_named():
+    engine = _engine()
+    assert engine.kernel.startswith("sdpa-")  # the backend PyTorch picked, e.g. sdpa-flash-cpu
+    event = engine.apply("attn-impl", "eager")
+    assert engine.kernel == "eager" and "kernel eager" in event.text
+
+
+def test_an_error_in_a_run_is_an_event_in_the_recording(tmp_path, monkeypatch):
+    real = Engine.step
+    calls = {"n": 0}
+
+    def step(self):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("kernel exploded")
+        return real(self)
+
+    monkeypatch.setattr(Engine, "step", step)
+    record = tmp_path / "r.jsonl"
+    seen = []
+    with pytest.raises(RuntimeError, match="kernel exploded"):
+        run_generation(RunRequest(device="cpu", max_new_tokens=10, record_path=str(record)), RunHooks(emit=seen.append))
+    last = json.loads(record.read_text().splitlines()[-1])
+    assert last["event"] == "error" and seen[-1].event == "error"
+    assert last["text"].startswith("RuntimeError: kernel exploded (at token 2; attention mha, attn-impl sdpa, cache dynamic)")

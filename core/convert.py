@@ -138,11 +138,6 @@ def _attention_modules(model: nn.Module) -> list[nn.Module]:
     raise SettingsError(f"{name} has no k_proj/v_proj attention layers whose K/V heads can be converted")
 
 
-def kv_heads_problem(model: nn.Module) -> None:
-    """Raise SettingsError with the real reason when the model's K/V heads cannot be regrouped."""
-    kv_heads_of(model)
-
-
 def _head_dim(attn: nn.Module, config) -> int:
     head_dim = getattr(attn, "head_dim", None) or getattr(config, "head_dim", None)
     return int(head_dim or config.hidden_size // config.num_attention_heads)

@@ -19,12 +19,12 @@ from typing import Any, Callable, Iterator
 import torch
 
 from core.attention import MLA, AttentionMode, SettingsError, Window, native_attention, parse_attention
-from core.caches import CacheStrategy, Dynamic, Offloaded, Quantized, Static, parse_cache
+from core.caches import CacheStrategy, Offloaded, Quantized, Static, parse_cache
 from core.measure import cache_bytes, model_weight_bytes
 from core.predict import activation_bytes, kv_bytes, predict, weight_bytes
 from core.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
 from core.settings import ATTN_IMPLS, RunSettings, effective_spec, parse_attn_impl, parse_switch_value
-from core.spec import INDEXED_ATTENTION, ModelSpec, SpecError, human_bytes
+from core.spec import INDEXED_ATTENTION, SLIDING_ATTENTION, ModelSpec, SpecError, human_bytes
 
 DEFAULT_PROMPT = "Every token keeps a key and a value in every layer, so the cache grows: "
 TOP_K = 40
@@ -183,8 +183,10 @@ class Engine:
         # The embedded demo model has random weights: left alone it samples lone UTF-8 continuation
         # bytes and control characters, which print as U+FFFD or nothing. Its nonsense reads better without them (real models: untouched).
         self._suppressed = self._broken_byte_tokens() if loaded.label.startswith("embedded demo model") else None
+        from core import convert
+
         #: The model's own sliding/full layers, put back when a mode that changed them is left.
-        self._native_pattern = None
+        self._native_pattern = convert.layer_pattern(self.base_model)
         # Apply the requested starting settings to the model before the prefill, checked as a whole
         # (attention x cache x device x architecture) first.
         target = settings.attention or self.mode
@@ -227,7 +229,7 @@ class Engine:
             raise SettingsError(f"{label} caches a compressed latent (MLA): it has no K/V heads to regroup and no "
                                 f"sliding-window layers, so {mode.key} is not available for it")
         if not isinstance(mode, MLA) and eff.num_kv_heads != self.spec.num_kv_heads:
-            convert.kv_heads_problem(self.base_model)
+            convert.kv_heads_of(self.base_model)  # SettingsError with the reason: fused QKV, MLA, MHA-only
         if isinstance(strategy, Quantized):
             sliding = eff.num_sliding_layers
             if sliding:
@@ -329,8 +331,6 @@ class Engine:
         """The base model with the sliding/full layers ``eff`` describes (a Llama gets a Mistral twin for a window)."""
         from core import convert
 
-        if self._native_pattern is None:
-            self._native_pattern = convert.layer_pattern(self.base_model)
         if eff.layer_types == self.spec.layer_types and eff.sliding_window == self.spec.sliding_window:
             convert.restore_layer_pattern(self.base_model, self._native_pattern)
             return self.base_model
@@ -406,8 +406,8 @@ class Engine:
         """Whether some layer would need tokens that its sliding window has already dropped."""
         n = self.seq_len
         for old, new in zip(before.layer_types, after.layer_types):
-            held = n if old != "sliding_attention" else min(n, (before.sliding_window or n + 1) - 1)
-            needed = n if new != "sliding_attention" else min(n, (after.sliding_window or n + 1) - 1)
+            held = n if old != SLIDING_ATTENTION else min(n, (before.sliding_window or n + 1) - 1)
+            needed = n if new != SLIDING_ATTENTION else min(n, (after.sliding_window or n + 1) - 1)
             if held < needed:
                 return True
         return False
@@ -425,7 +425,7 @@ class Engine:
 
     #: Engine fields a switch may change; the transaction restores them on failure.
     _SWITCH_STATE = ("model", "mla_model", "mode", "settings", "kernel", "cache", "cache_base_tokens",
-                     "_next_logits", "_weights_observed", "_native_pattern")
+                     "_next_logits", "_weights_observed")
 
     def apply(self, key: str, value: str | AttentionMode | CacheStrategy) -> Sample:
         """Switch a setting between two tokens, all or nothing. Returns the event Sample.
@@ -458,7 +458,6 @@ class Engine:
                     detail = self._set_attention(parsed, live=True)
                 elif name == "attn_impl":
                     self._set_attn_impl(parsed)
-                    detail = f"kernel {self.kernel}"
                 else:
                     detail = self._switch_cache(parsed)
                 self._trial_step()
@@ -484,11 +483,11 @@ class Engine:
         """Run one forward pass on the converted model and cache, then undo what it added to the cache:
         a switch that transformers would refuse at the next token is refused now, with nothing changed.
         The pass is profiled: ``self.kernel`` becomes the attention kernel PyTorch really dispatched."""
+        from core.kernels import measure_kernel
         from core.transaction import CacheSnapshot
 
         if self.cache is None or self.ids is None or not self.seq_len:
             return
-        from core.kernels import measure_kernel
 
         with torch.inference_mode():  # the cache's tensors are inference tensors: undo in the same mode
             undo = CacheSnapshot(self.cache)

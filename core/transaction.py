@@ -53,9 +53,7 @@ class CacheSnapshot:
     def __init__(self, cache: Any) -> None:
         self.cache = cache
         self.fields = dict(vars(cache)) if cache is not None else {}
-        layers = list(getattr(cache, "layers", None) or [])
-        self.fields_layers = list(layers)
-        self.layers = [(layer, self._layer_fields(layer)) for layer in layers]
+        self.layers = [(layer, self._layer_fields(layer)) for layer in getattr(cache, "layers", None) or []]
 
     @staticmethod
     def _layer_fields(layer: Any) -> dict[str, Any]:
@@ -85,7 +83,7 @@ class CacheSnapshot:
         vars(self.cache).clear()
         vars(self.cache).update(self.fields)
         if hasattr(self.cache, "layers"):
-            self.cache.layers = list(self.fields_layers)
+            self.cache.layers = [layer for layer, _ in self.layers]
 
 
 class Snapshot:

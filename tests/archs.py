@@ -1,7 +1,7 @@
 """Tiny random models of every decoder-only architecture transformers registers for causal LM.
 
-A helper module for tests and ``scripts/arch_probe.py`` (not a test file itself). The list of
-architectures is transformers' own ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, so a new transformers
+A helper module for ``tests/test_arch_matrix.py`` (not a test file itself; ``python tests/archs.py``
+lists what builds). The list of architectures is transformers' own ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, so a new transformers
 release brings its new architectures into the matrix without an edit here.
 
 ``tiny_config(model_type)`` starts from the model type's own config class with its defaults
@@ -577,32 +577,6 @@ def survey(model_types: list[str] | None = None, forward: bool = False) -> list[
         out.append(BuildResult(model_type, True, parameters=sum(p.numel() for p in model.parameters()),
                                seconds=time.perf_counter() - t, forward=forward_problem(model) if forward else ""))
     return out
-
-
-@functools.lru_cache(maxsize=1)
-def _survey_cached() -> tuple[BuildResult, ...]:
-    return tuple(survey())
-
-
-def buildable() -> list[str]:
-    """Decoder-only model types that build tiny here (computed once per process, ~tens of seconds)."""
-    return [r.model_type for r in _survey_cached() if r.ok]
-
-
-def not_buildable() -> dict[str, str]:
-    """Model types of the registry that do not build tiny, with the reason (skipped types included)."""
-    out = {t: r for t in registry_model_types() if (r := skip_reason(t))}
-    out.update({r.model_type: r.reason for r in _survey_cached() if not r.ok})
-    return dict(sorted(out.items()))
-
-
-def __getattr__(name: str):
-    # BUILDABLE is computed on first access, not at import (importing this module stays cheap).
-    if name == "BUILDABLE":
-        return buildable()
-    if name == "NOT_BUILDABLE":
-        return not_buildable()
-    raise AttributeError(name)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import os
 import sys
 
 from core import __version__ as APP_VERSION
+from core.outputs import OutputError, check_output_path, display_path
 
 
 class CliError(Exception):
@@ -39,6 +40,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-file", default=None, help="read the prompt from a file")
     p.add_argument("--max-context", default=None, help="context a static cache preallocates, e.g. 4096 or 4k")
     p.add_argument("--record", default=None, metavar="FILE.jsonl", help="record every sample to a JSONL file")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing --record, --snapshot or --screenshot file (never a device or folder)")
     p.add_argument("--switch", action="append", default=[], metavar="T:KEY=VALUE",
                    help="change a setting at token T, e.g. 32:attention=mqa, 64:attn-impl=eager (repeatable)")
     p.add_argument("--memory-budget", default=None, help="stop when the model's memory would exceed SIZE (e.g. 64MiB)")
@@ -49,10 +52,36 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
 
 
+def _add_view_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--size", default=None, metavar="WxH",
+                   help="window size in logical pixels, e.g. 1280x720 (a screenshot's default: 1600x1000)")
+    p.add_argument("--scale", type=float, default=None, metavar="F",
+                   help="display scaling, e.g. 2 for a 4K screen at 200%% (Qt's QT_SCALE_FACTOR)")
+    p.add_argument("--presenter", action="store_true", help="presenter mode: large type, thick lines (F11)")
+
+
+def _view(args: argparse.Namespace) -> dict:
+    """--size, --scale, --presenter checked, and the scale set before Qt starts (it reads it once)."""
+    size = None
+    if args.size:
+        w, sep, h = str(args.size).lower().partition("x")
+        if not sep or not (w.isascii() and w.isdigit() and h.isascii() and h.isdigit()):
+            raise CliError(f"--size {args.size!r}: write WxH in logical pixels, e.g. 1280x720")
+        size = (int(w), int(h))
+        if not (320 <= size[0] <= 16384 and 240 <= size[1] <= 16384):
+            raise CliError(f"--size {args.size}: each side must be 320-16384 x 240-16384 pixels")
+    if args.scale is not None:
+        if not (0.5 <= args.scale <= 8):  # also refuses NaN
+            raise CliError(f"--scale {args.scale}: use a factor from 0.5 to 8")
+        os.environ["QT_SCALE_FACTOR"] = f"{args.scale:g}"
+    return {"size": size, "presenter": bool(args.presenter)}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvscope", description="KV Scope: see and predict the KV cache.")
     parser.add_argument("--version", action="version", version=f"KV Scope {APP_VERSION}")
     parser.add_argument("--screenshot", default=None, metavar="PNG", help="open the window, run, save a PNG, exit")
+    _add_view_options(parser)
     parser.add_argument("--self-test", action="store_true", help="load the embedded model, generate offscreen, exit 0")
     _add_run_options(parser)
     sub = parser.add_subparsers(dest="command")
@@ -71,11 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
     replay = sub.add_parser("replay", help="play a recording back in the window (no model, no GPU)")
     replay.add_argument("file")
     replay.add_argument("--speed", type=float, default=1.0, help="playback speed factor (default 1)")
-    replay.add_argument("--screenshot", default=None, metavar="PNG")
+    replay.add_argument("--screenshot", default=None, metavar="PNG", help="save a PNG of the window at the end (- for stdout)")
+    replay.add_argument("--force", action="store_true", help="replace an existing --screenshot file")
+    _add_view_options(replay)
 
     export = sub.add_parser("export", help="export a recording")
     export.add_argument("file")
-    export.add_argument("--csv", default=None, metavar="OUT.csv")
+    export.add_argument("--csv", default=None, metavar="OUT.csv", help="CSV file to write (- for standard output)")
+    export.add_argument("--force", action="store_true", help="replace an existing --csv file")
     return parser
 
 
@@ -96,10 +128,39 @@ def _settings_from(args: argparse.Namespace):
     )
 
 
+#: Options whose value cannot be empty, with what to give instead. Left empty, `--memory-budget ''` meant no
+#: budget, `--max-context ''` no limit, `--prompt-file ''` the default prompt and `--model ''` the embedded
+#: model (while calc refused it): each is refused the same way by calc and run (_refuse_empty_values).
+_NOT_EMPTY = {
+    "model": None,  # the message of core.spec.check_model_name, as the window's calculator says it
+    "dtype": "fp32, fp16 or bf16", "kv_dtype": "fp16, bf16, fp8, int8 or int4", "attention": "mha, gqa:N, mqa, mla or window:W",
+    "cache": "dynamic, static, quantized or offloaded", "attn_impl": "eager, sdpa or flash",
+    "device": "auto, cpu, cuda, cuda:N or mps", "context": "token counts such as 4k,32k", "max_context": "a token count such as 4k",
+    "gpu_memory": "a size such as 24GiB", "memory_budget": "a size such as 64MiB", "prompt_file": "a text file",
+    "record": "a .jsonl file", "snapshot": "a file",
+}
+
+
+def _refuse_empty_values(args: argparse.Namespace) -> None:
+    """One place for calc and run: an option given an empty value is refused, not read as "not given"."""
+    from core.spec import check_model_name
+
+    for dest, instead in _NOT_EMPTY.items():
+        value = getattr(args, dest, None)
+        if isinstance(value, str) and not value.strip():
+            if instead is None:
+                check_model_name(value)  # SpecError: "empty model name; give a preset name, ..."
+            raise CliError(f"--{dest.replace('_', '-')} is empty; give {instead}, or leave the option out")
+    for switch in getattr(args, "switch", None) or ():
+        if not switch.strip():
+            raise CliError("--switch is empty; write T:KEY=VALUE, e.g. 32:attention=mqa")
+
+
 def cmd_calc(args: argparse.Namespace) -> int:
     from core.calc import calculate, render_json, render_table
     from core.spec import load_spec, parse_size, parse_tokens
 
+    _refuse_empty_values(args)
     contexts = [parse_tokens(c) for c in str(args.context).split(",") if c.strip()]
     if not contexts:
         raise CliError("--context needs at least one token count, e.g. 4k,32k")
@@ -112,18 +173,30 @@ def cmd_calc(args: argparse.Namespace) -> int:
 
 
 def _run_request(args: argparse.Namespace):
-    from core.generate import DEFAULT_PROMPT, RunRequest, parse_switch
+    from core.request import DEFAULT_PROMPT, RunRequest, check_seed, parse_switch
     from core.spec import parse_size
 
+    _refuse_empty_values(args)
     prompt = args.prompt
     if args.prompt_file:
         try:
             with open(args.prompt_file, encoding="utf-8") as fh:
                 prompt = fh.read()
+        except UnicodeDecodeError as exc:
+            raise CliError(f"--prompt-file {display_path(args.prompt_file)} is not UTF-8 text (it holds the byte "
+                           f"0x{exc.object[exc.start]:02x}); save it as UTF-8") from None
         except OSError as exc:
-            raise CliError(f"cannot read --prompt-file {args.prompt_file}: {exc.strerror or exc}") from exc
+            raise CliError(f"cannot read --prompt-file {display_path(args.prompt_file)}: "
+                           f"{exc.strerror or exc}") from exc
     if args.tokens is not None and args.tokens <= 0:
         raise CliError("--tokens must be positive")
+    # Output files are checked before torch is even imported (run_generation checks again, for the window's runs).
+    for path, what in ((args.record, "cannot create recording: "), (args.snapshot, "--snapshot: ")):
+        if path:
+            try:
+                check_output_path(path, inputs=(args.prompt_file,), force=args.force, allow_stdout=False)
+            except OutputError as exc:
+                raise CliError(f"{what}{exc}") from None
     return RunRequest(
         source=args.model,
         device=args.device,
@@ -133,27 +206,34 @@ def _run_request(args: argparse.Namespace):
         settings=_settings_from(args),
         switches=tuple(parse_switch(s) for s in args.switch),
         record_path=args.record,
+        overwrite=args.force,
         trust_remote_code=args.trust_remote_code,
         allow_pickle=args.allow_pickle,
         memory_budget=parse_size(args.memory_budget) if args.memory_budget else None,
         snapshot_path=args.snapshot,
-        seed=args.seed,
+        seed=check_seed(args.seed),
     )
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    request = _run_request(args)  # bad options and outputs are refused before torch is imported
     from core.terminal import run_terminal
 
-    return run_terminal(_run_request(args))
+    return run_terminal(request)
 
 
 def cmd_gui(args: argparse.Namespace) -> int:
-    from ui.app import has_display, run_window
+    from ui.app import display_problem, run_window
 
     request = _run_request(args)
-    if args.screenshot or has_display():
-        return run_window(request, screenshot=args.screenshot, tokens=args.tokens)
-    print("kvscope: no display found (DISPLAY/WAYLAND_DISPLAY unset): running the terminal view instead. "
+    screenshot = args.screenshot
+    if screenshot:
+        # Checked before anything loads: an existing PNG needs --force, a device or folder never.
+        screenshot = check_output_path(screenshot, inputs=(args.prompt_file,), force=args.force)
+    problem = display_problem()
+    if screenshot or problem is None:
+        return run_window(request, screenshot=screenshot, tokens=args.tokens, **_view(args))
+    print(f"kvscope: {problem}: running the terminal view instead. "
           "Use QT_QPA_PLATFORM=offscreen with --screenshot to render the window without a display.", file=sys.stderr)
     from core.terminal import run_terminal
 
@@ -172,32 +252,33 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
     # A missing, empty, foreign or too-new file gets its one-line reason before Qt starts.
     read_header(args.file)
-    from ui.app import has_display, run_replay
+    # So does a PNG that would replace the recording, a device, a folder, or an existing file without --force.
+    screenshot = check_output_path(args.screenshot, inputs=(args.file,), force=args.force) if args.screenshot else None
+    from ui.app import display_problem, run_replay
 
-    if not args.screenshot and not has_display():
-        raise CliError("replay needs a display (or --screenshot out.png to render offscreen)")
+    problem = None if args.screenshot else display_problem()
+    if problem is not None:
+        raise CliError(f"replay needs a window: {problem} (or --screenshot out.png renders offscreen)")
     if args.speed <= 0:
         raise CliError("--speed must be positive")
-    return run_replay(args.file, speed=args.speed, screenshot=args.screenshot)
+    return run_replay(args.file, speed=args.speed, screenshot=screenshot, **_view(args))
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    import logging
-
     from core.export import write_csv
     from core.recording import RecordingReader
 
     if not args.csv:
         raise CliError("export needs an output: --csv out.csv")
-    # One summary line about skipped or cut-off samples, said here, rather than a logging line per
-    # damaged line (which only reached the user through logging's last-resort handler).
-    reader_log = logging.getLogger("core.recording")
-    if not reader_log.handlers:
-        reader_log.addHandler(logging.NullHandler())
+    # One summary line about skipped or cut-off samples (reader.problem()), the same line a replay
+    # prints; the reader logs each damaged line at debug level only.
     with RecordingReader(args.file) as reader:
-        rows = write_csv(reader, args.csv)
+        # Before any row: never over the recording itself, a device or a folder; an existing file needs --force.
+        out = check_output_path(args.csv, inputs=(args.file,), force=args.force)
+        rows = write_csv(reader, out)
         problem = reader.problem()
-    print(f"wrote {rows:,} samples to {args.csv}")
+    # With the CSV on standard output, the note goes to stderr so the CSV stays clean.
+    print(f"wrote {rows:,} samples to {out.shown}", file=sys.stderr if out.stdout else sys.stdout)
     if problem:
         print(f"kvscope: {problem}", file=sys.stderr)
     return 0
@@ -231,12 +312,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _is_user_error(exc: Exception) -> bool:
     """Errors whose message is written for the user (bad input, unloadable model, broken recording)."""
-    names = {"CliError", "SpecError", "SettingsError", "LoadError", "RecordingError", "BudgetExceeded", "GenerationError"}
+    names = {"CliError", "OutputError", "SpecError", "SettingsError", "LoadError", "RecordingError", "BudgetExceeded",
+             "GenerationError"}
     return any(cls.__name__ in names for cls in type(exc).__mro__)
 
 
 if __name__ == "__main__":
-    # The window runs the model in a child process (spawned: core.host.serve). In the packaged app
+    # The window runs the model in a child process (spawned: core.engine_process.serve). In the packaged app
     # that child is this same executable; freeze_support turns such a start into the child's work.
     import multiprocessing
 

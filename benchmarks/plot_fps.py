@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
 
     app = QApplication.instance() or QApplication([])
     from ui.plots import LivePlots
-    from ui.synthetic import synthetic_samples
+    from tests.synthetic import synthetic_samples
     from ui.theme import theme
 
     n = args.points

@@ -24,9 +24,9 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 from PySide6.QtCore import QEventLoop, QSettings, QTimer  # noqa: E402
 from PySide6.QtWidgets import QApplication  # noqa: E402
 
-from core.generate import RunRequest  # noqa: E402
+from core.request import RunRequest  # noqa: E402
 from ui.main_window import MainWindow  # noqa: E402
-from ui.stall import StallMeter  # noqa: E402
+from tests.stall import StallMeter  # noqa: E402
 
 
 def wait(predicate, timeout_s: float) -> bool:
@@ -92,7 +92,7 @@ def main() -> int:
     ok = results[0]["worst"] < 50
     print(f"target: worst stall during a run < 50 ms with the default engine ({results[0]['engine']}): "
           f"{'OK' if ok else 'MISSED'}")
-    from workers.host import shared_host
+    from workers.engine_link import shared_host
 
     shared_host().shutdown()
     return 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from core.spec import FULL_ATTENTION, SLIDING_ATTENTION, ModelSpec, SpecError, model_facts
+from core.spec import FULL_ATTENTION, MAX_COUNT, SLIDING_ATTENTION, ModelSpec, SpecError, model_facts
 
 
 class SettingsError(SpecError):
@@ -27,6 +27,8 @@ def int_arg(arg: str | None, what: str, spelled: str) -> int:
         raise SettingsError(f"{spelled!r}: {arg!r} is not a whole number (e.g. {what})") from exc
     if value <= 0:
         raise SettingsError(f"{spelled!r}: the number must be positive")
+    if value > MAX_COUNT:  # window:10**30 overflowed torch's int64 in the attention mask
+        raise SettingsError(f"{spelled[:40]!r}: the number must be at most {MAX_COUNT:,}")
     return value
 
 
@@ -168,7 +170,10 @@ class MLA(AttentionMode):
             return spec
         rank, rope = mla_dims(spec)
         twin = mla_twin_config(spec)
-        facts = model_facts(twin)
+        try:
+            facts = model_facts(twin)
+        except SpecError:  # transformers' validation refuses the twin's config: the estimate, as for unknown types
+            facts = None
         return replace(full_attention(spec), kv_lora_rank=rank, qk_rope_head_dim=rope,
                        qk_nope_head_dim=spec.head_dim, v_head_dim=spec.head_dim,
                        num_parameters=facts.parameters if facts else spec.num_parameters,

@@ -18,8 +18,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -44,6 +47,10 @@ PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 EMBED_STD = 0.02
 LINEAR_GAIN = 2.0
 FINAL_NORM_WEIGHT = 8.0
+
+#: A ``.build-*`` folder older than this (seconds) is a leftover, whoever made it.
+STALE_BUILD_S = 600.0
+_BUILD_NAME = re.compile(r"^\.build-(?P<pid>\d+)@(?P<host>[A-Za-z0-9._]+)-[^-]*$")
 
 # Files a finished folder holds; a folder missing any of them is rebuilt.
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "kvscope_recipe.json")
@@ -96,17 +103,20 @@ def embedded_model_dir(progress: Callable[[str], None] | None = None) -> Path:
     The build is offline and takes about half a second once torch and transformers are imported;
     the folder is 13.1 MiB (3.43 M fp32 parameters). Two processes
     building at once are safe: each builds in its own temporary folder and renames it into place;
-    the loser discards its copy. Raises EmbeddedBuildError if the cache cannot be written.
+    the loser discards its copy. A build killed half-way (SIGKILL, power loss) leaves its
+    ``.build-*`` folder behind; the next call removes such folders (see ``remove_stale_builds``).
+    Raises EmbeddedBuildError if the cache cannot be written.
     """
     root = embedded_cache_root()
     final = root / f"llama-4x256-{recipe_digest()}"
+    remove_stale_builds(root)
     if _is_complete(final):
         return final
     if progress:
         progress("building embedded model…")
     try:
         root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
+        tmp = Path(tempfile.mkdtemp(prefix=_build_prefix(), dir=root))
     except OSError as exc:
         raise EmbeddedBuildError(f"cannot write the KV Scope cache at {root}: {exc.strerror or exc} "
                                  "(set KVSCOPE_CACHE to a writable folder)") from exc
@@ -127,6 +137,59 @@ def embedded_model_dir(progress: Callable[[str], None] | None = None) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _build_prefix() -> str:
+    """``.build-<pid>@<host>-``: whose build a temporary folder is, for ``remove_stale_builds``."""
+    host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())[:64] or "host"
+    return f".build-{os.getpid()}@{host}-"
+
+
+def _build_owner_gone(name: str) -> bool:
+    """Whether the process that made the build folder ``name`` is known to be gone (same host, pid not running)."""
+    m = _BUILD_NAME.match(name)
+    if m is None:
+        return False  # an older name without its owner: only its age tells
+    host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())[:64] or "host"
+    if m.group("host") != host:
+        return False  # a build on another machine sharing this cache: its pid means nothing here
+    import psutil
+
+    pid = int(m.group("pid"))
+    if pid == os.getpid():
+        return False
+    try:
+        return not psutil.pid_exists(pid)
+    except (OSError, ValueError):
+        return False
+
+
+def remove_stale_builds(root: Path, *, max_age_s: float = STALE_BUILD_S) -> list[Path]:
+    """Delete leftover ``.build-*`` folders in ``root``; return those removed.
+
+    A folder is stale when the process named in it (``.build-<pid>@<host>-...``) is no longer
+    running on this host, or, whoever made it, when it was last changed more than ``max_age_s``
+    ago (a build takes about a second; this also covers a reused pid and folders from before
+    names carried their owner). A build still in progress in another process is left alone.
+    """
+    removed: list[Path] = []
+    try:
+        entries = list(Path(root).glob(".build-*"))
+    except OSError:
+        return removed
+    now = time.time()
+    for entry in entries:
+        try:
+            if not entry.is_dir() or entry.is_symlink():
+                continue
+            old = now - entry.stat().st_mtime > max_age_s
+        except OSError:
+            continue
+        if old or _build_owner_gone(entry.name):
+            shutil.rmtree(entry, ignore_errors=True)
+            if not entry.exists():
+                removed.append(entry)
+    return removed
 
 
 def _train_tokenizer(vocab_size: int):

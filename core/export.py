@@ -17,8 +17,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Iterable
-from pathlib import Path
-
+from core.outputs import Output, OutputError, check_output_path, open_output
 from core.recording import RecordingError, RecordingReader
 from core.sample import Sample
 
@@ -37,33 +36,33 @@ def _cell(value: object, escape_formulas: bool) -> object:
     return value  # ints and floats: csv writes repr(), which reads back to the same number
 
 
-def write_csv(samples: Iterable[Sample], csv_path: str | os.PathLike[str], *, escape_formulas: bool = True) -> int:
+def write_csv(samples: Iterable[Sample], csv_path: str | os.PathLike[str] | Output, *,
+              escape_formulas: bool = True) -> int:
     """Write ``samples`` to ``csv_path`` (header row of field names, one row per Sample); return the rows.
 
-    The CSV is written to a temporary sibling and renamed into place when complete, so a failure
-    half-way never leaves a half-written file under the requested name. Raises RecordingError
-    when the file cannot be written (and whatever the ``samples`` iterable raises).
+    ``csv_path`` is an :class:`core.outputs.Output` already checked by the caller (the command line
+    checks before reading anything, with its ``--force``), or a path, checked here as the window's
+    file dialog leaves it (it asked before replacing): ``-`` is standard output, and a folder, a
+    device, a missing folder or a read-only file is refused (see ``core.outputs``). The CSV is
+    written to a temporary sibling and renamed into place when complete, so a failure half-way
+    never leaves a half-written file under the requested name. Raises RecordingError when the
+    file cannot be written (and whatever the ``samples`` iterable raises).
     """
-    target = Path(csv_path)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     rows = 0
     try:
+        out = check_output_path(csv_path, force=True)
+    except OutputError as exc:
+        raise RecordingError(f"cannot write CSV: {exc}") from None
+    try:
         # newline="" as the csv module requires; utf-8 so token texts in any script survive.
-        with open(tmp, "w", newline="", encoding="utf-8") as f:
+        with open_output(out, newline="", encoding="utf-8") as f:
             writer = csv.writer(f)
             writer.writerow(CSV_FIELDS)
             for sample in samples:
                 writer.writerow([_cell(getattr(sample, name), escape_formulas) for name in CSV_FIELDS])
                 rows += 1
-        os.replace(tmp, target)
-    except OSError as exc:
-        raise RecordingError(f"cannot write CSV {target}: {exc.strerror or exc}") from exc
-    finally:
-        if tmp.exists():
-            try:
-                tmp.unlink()
-            except OSError:
-                pass
+    except OutputError as exc:
+        raise RecordingError(str(exc)) from None
     return rows
 
 
@@ -71,14 +70,21 @@ def export_csv(recording_path: str | os.PathLike[str], csv_path: str | os.PathLi
                strict: bool = False, escape_formulas: bool = True) -> int:
     """Export the recording at ``recording_path`` to CSV at ``csv_path``; return the rows written.
 
-    Streams (bounded memory for any size). Damaged lines are skipped and a truncated tail is
-    dropped, as RecordingReader does; what was skipped is logged as a warning. To show it to the
+    Streams (bounded memory for any size). The CSV is never written over the recording itself
+    (another spelling or a link to it included): that raises RecordingError. Damaged lines are
+    skipped and a truncated tail is dropped, as RecordingReader does; what was skipped is logged as
+    a warning. To show it to the
     user, read with your own ``RecordingReader`` and call ``write_csv(reader, ...)`` then
     ``reader.problem()``. Raises RecordingError for a file that is not a readable recording
     (and, with ``strict=True``, for the first damaged line; no CSV is left behind then).
     """
+    try:
+        # Checked before reading: the recording itself is never the output.
+        out = check_output_path(csv_path, inputs=(recording_path,), force=True)
+    except OutputError as exc:
+        raise RecordingError(f"cannot write CSV: {exc}") from None
     with RecordingReader(recording_path, strict=strict) as reader:
-        rows = write_csv(reader, csv_path, escape_formulas=escape_formulas)
+        rows = write_csv(reader, out, escape_formulas=escape_formulas)
         problem = reader.problem()
     if problem:
         log.warning("%s", problem)

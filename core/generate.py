@@ -13,20 +13,21 @@ import contextlib
 import functools
 import gc
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
-from core.attention import MLA, AttentionMode, SettingsError, Window, native_attention, parse_attention
-from core.caches import CacheStrategy, Offloaded, Quantized, Static, parse_cache
+from core.attention import MLA, AttentionMode, SettingsError, Window, native_attention
+from core.caches import CacheStrategy, Offloaded, Quantized, Static
 from core.measure import cache_bytes, model_weight_bytes
-from core.predict import activation_bytes, kv_bytes, predict, weight_bytes
+from core.predict import activation_bytes, kv_bytes, predict
 from core.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
-from core.settings import ATTN_IMPLS, RunSettings, effective_spec, parse_attn_impl, parse_switch_value
+from core.settings import (ATTN_IMPLS, RunSettings, attention_choices, cache_choices, effective_spec, parse_attn_impl,
+                           parse_switch_value)
+from core.request import ModelInfo, RunRequest
 from core.spec import INDEXED_ATTENTION, SLIDING_ATTENTION, ModelSpec, SpecError, human_bytes
 
-DEFAULT_PROMPT = "Every token keeps a key and a value in every layer, so the cache grows: "
 TOP_K = 40
 
 
@@ -36,53 +37,6 @@ class GenerationError(RuntimeError):
 
 class BudgetExceeded(GenerationError):
     """The memory budget would be exceeded by the next token."""
-
-
-@dataclass(frozen=True)
-class RunRequest:
-    """Everything a run needs, from the command line or the window."""
-
-    source: str = "embedded"
-    device: str = "auto"
-    dtype: str = "auto"
-    prompt: str = DEFAULT_PROMPT
-    max_new_tokens: int = 128
-    settings: RunSettings = field(default_factory=RunSettings)
-    switches: tuple[tuple[int, str, str], ...] = ()  # (after N generated tokens, key, value)
-    record_path: str | None = None
-    trust_remote_code: bool = False
-    allow_pickle: bool = False
-    memory_budget: int | None = None  # bytes the model may use: weights + KV + activations
-    snapshot_path: str | None = None
-    seed: int = 0
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the window shows about the loaded model and what it can switch to."""
-
-    label: str
-    source: str
-    device: str
-    device_name: str
-    dtype: str
-    spec: ModelSpec
-    total_memory: int | None
-    attention_choices: tuple[str, ...]
-    cache_choices: tuple[tuple[str, str | None], ...]
-    attn_impl_choices: tuple[str, ...]
-    max_context: int | None = None  # the run's context limit (the model's maximum unless set lower)
-
-
-def parse_switch(text: str) -> tuple[int, str, str]:
-    """Parse ``T:KEY=VALUE`` (e.g. ``32:attention=mqa``); the value is validated now, not at token T."""
-    spelled = str(text).strip()
-    at, sep, rest = spelled.partition(":")
-    key, eq, value = rest.partition("=")
-    if not sep or not eq or not at.strip().isdigit():
-        raise SettingsError(f"--switch {spelled!r}: write T:KEY=VALUE, e.g. 32:attention=mqa or 64:attn-impl=eager")
-    parse_switch_value(key, value)
-    return int(at), key.strip().lower().replace("_", "-"), value.strip().lower()
 
 
 def _device_name(device: str) -> str:
@@ -663,9 +617,12 @@ class Engine:
             torch.cuda.empty_cache()
 
     def budget_forecast(self, budget: int, max_tokens: int) -> int | None:
-        """Generated-token index at which weights + KV + decode activations first exceed ``budget``."""
+        """The first token, counted like ``Sample.token`` (1 = the first generated token), whose
+        generation would take weights + KV + decode activations over ``budget``; None if none of the
+        next ``max_tokens`` would. It is the token ``_check_budget`` refuses (same arithmetic): when
+        the budget is already too small now, that is the next token, never the one already made."""
         weights = self._weights_observed
-        for extra in range(0, max_tokens + 1):
+        for extra in range(1, max_tokens + 1):
             n = self.seq_len + extra
             act = activation_bytes(self.spec, self.settings, 1, n)
             if weights + self.predicted_kv(n) + act > budget:
@@ -679,19 +636,6 @@ class Engine:
 def model_info(loaded: Any, engine: Engine, probe: Any = None) -> ModelInfo:
     """What can be shown and switched for this loaded model."""
     spec = loaded.spec
-    attention = ["mha"] + [f"gqa:{n}" for n in reversed(spec.gqa_group_counts()) if 1 < n < spec.num_query_heads]
-    attention += ["mqa", "mla", f"window:{max(16, min(256, spec.max_position_embeddings // 4))}"]
-    caches: list[tuple[str, str | None]] = [("dynamic", None), ("static", None)]
-    for key in ("quantized:4", "quantized:2", "quantized:hqq:4", "quantized:fp8"):
-        reason = None
-        try:
-            strat = parse_cache(key)
-            if strat.backend in ("quanto", "hqq"):
-                __import__("optimum.quanto" if strat.backend == "quanto" else "hqq")
-        except ImportError:
-            reason = "backend not installed"
-        caches.append((key, reason))
-    caches.append(("offloaded", None if loaded.device.startswith("cuda") else "needs CUDA"))
     total = None
     if loaded.device.startswith("cuda"):
         total = int(torch.cuda.get_device_properties(torch.device(loaded.device)).total_memory)
@@ -701,7 +645,8 @@ def model_info(loaded: Any, engine: Engine, probe: Any = None) -> ModelInfo:
         total = int(psutil.virtual_memory().total)
     return ModelInfo(label=loaded.label, source=loaded.source, device=loaded.device,
                      device_name=_device_name(loaded.device), dtype=loaded.dtype, spec=spec, total_memory=total,
-                     attention_choices=tuple(attention), cache_choices=tuple(caches), attn_impl_choices=ATTN_IMPLS,
+                     attention_choices=attention_choices(spec), cache_choices=cache_choices(loaded.device),
+                     attn_impl_choices=ATTN_IMPLS,
                      max_context=engine.max_context())
 
 
@@ -747,7 +692,7 @@ def run_generation(request: RunRequest, hooks: RunHooks) -> list[Sample]:
 
             device = {"name": loaded.device, "device_name": info.device_name, "total_memory": info.total_memory}
             writer = RecordingWriter(request.record_path, header_for(
-                loaded.spec, device, _settings_dict(request, engine), __version__))
+                loaded.spec, device, _settings_dict(request, engine), __version__), overwrite=request.overwrite)
 
         def emit(sample: Sample) -> None:
             if writer is not None:
@@ -759,7 +704,7 @@ def run_generation(request: RunRequest, hooks: RunHooks) -> list[Sample]:
             emit(engine.event("note", note))
         snapshot = _start_snapshot(request, loaded.device)
         try:
-            return _loop(request, engine, hooks, emit, snapshot)
+            kept = _loop(request, engine, hooks, emit, snapshot)
         except Exception as exc:
             if not getattr(exc, "kvscope_reported", False):
                 # Errors are data: the recording and the events table get the failure and the settings at
@@ -767,31 +712,98 @@ def run_generation(request: RunRequest, hooks: RunHooks) -> list[Sample]:
                 with contextlib.suppress(Exception):
                     emit(engine.event("error", error_text(exc, engine)))
             raise
+        if writer is not None:
+            # Deleted or replaced while the run wrote to it: writes to an unlinked file succeed, so only
+            # its path can tell. Said instead of "recorded to ..." (the terminal and the window alike).
+            gone = writer.gone()
+            if gone:
+                from core.recording import RecordingError
+
+                raise RecordingError(gone)
+        return kept
     finally:
         if writer is not None:
             writer.close()
         probe.close()
 
 
+def encode_prompt(tokenizer: Any, prompt: str) -> torch.Tensor:
+    """The prompt's token ids [1, n], as the run feeds them (with the tokenizer's special tokens)."""
+    return tokenizer(prompt, return_tensors="pt", add_special_tokens=True)["input_ids"]
+
+
+def check_prompt_fits(n_tokens: int, spec: ModelSpec) -> None:
+    """Refuse a prompt longer than the model's trained positions (transformers only warns, and runs it).
+    Only where the config names its maximum: the 2,048 a spec assumes otherwise is no reason to refuse."""
+    from core.spec import declared_max_positions
+
+    limit = declared_max_positions(spec)
+    if limit is not None and n_tokens > limit:
+        raise GenerationError(f"the prompt is {n_tokens:,} tokens, more than {spec.label}'s maximum of {limit:,} "
+                              "(max_position_embeddings); shorten it or use a model with a longer context")
+
+
+def _check_prompt_before_loading(request: RunRequest, spec: ModelSpec) -> None:
+    """The prompt against the model's maximum, before the weights load, where the config is at hand.
+
+    Counting needs the tokenizer (fast to load); it is loaded only when the prompt could be too long:
+    a token covers at least one UTF-8 byte, so a prompt of fewer bytes (plus the few special tokens)
+    than the maximum always fits. The run checks the count again once loaded (``_loop``)."""
+    from pathlib import Path
+
+    if len(request.prompt.encode("utf-8", "surrogatepass")) + 16 <= spec.max_position_embeddings:
+        return
+    if request.source == "embedded":
+        from core.embedded import embedded_model_dir
+
+        folder = embedded_model_dir()
+    else:
+        folder = Path(request.source).expanduser()
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=request.trust_remote_code)
+        n_tokens = int(encode_prompt(tokenizer, request.prompt).shape[1])
+    except Exception:  # no tokenizer, or one that cannot load: load_model says what is wrong
+        return
+    check_prompt_fits(n_tokens, spec)
+
+
 def _check_settings_before_loading(request: RunRequest) -> None:
     """Refuse settings the model cannot take (gqa:3 on 8 heads) before seconds of weight loading.
 
-    Only where the config is at hand (the embedded model, a local folder); a hub model's config
-    comes with its weights, and the engine checks the same again once loaded.
+    Output files first: a ``record_path`` or ``snapshot_path`` that exists (without
+    ``request.overwrite``), is a device or a folder, or lies in a missing folder is refused here,
+    not after the model has loaded (``core.outputs`` has the rule). Then the settings, only where
+    the config is at hand (the embedded model, a local folder); a hub model's config comes with
+    its weights, and the engine checks the same again once loaded.
     """
     from pathlib import Path
 
+    from core.outputs import OutputError, check_output_path
+    from core.recording import RecordingError
     from core.settings import effective_spec
-    from core.spec import SpecError, load_spec
+    from core.spec import SpecError, load_spec, path_kind
 
+    if request.record_path:
+        try:
+            check_output_path(request.record_path, force=request.overwrite, allow_stdout=False)
+        except OutputError as exc:
+            raise RecordingError(f"cannot create recording: {exc}") from None
+    if request.snapshot_path:
+        try:
+            check_output_path(request.snapshot_path, force=request.overwrite, allow_stdout=False)
+        except OutputError as exc:
+            raise SettingsError(f"--snapshot: {exc}") from None
     source = request.source
-    if source != "embedded" and not Path(source).expanduser().is_dir():
-        return
     try:
+        if source != "embedded" and path_kind(Path(source).expanduser(), source) != "dir":
+            return
         spec = load_spec(source)
     except SpecError:
-        return  # load_model says what is wrong with the folder, with its own message
+        return  # load_model says what is wrong with the source or the folder, with its own message
     effective_spec(spec, request.settings)  # SettingsError: the one-line refusal
+    _check_prompt_before_loading(request, spec)
 
 
 def _settings_dict(request: RunRequest, engine: Engine) -> dict[str, Any]:
@@ -816,14 +828,17 @@ def _start_snapshot(request: RunRequest, device: str):
 
 def _loop(request: RunRequest, engine: Engine, hooks: RunHooks, emit: Callable[[Sample], None],
           snapshot: str | None) -> list[Sample]:
-    tok = engine.loaded.tokenizer
-    encoded = tok(request.prompt, return_tensors="pt", add_special_tokens=True)["input_ids"]
+    encoded = encode_prompt(engine.loaded.tokenizer, request.prompt)
     if encoded.shape[1] == 0:
         raise GenerationError("the prompt is empty: give at least one token of text")
-    ids = encoded.repeat(engine.settings.batch, 1)
-    scripted = sorted(request.switches)
+    check_prompt_fits(int(encoded.shape[1]), engine.spec)  # a hub model's: its spec came with its weights
+    # By token, then in the order given: two switches at one token apply as the command line lists them.
+    scripted = sorted(request.switches, key=lambda switch: switch[0])
     kept: list[Sample] = []
     try:
+        # The batch's copies are the run's first allocation: a batch too large for the device fails here,
+        # and takes the out-of-memory path like the prefill ("DefaultCPUAllocator: can't allocate memory").
+        ids = encoded.repeat(engine.settings.batch, 1)
         first = engine.prefill(ids, request.prompt)
     except Exception as exc:
         if _is_oom(exc):
@@ -890,9 +905,13 @@ def _check_budget(engine: Engine, budget: int, emit: Callable[[Sample], None]) -
     growth = engine.predicted_kv(n_next) - engine.predicted_kv()
     need = engine._weights_observed + observed + max(0, growth) + activation_bytes(engine.spec, engine.settings, 1, n_next)
     if need > budget:
+        # Token numbers count like Sample.token: the refused token is the next one, generated + 1;
+        # the forecast names the same token (Engine.budget_forecast).
         forecast = engine.budget_forecast_token
-        text = (f"memory budget {human_bytes(budget)} reached at token {engine.generated + 1} "
-                f"(needs {human_bytes(need)}); the forecast said token {forecast}")
+        made = engine.generated
+        said = f"the forecast said token {forecast}" if forecast is not None else "the forecast did not expect it"
+        text = (f"memory budget {human_bytes(budget)} reached at token {made + 1}, which would need "
+                f"{human_bytes(need)}; stopped after {made} generated token{'' if made == 1 else 's'}; {said}")
         emit(engine.event("budget", text))
         exc = BudgetExceeded(text)
         exc.kvscope_reported = True
@@ -909,10 +928,3 @@ def _out_of_memory(engine: Engine, emit: Callable[[Sample], None], exc: BaseExce
     exc = GenerationError(text)
     exc.kvscope_reported = True
     raise exc
-
-
-def iter_run(request: RunRequest) -> Iterator[Sample]:
-    """Convenience for tests and scripts: all samples of a run, in order (blocks until done)."""
-    out: list[Sample] = []
-    run_generation(request, RunHooks(emit=out.append))
-    yield from out

@@ -19,15 +19,16 @@ only slowly; they are useful to see the memory halve, not for speed.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
+import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from core.spec import PRESETS_DIR, ModelSpec, SpecError, canonical_dtype, preset_names, spec_from_config
+from core.spec import (PRESETS_DIR, ModelSpec, SpecError, canonical_dtype, check_config, is_transformers_refusal,
+                        path_kind, preset_names, read_config_json, spec_from_config, transformers_refusal)
 
 # The tokenizers library's Rust thread pool is created by the first encode on whatever thread does it
 # (the generation worker), takes that thread's name and outlives it. A prompt needs no pool.
@@ -35,7 +36,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 EMBEDDED_SOURCES = ("embedded", "")
 EMBEDDED_HINT = "(the embedded demo model is always available: --model embedded)"
-ATTN_IMPL_NAMES = ("eager", "sdpa", "flash", "flash_attention_2")
 LOADABLE_DTYPES = ("float32", "float16", "bfloat16")
 
 # Unexpected checkpoint keys that are harmless: buffers older checkpoints saved alongside weights.
@@ -202,56 +202,6 @@ def _gpu_name(device: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Attention implementation
-
-
-def flash_attn_installed() -> bool:
-    """True when the flash_attn package (FlashAttention-2) imports."""
-    if importlib.util.find_spec("flash_attn") is None:
-        return False
-    try:
-        import flash_attn  # noqa: F401
-    except Exception:  # a broken build (wrong CUDA/torch ABI) raises all sorts of things
-        return False
-    return True
-
-
-def set_attn_impl(model: Any, impl: str) -> str:
-    """Switch a loaded model's attention kernel; returns the implementation now set.
-
-    ``impl`` is ``eager``, ``sdpa`` or ``flash``. ``flash`` becomes ``flash_attention_2`` when the
-    flash_attn package imports, the model is on CUDA in fp16/bf16 and supports it; otherwise it
-    stays ``sdpa`` and the caller forces SDPA's flash backend (torch.nn.attention.sdpa_kernel).
-    Takes effect at the next forward call (attention layers read config._attn_implementation on
-    every call). Raises core.attention.SettingsError for unknown names or a model that refuses.
-    """
-    import torch
-
-    from core.attention import SettingsError
-
-    key = str(impl).strip().lower()
-    if key not in ATTN_IMPL_NAMES:
-        raise SettingsError(f"unknown attention implementation {impl!r}; use eager, sdpa or flash")
-    target = key
-    if key in ("flash", "flash_attention_2"):
-        param = next(model.parameters(), None)
-        on_cuda_half = (param is not None and param.device.type == "cuda"
-                        and param.dtype in (torch.float16, torch.bfloat16))
-        if on_cuda_half and getattr(model, "_supports_flash_attn", False) and flash_attn_installed():
-            target = "flash_attention_2"
-        else:
-            target = "sdpa"
-    try:
-        model.set_attn_implementation(target)
-    except (ValueError, ImportError) as exc:
-        if target == "flash_attention_2":  # the package imported but the model/GPU refused: fall back
-            model.set_attn_implementation("sdpa")
-        else:
-            raise SettingsError(f"cannot switch attention to {target}: {exc}") from exc
-    return str(model.config._attn_implementation)
-
-
-# --------------------------------------------------------------------------------------------
 # Sources
 
 
@@ -262,16 +212,17 @@ def _looks_like_path(src: str) -> bool:
 def _check_local_folder(folder: Path, name: str, allow_pickle: bool, trust_remote_code: bool) -> dict[str, Any]:
     """Checks a folder can be loaded before transformers touches it; returns its config dict."""
     cfg_path = folder / "config.json"
-    if not cfg_path.is_file():
+    if path_kind(cfg_path) is None:
         raise LoadError(f"{folder} has no config.json; a model folder needs config.json and weights "
                         "(e.g. one saved with save_pretrained)", offer_embedded=True)
     try:
-        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise LoadError(f"{cfg_path} is not readable JSON ({exc})", offer_embedded=True) from exc
-    if not isinstance(cfg, dict):
-        raise LoadError(f"{cfg_path} must hold a JSON object", offer_embedded=True)
-    _check_remote_code(cfg, name, trust_remote_code)
+        # The reader and the plausibility checks ``calc`` uses (core.spec), before transformers reads or
+        # builds anything: 100,000 layers used to build for minutes here while memory grew past 5 GB.
+        cfg = read_config_json(cfg_path)
+        _check_remote_code(cfg, name, trust_remote_code)
+        check_config(cfg, name)
+    except SpecError as exc:
+        raise LoadError(str(exc), offer_embedded=True) from None
     safetensors = sorted(folder.glob(_SAFETENSORS_GLOB))
     pickles = sorted({p for g in _PICKLE_GLOBS for p in folder.glob(g)})
     if not safetensors and not pickles:
@@ -291,17 +242,65 @@ def _pickle_message(name: str, filename: str = "pytorch_model.bin") -> str:
             "KV Scope refuses it unless you opt in with --allow-pickle (only for files you trust)")
 
 
-def _check_safetensors_headers(files: list[Path], name: str) -> None:
-    """Read each file's header (cheap: no tensor data) so a corrupt file gets a clear message."""
+def _check_safetensors_headers(files: list[Path], name: str) -> dict[str, tuple[int, ...]]:
+    """Read each file's header (cheap: no tensor data) so a corrupt file gets a clear message; returns
+    every stored tensor's shape by name."""
     from safetensors import safe_open
 
+    shapes: dict[str, tuple[int, ...]] = {}
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as handle:
-                handle.keys()
+                for key in handle.keys():
+                    shapes[key] = tuple(handle.get_slice(key).get_shape())
         except Exception as exc:  # SafetensorError is not exported under a stable name
             raise LoadError(f"{name}: {path.name} is not a valid safetensors file ({_first_line(exc)}); "
                             "it may be truncated or corrupt - download it again", offer_embedded=True) from exc
+    return shapes
+
+
+def _check_weights_fit_config(folder: Path | None, config: Any, name: str, trust_remote_code: bool,
+                              offer: bool) -> None:
+    """Refuse weights that do not fit the config before transformers builds the model from the config.
+
+    The model transformers builds is the config's, whatever the files hold: tensors the files lack are
+    allocated and initialised all the same. So a config.json far larger than its weights (a tiny model's
+    files under a config of 4,000 layers) would allocate the config's model before any message. The
+    safetensors headers (no tensor data) and a build on the meta device (no memory) tell first:
+    a stored tensor whose size differs from the config's, or a config that needs more than 1.25 x the
+    values the files hold (renamed or fused checkpoint layouts keep the count; anything short of it
+    would be refused after loading as missing tensors anyway). Quantized checkpoints (packed
+    weights) and pickle-only folders are left to transformers.
+    """
+    if folder is None or getattr(config, "quantization_config", None):
+        return
+    files = sorted(folder.glob(_SAFETENSORS_GLOB))
+    if not files:
+        return
+    stored = _check_safetensors_headers(files, name)
+    import math
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception:  # transformers cannot build it: from_pretrained says why, in its own words
+        return
+    expected = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
+    for key, shape in stored.items():
+        want = expected.get(key)
+        if want is not None and math.prod(want) != math.prod(shape):
+            raise LoadError(f"{name}: the weights do not match config.json - some tensors have other shapes than "
+                            f"the config implies (e.g. {key} is {list(shape)} in the weights, {list(want)} by the "
+                            "config)", offer_embedded=offer)
+    needed = sum(p.numel() for p in skeleton.parameters())  # tied weights once, as stored
+    held = sum(math.prod(shape) for shape in stored.values())
+    if needed > held + held // 4:
+        raise LoadError(f"{name}: the weights do not match config.json - the config describes {needed:,} parameters, "
+                        f"the weights hold {held:,} values; the config and the weights come from different models",
+                        offer_embedded=offer)
 
 
 def _check_remote_code(cfg: dict[str, Any], name: str, trust_remote_code: bool) -> None:
@@ -445,6 +444,21 @@ def _mismatch_details(folder: Path | None, config: Any) -> str:
     return ""
 
 
+def _unpickling_message(name: str, folder: Path | None, exc: BaseException) -> str:
+    """torch.load(weights_only=True) refused a pickle: one line instead of torch's paragraph. A
+    pickle that asks for a callable (``GLOBAL posix.system``) is code, not weights."""
+    files = sorted({p.name for g in _PICKLE_GLOBS for p in folder.glob(g)}) if folder is not None else []
+    which = files[0] if len(files) == 1 else "its pickle weights"
+    found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+    if found:
+        return (f"{name}: {which} was refused by torch's safe loader: it asks to call {found.group(1)}, which "
+                "plain weights never do; KV Scope does not load it (it may be malicious)")
+    boilerplate = ("Weights only load failed", "Please file an issue", "Check the documentation")
+    reasons = [line.strip() for line in str(exc).splitlines() if line.strip() and not line.strip().startswith(boilerplate)]
+    return (f"{name}: {which} is not a readable weights pickle (torch's safe loader: "
+            f"{reasons[0] if reasons else _first_line(exc)}); it may be corrupt")
+
+
 def _check_loading_info(info: dict[str, Any], name: str) -> None:
     missing = sorted(info.get("missing_keys") or [])
     unexpected = sorted(k for k in (info.get("unexpected_keys") or []) if not _BENIGN_UNEXPECTED.search(k))
@@ -496,12 +510,16 @@ def load_model(
     else:
         path = Path(src).expanduser()
         offer = True
-        if path.is_dir():
+        try:
+            kind = path_kind(path, src)
+        except SpecError as exc:  # a name too long for the OS to look up
+            raise LoadError(str(exc), offer_embedded=True) from None
+        if kind == "dir":
             folder = path.resolve()
             name = label = folder.name
             _check_local_folder(folder, name, allow_pickle, trust_remote_code)
             load_from = str(folder)
-        elif path.exists():
+        elif kind is not None:
             raise LoadError(f"{src} is a file; give the model folder that holds config.json and the weights",
                             offer_embedded=True)
         elif _looks_like_path(src):
@@ -522,6 +540,12 @@ def load_model(
                             f"({_first_line(exc)}); try a smaller model, --dtype fp16, or another device",
                             offer_embedded=offer and not is_embedded) from exc
         raise LoadError(f"{name}: cannot load ({type(exc).__name__}: {_first_line(exc)})", offer_embedded=offer) from exc
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError) as exc:
+        if is_embedded or isinstance(exc, SpecError):  # ours: a bug to see, or a message already for the user
+            raise
+        # transformers could not build what a folder's or a hub model's config describes (a rope_theta of "x")
+        raise LoadError(f"{name}: transformers cannot build the model its config.json describes "
+                        f"({type(exc).__name__}: {_first_line(exc)})", offer_embedded=True) from exc
 
 
 def _free_device_memory(dev: str) -> None:
@@ -563,7 +587,16 @@ def _load(load_from: str, name: str, label: str, source: str, folder: Path | Non
             config = AutoConfig.from_pretrained(load_from, trust_remote_code=trust_remote_code)
         except (OSError, ValueError, KeyError) as exc:
             raise _translate_hub_error(exc, name) from exc
+        except Exception as exc:
+            if is_transformers_refusal(exc):  # the line calc says for the same config (core.hf)
+                raise LoadError(f"{name}: {transformers_refusal(exc)}", offer_embedded=offer) from None
+            raise
         _check_causal_lm(config, name, trust_remote_code)
+        try:  # calc's plausibility checks, also for a hub model's config (a folder's were checked already)
+            check_config(config.to_dict(), name)
+        except SpecError as exc:
+            raise LoadError(str(exc), offer_embedded=offer) from None
+        _check_weights_fit_config(folder, config, name, trust_remote_code, offer)
         torch_dtype = resolve_dtype(dtype, dev, getattr(config, "dtype", None))
         dtype_name = str(torch_dtype).removeprefix("torch.")
 
@@ -584,6 +617,8 @@ def _load(load_from: str, name: str, label: str, source: str, folder: Path | Non
             )
         except (OSError, ValueError) as exc:
             raise _translate_hub_error(exc, name) from exc
+        except pickle.UnpicklingError as exc:  # --allow-pickle, and torch's safe loader refused the file
+            raise LoadError(_unpickling_message(name, folder, exc), offer_embedded=offer) from None
         except RuntimeError as exc:
             if "mismatch" in str(exc):
                 detail = _mismatch_details(folder, config)

@@ -9,7 +9,8 @@ line each. NVML missing, no GPU, an N/A per-process figure (WSL, Windows WDDM), 
 hides our PID, or an NVML call that starts failing mid-run all degrade; ``read()`` never raises.
 
 NVML is reached only through the ``pynvml`` module (nvidia-ml-py), which is injectable so tests
-can fake it at exactly that boundary.
+can fake it at exactly that boundary. torch is imported only by a probe of a GPU (cuda, mps: the
+engine process): the window's own probes (its GPU-process table, host memory) never load it.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import re
+
 import psutil
-import torch
 
 #: NVML reports "not available" as the all-ones 64-bit value (``NVML_VALUE_NOT_AVAILABLE_ulonglong``).
 #: Recent pynvml already maps it to None in process lists; older ones pass the raw value through.
@@ -83,17 +85,23 @@ class GpuProcess:
     kind: str = "compute"  # compute | graphics | compute+graphics
 
 
+def _torch() -> Any:
+    """torch, imported on first use (by a probe of a cuda or mps device, or an allocator snapshot)."""
+    import torch
+
+    return torch
+
+
 def _parse_device(device: str) -> tuple[str, int | None]:
     """('cuda', 0) for 'cuda:0', ('cpu', None) for 'cpu'. Raises ProbeError for anything else."""
-    try:
-        dev = torch.device(str(device).strip().lower())
-    except (RuntimeError, ValueError) as exc:
-        raise ProbeError(f"unknown device {device!r}; use cpu, cuda, cuda:N or mps") from exc
-    if dev.type not in ("cpu", "cuda", "mps"):
+    match = re.fullmatch(r"([a-z_]+)(?::(\d{1,4}))?", str(device).strip().lower())
+    if match is None:
+        raise ProbeError(f"unknown device {device!r}; use cpu, cuda, cuda:N or mps")
+    if match[1] not in ("cpu", "cuda", "mps") or (match[2] is not None and match[1] != "cuda"):
         raise ProbeError(f"cannot probe memory of device {device!r}; use cpu, cuda, cuda:N or mps")
-    if dev.type == "cuda":
-        return "cuda", dev.index if dev.index is not None else 0
-    return dev.type, None
+    if match[1] == "cuda":
+        return "cuda", int(match[2] or 0)
+    return match[1], None
 
 
 def _nvml_bytes(value: Any) -> int | None:
@@ -127,6 +135,7 @@ class MemoryProbe:
         self._mem_v2_seen = False
         self._process = psutil.Process(os.getpid())
         self._pid = os.getpid()
+        torch = _torch() if self.device_type in ("cuda", "mps") else None
         self._cuda_ok = self.device_type == "cuda" and torch.cuda.is_available()
         self._mps_ok = (self.device_type == "mps" and hasattr(torch, "mps")
                         and torch.backends.mps.is_available())
@@ -195,7 +204,7 @@ class MemoryProbe:
         if not self._cuda_ok:
             return None
         try:
-            uuid = str(torch.cuda.get_device_properties(self.device_index or 0).uuid)
+            uuid = str(_torch().cuda.get_device_properties(self.device_index or 0).uuid)
         except Exception:  # noqa: BLE001 - an old torch or a MIG slice; fall back to the index
             return None
         return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
@@ -232,7 +241,7 @@ class MemoryProbe:
             return
         try:
             # One call: the per-figure helpers (memory_allocated, ...) each rebuild this whole dict.
-            stats = torch.cuda.memory_stats(self.device_index)
+            stats = _torch().cuda.memory_stats(self.device_index)
         except Exception as exc:  # noqa: BLE001 - a CUDA error must not stop the sampler
             notes.append(f"torch allocator statistics failed: {exc}")
             return
@@ -250,8 +259,8 @@ class MemoryProbe:
             notes.append("torch cannot use MPS here: allocator figures not available")
             return
         try:
-            allocated = int(torch.mps.current_allocated_memory())
-            driver = int(torch.mps.driver_allocated_memory())
+            allocated = int(_torch().mps.current_allocated_memory())
+            driver = int(_torch().mps.driver_allocated_memory())
         except Exception as exc:  # noqa: BLE001
             notes.append(f"torch.mps memory figures failed: {exc}")
             return
@@ -384,7 +393,7 @@ class MemoryProbe:
         """Start the allocator peak afresh (CUDA: torch's counter; MPS: this probe's sampled peak)."""
         if self._cuda_ok:
             try:
-                torch.cuda.reset_peak_memory_stats(self.device_index)
+                _torch().cuda.reset_peak_memory_stats(self.device_index)
             except Exception:  # noqa: BLE001 - nothing allocated yet is not an error worth raising
                 pass
         self._mps_peak = None
@@ -443,6 +452,7 @@ def allocator_snapshot_start(max_entries: int = 100_000) -> None:
     """
     if max_entries <= 0:
         raise ProbeError(f"max_entries must be positive, got {max_entries}")
+    torch = _torch()
     if not torch.cuda.is_available():
         raise ProbeError("allocator snapshots need CUDA; this machine has no CUDA device torch can use")
     # Python stacks only: C++ frames make saving the snapshot take minutes to symbolise.
@@ -454,16 +464,24 @@ def allocator_snapshot_save(path: str | os.PathLike[str], stop: bool = True) -> 
     """Save the recorded allocator history as a pickle that https://pytorch.org/memory_viz opens.
 
     Stops recording afterwards unless ``stop`` is False. Returns the path written. Raises
-    ProbeError off CUDA or when the file cannot be written.
+    ProbeError off CUDA or when the file cannot be written. The path follows ``core.outputs``'
+    rule (the run checked it, with its --force, before loading): never a device or a folder, no
+    folder created, written to a temporary file and renamed into place.
     """
+    from core.outputs import OutputError, check_output_path, display_path, replacing
+
+    torch = _torch()
     if not torch.cuda.is_available():
         raise ProbeError("allocator snapshots need CUDA; this machine has no CUDA device torch can use")
-    target = Path(path)
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        torch.cuda.memory._dump_snapshot(str(target))
+        out = check_output_path(path, force=True, allow_stdout=False)
+        with replacing(out) as tmp:
+            torch.cuda.memory._dump_snapshot(str(tmp))
+        target = out.path
+    except OutputError as exc:
+        raise ProbeError(f"cannot write allocator snapshot: {exc}") from None
     except OSError as exc:
-        raise ProbeError(f"cannot write allocator snapshot to {target}: {exc}") from exc
+        raise ProbeError(f"cannot write allocator snapshot to {display_path(path)}: {exc.strerror or exc}") from exc
     finally:
         if stop:
             torch.cuda.memory._record_memory_history(enabled=None)

@@ -16,14 +16,22 @@ count bound) caps both the cost (<= 2 fsyncs/s) and the loss on power failure (<
 the token rate. The header is written to a temporary file, fsynced and renamed into place, so the
 path never shows a file without a complete header.
 
-Reading. Recordings are untrusted input (people share them): only ``json`` parses them, never
-pickle or eval; each line is capped at ``MAX_LINE_BYTES``; the file is streamed line by line and
-never loaded whole. Problems with the header (empty file, not a recording, unknown or newer
-version) raise :class:`RecordingError`. Problems with a sample line are *skipped and counted* by
-default rather than stopping the read: one damaged line in a long recording must not make the rest
-unplayable, and skipping loses nothing that was readable (``strict=True`` raises instead). A last
-line without its newline is the mark of a killed writer: it is reported as ``truncated``, not as
-corruption.
+Reading. Recordings are untrusted input (people share them), and :class:`RecordingReader` is the
+one place that reads them, so it is where they are checked. Only ``json`` parses them, never
+pickle or eval; only a regular file is opened (a FIFO, ``/dev/zero``, a socket or a folder is
+refused before a byte is read, and the open never waits); each line is capped at
+``MAX_LINE_BYTES`` and decoded as strict UTF-8; the file is streamed line by line and never
+loaded whole. Every field is checked for type *and range*: counts and bytes are ints from 0 to
+``MAX_INT`` (2**63-1), numbers finite and non-negative (``time_s`` up to ``MAX_TIME_S``), text
+valid Unicode (no lone surrogate), settings and names at most ``MAX_NAME_CHARS``; the header's
+fields likewise (``model.name`` must be text, ``device.total_memory`` a count...). Problems with
+the header (empty file, not a recording, unknown or newer version, a field of the wrong type or
+range) raise :class:`RecordingError`, one line. Problems with a sample line are *skipped and
+counted* by default rather than stopping the read: one damaged line in a long recording must not
+make the rest unplayable, and skipping loses nothing that was readable (``strict=True`` raises
+instead); ``problem()`` says what was skipped in one line. A last line cut off without its
+newline is the mark of a killed writer: it is reported as ``truncated``, not as corruption. A
+replay reads with ``max_text=MAX_TEXT_CHARS``: a text longer than that is cut and marked.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import logging
 import math
 import os
 import re
+import stat
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -41,6 +50,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
 
+from core.outputs import OutputError, check_output_path, display_path, replacing
 from core.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
 
 log = logging.getLogger(__name__)
@@ -54,6 +64,23 @@ MAX_LINE_BYTES = 8 * 1024 * 1024
 FSYNC_INTERVAL_S = 0.5
 #: How many skipped-line messages a reader keeps (the count is always exact).
 MAX_WARNINGS = 20
+#: Counts and bytes are integers from 0 to this (what a signed 64-bit integer holds): a negative
+#: byte count or a 400-digit token number is damage, not data.
+MAX_INT = 2**63 - 1
+#: The latest ``time_s`` a sample may carry (seconds since its run started; ~31 years).
+MAX_TIME_S = 1e9
+#: The highest ``tokens_per_s`` a sample may carry.
+MAX_TOKENS_PER_S = 1e9
+#: The longest setting or name a sample or header field may hold (attention, cache, device, event,
+#: model name...): they are labels, shown in badges and tables. ``text`` is bounded by the line only.
+MAX_NAME_CHARS = 256
+#: What a replay shows of one sample's text (characters). Longer texts (a whole prompt, a damaged
+#: file) are cut there and marked with :data:`ELIDED` and the count of characters left out: laying out
+#: a multi-MiB line without spaces takes Qt minutes. Opt-in (``RecordingReader(max_text=...)``):
+#: ``export`` keeps every character.
+MAX_TEXT_CHARS = 4096
+#: What marks a text cut to ``max_text`` characters: ``...text…[+N chars]``.
+ELIDED = "\u2026[+{n:,} chars]"
 
 _PHASES = (PHASE_PREFILL, PHASE_DECODE, PHASE_EVENT)
 _SAMPLE_FIELDS = dataclasses.fields(Sample)
@@ -65,7 +92,7 @@ class RecordingError(ValueError):
 
 
 def _name(path: Path) -> str:
-    return path.name or str(path)
+    return display_path(path.name or str(path))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -124,22 +151,78 @@ def _check_header(header: Any, path: Path) -> dict[str, Any]:
         raise RecordingError(f"{name} is not a KV Scope recording: line 1 is not a JSON object")
     fmt = header.get("format")
     if fmt != RECORDING_FORMAT:
-        raise RecordingError(f"{name} is not a KV Scope recording: format is {fmt!r}, expected {RECORDING_FORMAT!r}")
+        raise RecordingError(f"{name} is not a KV Scope recording: format is {_short(fmt)}, "
+                             f"expected {RECORDING_FORMAT!r}")
     version = header.get("version")
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise RecordingError(f"recording {name} has an unknown version {version!r}; "
+        raise RecordingError(f"recording {name} has an unknown version {_short(version)}; "
                              f"this KV Scope reads versions 1 to {RECORDING_VERSION}")
     if version > RECORDING_VERSION:
-        raise RecordingError(f"recording version {version} is newer than this KV Scope "
+        raise RecordingError(f"recording version {_short(version)} is newer than this KV Scope "
                              f"(reads up to {RECORDING_VERSION}); update KV Scope")
     for key in ("model", "device", "settings"):
         if key in header and not isinstance(header[key], dict):
             raise RecordingError(f"recording {name} has a bad header: {key} must be an object, "
                                  f"got {type(header[key]).__name__}")
     for key in ("app_version", "created"):
-        if key in header and not isinstance(header[key], str):
+        if key in header and not _plain_text(header[key]):
             raise RecordingError(f"recording {name} has a bad header: {key} must be text")
+    if isinstance(header.get("model"), dict):
+        try:
+            _model_fields(header["model"], complete=False)
+        except RecordingError as exc:
+            raise RecordingError(f"recording {name} has a {exc}") from None
+    for block, fields in _HEADER_FIELDS.items():
+        values = header.get(block)
+        if not isinstance(values, dict):
+            continue
+        for key, kind in fields.items():
+            if key not in values or values[key] is None:
+                continue
+            value = values[key]
+            if kind == "text" and not (_plain_text(value) and len(value) <= MAX_NAME_CHARS):
+                raise RecordingError(f"recording {name} has a bad header: {block}.{key} must be text of at most "
+                                     f"{MAX_NAME_CHARS} characters, got {_short(value)}")
+            if kind == "count" and not _count(value):
+                raise RecordingError(f"recording {name} has a bad header: {block}.{key} must be an integer from 0 "
+                                     f"to 2**63-1, got {_short(value)}")
     return header
+
+
+#: Header fields the app reads, by block, and what they must be when present and not null.
+_HEADER_FIELDS: dict[str, dict[str, str]] = {
+    "model": {"label": "text"},  # and every ModelSpec field: _model_fields
+    "device": {"name": "text", "device_name": "text", "total_memory": "count"},
+    "settings": {"attention": "text", "attn_impl": "text", "cache": "text", "dtype": "text",
+                 "batch": "count", "max_new_tokens": "count", "max_context": "count", "memory_budget": "count"},
+}
+
+
+def _count(value: Any) -> bool:
+    """A count or a byte size: an int (not a bool) from 0 to MAX_INT."""
+    return type(value) is int and 0 <= value <= MAX_INT
+
+
+def _plain_text(value: Any) -> bool:
+    """A str that is valid Unicode (no lone surrogate, which ``json`` lets ``\\ud800`` make and no
+    UTF-8 writer can write)."""
+    if type(value) is not str:
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for one-line messages about untrusted values."""
+    if type(value) is int and value.bit_length() > 200:  # repr of a huge int is slow and useless
+        return f"an integer of ~{int(value.bit_length() * 0.30103):,} digits"
+    if isinstance(value, (dict, list)):
+        return f"a JSON {'object' if isinstance(value, dict) else 'array'}"
+    text = repr(value[: limit + 1] if isinstance(value, str) else value)
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -151,7 +234,9 @@ class RecordingWriter:
 
     ``RecordingWriter(path, header)`` creates ``path`` with ``header`` as line 1 (``format`` and
     ``version`` are set by the writer; ``created`` is added if missing). An existing file is an
-    error unless ``overwrite=True``, so a recording is never replaced by accident. Thread-safe:
+    error unless ``overwrite=True``, so a recording is never replaced by accident; the path is
+    checked by ``core.outputs.check_output_path`` (never a device, a folder or standard output; a
+    missing folder is not created; a symbolic link is written through to its file). Thread-safe:
     ``write`` may run on the generation thread while ``close`` comes from the GUI thread.
     Write failures (disk full, file removed) raise RecordingError; lines already written stay.
     """
@@ -174,32 +259,53 @@ class RecordingWriter:
         if len(line) > MAX_LINE_BYTES:
             raise RecordingError(f"cannot write recording {_name(self.path)}: header is larger than "
                                  f"{MAX_LINE_BYTES // (1024 * 1024)} MiB")
-        if self.path.exists() and not overwrite:
-            raise RecordingError(f"recording {self.path} already exists; choose another name or allow overwriting")
+        try:
+            out = check_output_path(self.path, force=overwrite, allow_stdout=False)
+        except OutputError as exc:
+            raise RecordingError(f"cannot create recording: {exc}") from None
         self.header = full
         # Header first in a temporary sibling, fsynced, then renamed: the path either does not exist or
         # starts with a complete header, whatever moment the process dies. (Reopen after the rename
         # rather than keep the handle: Windows cannot rename a file Python holds open.)
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
-            with open(tmp, "wb") as f:
-                f.write(line)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-            _fsync_dir(self.path.parent)
-            self._file = open(self.path, "ab", buffering=0)  # unbuffered: one write() = one syscall
+            with replacing(out) as tmp:
+                with open(tmp, "wb") as f:
+                    f.write(line)
+                    f.flush()
+                    os.fsync(f.fileno())
+            _fsync_dir(out.path.parent)
+            self._file = open(out.path, "ab", buffering=0)  # unbuffered: one write() = one syscall
+        except OutputError as exc:
+            raise RecordingError(f"cannot create recording: {exc}") from None
         except OSError as exc:
-            try:
-                tmp.unlink(missing_ok=True)
-            except OSError:
-                pass
-            raise RecordingError(f"cannot create recording {self.path}: {exc.strerror or exc}") from exc
+            raise RecordingError(f"cannot create recording {display_path(self.path)}: {exc.strerror or exc}") from exc
         self._last_sync = time.monotonic()
 
     @property
     def closed(self) -> bool:
         return self._file is None
+
+    def gone(self) -> str | None:
+        """Why the recording is no longer at its path (deleted, or replaced by another file), or None.
+
+        Writes to a file deleted mid-run still succeed (they go to the unlinked inode), so a run would
+        end saying "recorded to ..." with nothing there; the path's file must be the one still open."""
+        with self._lock:
+            if self._file is None:
+                return None
+            mine = os.fstat(self._file.fileno())
+        shown = display_path(self.path)
+        try:
+            now = os.stat(self.path)
+        except FileNotFoundError:
+            return (f"recording {shown} was deleted during the run: its {self.samples_written:,} samples are lost "
+                    "(nothing was recorded)")
+        except OSError:
+            return None  # unreadable now (permissions): nothing to say for sure
+        if (now.st_dev, now.st_ino) != (mine.st_dev, mine.st_ino):
+            return (f"recording {shown} was replaced by another file during the run: this run's "
+                    f"{self.samples_written:,} samples are not in it")
+        return None
 
     def write(self, sample: Sample) -> None:
         """Append one sample as one line and hand it to the OS before returning (see module doc)."""
@@ -281,35 +387,72 @@ def _fsync_dir(directory: Path) -> None:
 # Reading
 
 
+_KINDS_OF_FILE = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                  (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _not_regular(mode: int) -> str | None:
+    """What a file that is not a regular file is ("a folder", "a FIFO (named pipe)"...), or None."""
+    if stat.S_ISREG(mode):
+        return None
+    return next((name for test, name in _KINDS_OF_FILE if test(mode)), "not a regular file")
+
+
 def _open_for_reading(path: Path) -> IO[bytes]:
+    """Open a recording to read, refusing anything but a regular file before reading a byte.
+
+    A FIFO would block the open (and the read) until some writer came; ``/dev/zero`` or
+    ``/dev/urandom`` never end; a folder cannot be read. The kind is checked with ``stat`` and again
+    on the opened descriptor (the name could be swapped between the two), and the open itself does
+    not wait (``O_NONBLOCK``, where the system has it), so no input makes a reader hang.
+    """
+    shown = display_path(path)
+    nonblocking = getattr(os, "O_NONBLOCK", 0)
+    fd = None
     try:
-        if path.is_dir():
-            raise RecordingError(f"{path} is a folder, not a recording")
-        return open(path, "rb")
+        what = _not_regular(os.stat(path).st_mode)
+        if not what:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0) | nonblocking)
     except FileNotFoundError:
-        raise RecordingError(f"recording {path} does not exist") from None
-    except OSError as exc:
-        raise RecordingError(f"cannot open recording {path}: {exc.strerror or exc}") from None
+        raise RecordingError(f"recording {shown} does not exist") from None
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the name
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise RecordingError(f"cannot open recording {shown}: {why}") from None
+    if fd is None:
+        raise RecordingError(f"{shown} is {what}, not a recording")
+    try:
+        what = _not_regular(os.fstat(fd).st_mode)
+        if what:
+            raise RecordingError(f"{shown} is {what}, not a recording")
+        if nonblocking:
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
-def _read_line(f: IO[bytes]) -> tuple[bytes, bool]:
-    """One line (newline included) and whether it was too long. A too-long line is consumed
-    in bounded chunks and returned empty, so memory stays under ``MAX_LINE_BYTES``."""
+def _read_line(f: IO[bytes], skip_rest: bool = True) -> tuple[bytes, bool]:
+    """One line (newline included) and whether it was too long. A too-long line is returned empty
+    and, with ``skip_rest``, the rest of it is consumed in bounded chunks, so memory stays under
+    ``MAX_LINE_BYTES`` (a header is never skipped: a too-long one ends the read at once)."""
     line = f.readline(MAX_LINE_BYTES)
     if len(line) < MAX_LINE_BYTES or line.endswith(b"\n"):
         return line, False
-    while True:  # skip the rest of the overlong line without holding it
+    while skip_rest:  # skip the rest of the overlong line without holding it
         chunk = f.readline(MAX_LINE_BYTES)
         if not chunk or chunk.endswith(b"\n"):
-            return b"", True
+            break
+    return b"", True
 
 
+_BOM = b"\xef\xbb\xbf"
 _HEADER_START = re.compile(rb'\s*\{\s*"format"\s*:\s*"' + RECORDING_FORMAT.encode() + rb'"')
 
 
 def _parse_header_line(f: IO[bytes], path: Path) -> dict[str, Any]:
     name = _name(path)
-    line, too_long = _read_line(f)
+    line, too_long = _read_line(f, skip_rest=False)
     if too_long:
         raise RecordingError(f"{name} is not a KV Scope recording: line 1 is longer than "
                              f"{MAX_LINE_BYTES // (1024 * 1024)} MiB")
@@ -318,7 +461,9 @@ def _parse_header_line(f: IO[bytes], path: Path) -> dict[str, Any]:
     if not line.strip():
         raise RecordingError(f"{name} is not a KV Scope recording: line 1 is blank")
     try:
-        header = json.loads(line)
+        # Strict UTF-8 (the format's encoding), a leading BOM tolerated: json.loads(bytes) would guess
+        # UTF-16/32 and let encoded surrogates through ('surrogatepass').
+        header = json.loads(line.removeprefix(_BOM).decode("utf-8"))
     except (ValueError, RecursionError):
         if not line.endswith(b"\n") and _HEADER_START.match(line):
             raise RecordingError(f"recording {name} is truncated: its header line is incomplete") from None
@@ -326,98 +471,142 @@ def _parse_header_line(f: IO[bytes], path: Path) -> dict[str, Any]:
     return _check_header(header, path)
 
 
-def _field_checks() -> tuple[tuple[str, str | None, bool], ...]:
-    """(name, kind, nullable) per Sample field, read from the annotations the way Sample.from_dict does."""
-    checks = []
+# ------------------------------------------------------------------------------------------------
+# Samples: the one validator (the reader, the writer and Sample.from_dict all use it)
+
+
+def _field_kinds() -> dict[str, tuple[str, bool]]:
+    """(kind, nullable) per Sample field, from its annotation: "int", "float", "str" or "any"."""
+    kinds = {}
     for f in _SAMPLE_FIELDS:
         t = str(f.type)
-        kind = ("int" if "int" in t and "float" not in t else "float" if t.startswith("float")
-                else "str" if t.startswith("str") else None)
-        checks.append((f.name, kind, "None" in t))
-    return tuple(checks)
+        kind = ("int" if t.startswith("int") else "float" if t.startswith("float")
+                else "str" if t.startswith("str") else "any")
+        kinds[f.name] = (kind, "None" in t)
+    return kinds
 
 
-_CHECKS = _field_checks()
+_KINDS = _field_kinds()
 _REQUIRED = tuple(f.name for f in _SAMPLE_FIELDS
                   if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+#: The upper bound of each float field (the lower bound of every number is 0).
+_FLOAT_MAX = {"time_s": MAX_TIME_S, "tokens_per_s": MAX_TOKENS_PER_S}
+#: The longest each str field may be (fields not named: MAX_NAME_CHARS); None: bounded by the line.
+_STR_MAX: dict[str, int | None] = {"text": None}
+#: A JSON escape of a UTF-16 surrogate: only lines with one can hold a lone surrogate.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 
 
-def _allowed_types() -> dict[str, frozenset[type]]:
-    """The JSON value types each Sample field accepts (json makes exactly int, float, str, bool, list,
-    dict, None). Fields of a kind from_dict does not check accept any scalar."""
-    allowed: dict[str, frozenset[type]] = {}
-    for name, kind, nullable in _CHECKS:
-        types = {"int": {int}, "float": {int, float}, "str": {str}}.get(kind or "", {int, float, str, bool})
-        allowed[name] = frozenset(types | ({type(None)} if nullable else set()))
-    return allowed
+def sample_from_json(data: Any, *, check_unicode: bool = True) -> Sample:
+    """A Sample from one parsed JSON line of a recording (or any untrusted dict); ValueError says what
+    is wrong, in one line.
 
-
-_ALLOWED = _allowed_types()
-
-
-def sample_from_json(data: Any) -> Sample:
-    """A Sample from one parsed JSON line of a recording; ValueError says what is wrong.
-
-    The same checks and messages as ``Sample.from_dict`` (unknown keys dropped, missing fields
-    and wrong types named), plus what a replay needs: an object, required fields not null, no
-    booleans for numbers, a known phase, a finite time. Done here with a precomputed table of
-    allowed types because it runs once per line of files with millions of lines; the slower
-    field-by-field pass runs only to name what is wrong.
+    Unknown keys are dropped (a newer writer's extra fields); every field the Sample has is checked:
+    required fields present and not null; counts and bytes (the int fields) ints from 0 to
+    ``MAX_INT``, never bools; numbers finite, from 0 to their bound (``MAX_TIME_S`` for ``time_s``);
+    text valid Unicode (no lone surrogate) and settings and names at most ``MAX_NAME_CHARS`` long;
+    a known phase. ``check_unicode=False`` skips the surrogate scan, for callers that know the
+    source had no ``\\uD8xx`` escape (it is the one check that costs a pass over every text).
     """
-    return Sample(**_checked_fields(data))
+    return Sample(**_checked_fields(data, check_unicode=check_unicode))
 
 
-def _checked_fields(data: Any) -> dict[str, Any]:
-    """The Sample keyword arguments in ``data`` (unknown keys dropped), checked; ValueError if bad."""
+def _tables() -> tuple[dict[str, frozenset[type]], dict[str, float | int | None]]:
+    """Per Sample field: the JSON value types it accepts (json makes exactly int, float, str, bool,
+    list, dict, None) and its bound (numbers: the largest value; text: the longest, None for none).
+    Fields of a kind not checked (none today) accept any scalar."""
+    types: dict[str, frozenset[type]] = {}
+    bounds: dict[str, float | int | None] = {}
+    for name, (kind, nullable) in _KINDS.items():
+        allowed = {"int": {int}, "float": {int, float}, "str": {str}}.get(kind, {int, float, str, bool})
+        types[name] = frozenset(allowed | ({type(None)} if nullable else set()))
+        bounds[name] = (MAX_INT if kind == "int" else _FLOAT_MAX.get(name, float(MAX_INT)) if kind == "float"
+                        else _STR_MAX.get(name, MAX_NAME_CHARS) if kind == "str" else MAX_INT)
+    return types, bounds
+
+
+_TYPES, _BOUNDS = _tables()
+
+
+def _checked_fields(data: Any, *, check_unicode: bool = True) -> dict[str, Any]:
+    """The Sample keyword arguments in ``data`` (unknown keys dropped), checked; ValueError if bad.
+
+    Runs once per line of files with millions of lines: one pass with a precomputed table of
+    types and bounds; the slower field-by-field pass (``_explain``) runs only to name a problem."""
     if type(data) is not dict:
         raise ValueError(f"a sample must be a JSON object, got {type(data).__name__}")
-    allowed = _ALLOWED
+    types, bounds = _TYPES, _BOUNDS
     unknown = False
     for key, value in data.items():
-        types = allowed.get(key)
-        if types is None:
+        allowed = types.get(key)
+        if allowed is None:
             unknown = True
-        elif type(value) not in types:
+            continue
+        t = type(value)
+        if t not in allowed:
             _explain(data)
-    kwargs = {k: v for k, v in data.items() if k in allowed} if unknown else data
+        if t is int or t is float:
+            if not 0 <= value <= bounds[key]:  # NaN fails every comparison
+                _explain(data)
+        elif t is str:
+            limit = bounds[key]
+            if (limit is not None and len(value) > limit) or (check_unicode and not _plain_text(value)):
+                _explain(data, check_unicode)
+    kwargs = {k: v for k, v in data.items() if k in types} if unknown else data
     if len(kwargs) < len(_REQUIRED) or not all(name in kwargs for name in _REQUIRED):
         _explain(data)
     phase = kwargs["phase"]
     if phase not in _PHASES:
-        raise ValueError(f"sample phase must be one of {', '.join(_PHASES)}, got {phase!r}")
-    if not math.isfinite(kwargs["time_s"]):
-        raise ValueError(f"sample time must be a finite number, got {kwargs['time_s']!r}")
+        raise ValueError(f"sample phase must be one of {', '.join(_PHASES)}, got {_short(phase)}")
     return kwargs
 
 
-def _explain(data: dict[str, Any]) -> None:
-    """Raise ValueError naming the first problem of a sample dict (the fast path found one)."""
+def _explain(data: dict[str, Any], check_unicode: bool = True) -> None:
+    """Raise ValueError naming the first problem of a sample dict (the fast pass found one)."""
     missing = [name for name in _REQUIRED if name not in data]
     if missing:
         raise ValueError(f"sample is missing {', '.join(missing)}")
-    for name, kind, nullable in _CHECKS:
-        if name not in data:
+    for key, (kind, nullable) in _KINDS.items():
+        if key not in data:
             continue
-        value = data[name]
+        value = data[key]
+        t = type(value)
         if value is None:
             if not nullable:
-                raise ValueError(f"sample field {name} must not be null")
-            continue
-        if kind == "int":
-            raise_if = type(value) is not int
-            what = "an integer"
+                raise ValueError(f"sample field {key} must not be null")
+        elif kind == "int":
+            if t is not int:
+                raise ValueError(f"sample field {key} must be an integer, got {_short(value)}")
+            if not 0 <= value <= MAX_INT:
+                raise ValueError(f"sample field {key} must be from 0 to 2**63-1, got {_short(value)}")
         elif kind == "float":
-            raise_if = type(value) not in (int, float)
-            what = "a number"
+            if t is not float and t is not int:
+                raise ValueError(f"sample field {key} must be a number, got {_short(value)}")
+            limit = _BOUNDS[key]
+            if not 0 <= value <= limit:
+                if t is float and not math.isfinite(value):
+                    if key == "time_s":
+                        raise ValueError(f"sample time must be a finite number, got {value!r}")
+                    raise ValueError(f"sample field {key} must be a finite number, got {value!r}")
+                raise ValueError(f"sample field {key} must be from 0 to {limit:g}, got {_short(value)}")
         elif kind == "str":
-            raise_if = type(value) is not str
-            what = "text"
-        else:
-            raise_if = type(value) not in (int, float, str, bool)
-            what = "a plain value"
-        if raise_if:
-            raise ValueError(f"sample field {name} must be {what}, got {value!r}")
-    raise ValueError("sample is not valid")  # unreachable while _ALLOWED and _CHECKS agree
+            if t is not str:
+                raise ValueError(f"sample field {key} must be text, got {_short(value)}")
+            limit = _BOUNDS[key]
+            if limit is not None and len(value) > limit:
+                raise ValueError(f"sample field {key} is longer than {limit} characters")
+            if check_unicode and not _plain_text(value):
+                raise ValueError(f"sample field {key} is not valid Unicode (it holds a lone surrogate)")
+        elif t not in (int, float, str, bool):
+            raise ValueError(f"sample field {key} must be a plain value, got {_short(value)}")
+    raise ValueError("sample is not valid")  # unreachable while _TYPES, _BOUNDS and _explain agree
+
+
+def elide(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters and marked (``ELIDED``) when longer; else ``text`` itself."""
+    if len(text) <= limit:
+        return text
+    return text[:limit] + ELIDED.format(n=len(text) - limit)
 
 
 class RecordingReader:
@@ -431,17 +620,28 @@ class RecordingReader:
     * ``skipped``: damaged sample lines skipped (bad JSON, wrong types, too long, not UTF-8);
     * ``warnings``: one line per skipped line (the first ``MAX_WARNINGS``), ``"line N: why"``;
     * ``truncated``: True when the last line was cut off without its newline (a killed writer)
-      and was dropped; a complete last line without a newline is still read.
+      and was dropped; a complete last line without a newline is still read;
+    * ``elided``: samples whose text was cut to ``max_text`` characters.
+
+    This is the one place recordings are read, so it is where they are checked: only regular
+    files are opened (never a FIFO, a device or a folder); every line costs at most
+    ``MAX_LINE_BYTES`` of memory; every field of every sample is checked for type and range by
+    :func:`sample_from_json` (a line that fails is *damaged*: skipped and counted, reported by
+    ``problem()`` in one line); the header's fields by ``_check_header`` (a bad header raises).
 
     With ``strict=True`` the first damaged line raises RecordingError instead of being skipped.
-    Iterate once; the file closes at the end of the iteration, on ``close()`` or on ``with`` exit.
+    ``max_text=N`` cuts each sample's text to N characters, marked with ``ELIDED`` (what a replay
+    shows: see ``MAX_TEXT_CHARS``); by default texts are kept whole. Iterate once; the file
+    closes at the end of the iteration, on ``close()`` or on ``with`` exit.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, strict: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, strict: bool = False, max_text: int | None = None) -> None:
         self.path = Path(path)
         self.strict = strict
+        self.max_text = max_text
         self.samples = 0
         self.skipped = 0
+        self.elided = 0
         self.truncated = False
         self.warnings: list[str] = []
         self._iterated = False
@@ -472,7 +672,9 @@ class RecordingReader:
         self.skipped += 1
         if len(self.warnings) < MAX_WARNINGS:
             self.warnings.append(message)
-        log.warning("recording %s: skipped %s", self.path, message)
+        # Debug, not warning: a file with 10,000 damaged lines must not print 10,000 lines. What was
+        # skipped reaches the user as one line, from problem() (export and replay both print it).
+        log.debug("recording %s: skipped %s", self.path, message)
 
     def __iter__(self) -> Iterator[Sample]:
         if self._iterated:
@@ -495,17 +697,22 @@ class RecordingReader:
                 if complete and not line.strip():
                     continue  # a blank line (hand-edited file) is not data and not damage
                 try:
-                    sample = sample_from_json(json.loads(line))
+                    sample = sample_from_json(json.loads(line.decode("utf-8")),
+                                              check_unicode=_SURROGATE_ESCAPE.search(line) is not None)
                 except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-                    if not complete:
-                        # A writer killed mid-line: expected, not corruption. It can only be the last line.
+                    if not complete and isinstance(exc, (json.JSONDecodeError, UnicodeDecodeError)):
+                        # A writer killed mid-line (maybe mid-character): expected, not corruption. It can
+                        # only be the last line. (A last line that parses but holds bad values is damage.)
                         self.truncated = True
                         log.info("recording %s: last line %d was cut off (writer stopped mid-sample)", self.path, number)
                         break
-                    why = str(exc) if not isinstance(exc, (json.JSONDecodeError, UnicodeDecodeError, RecursionError)) \
-                        else "not valid JSON"
+                    unreadable = (json.JSONDecodeError, UnicodeDecodeError, RecursionError)  # JSON is UTF-8
+                    why = "not valid JSON" if isinstance(exc, unreadable) else str(exc)
                     self._bad_line(number, why.splitlines()[0] if why else "unreadable")
                     continue
+                if self.max_text is not None and len(sample.text) > self.max_text:
+                    sample = dataclasses.replace(sample, text=elide(sample.text, self.max_text))
+                    self.elided += 1
                 self.samples += 1
                 yield sample
         finally:
@@ -548,32 +755,84 @@ def iter_samples(path: str | os.PathLike[str], *, strict: bool = False) -> Itera
     return iter(RecordingReader(path, strict=strict))
 
 
+#: More query heads than any model has by far: the calculator lists the divisors of the count.
+MAX_HEADS = 1 << 16
+
+
 def spec_from_header(header: Mapping[str, Any]):
     """The ModelSpec a recording's header describes (for replay's labels and calculator), validated.
 
-    Raises RecordingError when the header's model block is missing fields or has absurd values.
+    Every field is checked as the reader checks it (``_model_fields``), none may be missing, and the
+    shape must be one the calculator can work with (1 to ``MAX_LAYERS`` layers, 1 to ``MAX_HEADS``
+    query heads, 1 to that many KV heads, one layer type per layer, a dtype it knows). Raises
+    RecordingError, one line, naming the field.
     """
-    from core.spec import ModelSpec
+    from core.spec import MAX_LAYERS, ModelSpec, SpecError, canonical_dtype
 
     model = header.get("model")
     if not isinstance(model, Mapping):
-        raise RecordingError("bad header: model must be an object")
-    fields = {f.name: f for f in dataclasses.fields(ModelSpec) if f.name != "config"}
+        raise RecordingError(f"bad header: model must be an object, got {type(model).__name__}")
+    kwargs = _model_fields(model, complete=True)
+    layers, heads, kv_heads = kwargs["num_layers"], kwargs["num_query_heads"], kwargs["num_kv_heads"]
+    if not 1 <= layers <= MAX_LAYERS:
+        raise RecordingError(f"bad header: model.num_layers must be from 1 to {MAX_LAYERS:,}, got {layers:,}")
+    if not 1 <= heads <= MAX_HEADS or not 1 <= kv_heads <= heads:
+        raise RecordingError(f"bad header: the model has {heads:,} query heads and {kv_heads:,} KV heads "
+                             f"(need 1 to {MAX_HEADS:,} query heads, and 1 to that many KV heads)")
+    if kwargs["head_dim"] < 1 or kwargs["hidden_size"] < 1:
+        raise RecordingError("bad header: model.head_dim and model.hidden_size must be positive")
+    if len(kwargs["layer_types"]) != layers:
+        raise RecordingError(f"bad header: model.layer_types has {len(kwargs['layer_types']):,} entries "
+                             f"for {layers:,} layers")
+    try:
+        canonical_dtype(kwargs["dtype"])
+    except SpecError:
+        raise RecordingError(f"bad header: model.dtype {_short(kwargs['dtype'])} "
+                             "is not a dtype KV Scope knows") from None
+    return ModelSpec(**kwargs)
+
+
+def _model_fields(model: Mapping[str, Any], *, complete: bool) -> dict[str, Any]:
+    """The ModelSpec keyword arguments in a header's model block, each checked against its
+    annotation: names text (at most ``MAX_NAME_CHARS``, valid Unicode), flags booleans, counts
+    ints from 0 to ``MAX_INT``, ``layer_types`` a list of known kinds. Fields the spec does not
+    have are left out. ``complete``: a required field missing is an error (the reader, which
+    also reads minimal headers, checks only the fields present). RecordingError ``bad header: ...``."""
+    from core.spec import FULL_ATTENTION, INDEXED_ATTENTION, SLIDING_ATTENTION, ModelSpec
+
+    kinds = (FULL_ATTENTION, SLIDING_ATTENTION, INDEXED_ATTENTION)
     kwargs: dict[str, Any] = {}
-    for name, f in fields.items():
+    for f in dataclasses.fields(ModelSpec):
+        name, t = f.name, str(f.type)
+        if name == "config":
+            continue
         if name not in model:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:  # type: ignore[misc]
+            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
+            if complete and required:
                 raise RecordingError(f"bad header: model.{name} is missing")
             continue
         value = model[name]
-        if name == "layer_types":
-            if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
-                raise RecordingError("bad header: model.layer_types must be a list of strings")
+        if value is None and "None" in t:
+            kwargs[name] = None
+            continue
+        if t.startswith("tuple"):
+            if not isinstance(value, list) or len(value) > MAX_INT or not all(type(v) is str and v in kinds
+                                                                              for v in value):
+                raise RecordingError(f"bad header: model.{name} must be a list of {', '.join(kinds)}")
             value = tuple(value)
-        elif f.type.startswith("int") and value is not None:
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise RecordingError(f"bad header: model.{name} must be a non-negative integer, got {value!r}")
+        elif t.startswith("bool"):
+            if type(value) is not bool:
+                raise RecordingError(f"bad header: model.{name} must be true or false, got {_short(value)}")
+        elif t.startswith("int"):
+            if not _count(value):
+                raise RecordingError(f"bad header: model.{name} must be an integer from 0 to 2**63-1, "
+                                     f"got {_short(value)}")
+        elif t.startswith("float"):
+            if type(value) not in (int, float) or not 0 <= value <= MAX_INT:
+                raise RecordingError(f"bad header: model.{name} must be a finite number, got {_short(value)}")
+        elif t.startswith("str"):
+            if not (_plain_text(value) and len(value) <= MAX_NAME_CHARS):
+                raise RecordingError(f"bad header: model.{name} must be text of at most {MAX_NAME_CHARS} "
+                                     f"characters, got {_short(value)}")
         kwargs[name] = value
-    if kwargs.get("num_layers", 0) <= 0 or kwargs.get("num_query_heads", 0) <= 0:
-        raise RecordingError("bad header: the model has no layers or no heads")
-    return ModelSpec(**kwargs)
+    return kwargs

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from core.attention import AttentionMode, SettingsError, native_attention, parse_attention
 from core.caches import CacheStrategy, Dynamic, parse_cache
-from core.spec import ModelSpec, canonical_dtype
+from core.spec import MAX_COUNT, ModelSpec, canonical_dtype, shown_count
 
 
 ATTN_IMPLS = ("eager", "sdpa", "flash")
@@ -50,6 +50,8 @@ class RunSettings:
     def __post_init__(self) -> None:
         if self.batch <= 0:
             raise SettingsError(f"batch must be positive, got {self.batch}")
+        if self.batch > MAX_COUNT:  # 10**20 overflowed the predictor's float arithmetic
+            raise SettingsError(f"batch {shown_count(self.batch)} is implausible (more than {MAX_COUNT:,})")
         if self.weight_dtype is not None:
             object.__setattr__(self, "weight_dtype", canonical_dtype(self.weight_dtype))
         if self.kv_dtype is not None:
@@ -80,6 +82,58 @@ def parse_switch_value(key: str, value: str):
     if k == "cache":
         return "cache", parse_cache(value)
     raise SettingsError(f"unknown setting {key!r} to switch; use attention, attn-impl or cache")
+
+
+# ------------------------------------------------------------------------------------------------
+# The choices on each axis: one list each for the command line's help, the window and the calculator.
+
+#: Windows offered besides a model's own: one short enough to see the plateau in a live demo of a
+#: few hundred tokens, one the size real sliding-window models use (Mistral 7B).
+DEMO_WINDOW, COMMON_WINDOW = 256, 4096
+
+#: Cache strategies in the order the C key cycles through them.
+CACHE_KEYS = ("dynamic", "static", "quantized:4", "quantized:2", "quantized:hqq:4", "quantized:fp8", "offloaded")
+
+
+def window_choices(spec: ModelSpec) -> list[int]:
+    """Sliding windows worth offering for ``spec``, largest first: its own, and 4096 and 256 where
+    they are at most half its context (else a quarter of its context)."""
+    context = spec.max_position_embeddings
+    sizes = {spec.sliding_window} if spec.sliding_window else set()
+    sizes |= {w for w in (COMMON_WINDOW, DEMO_WINDOW) if 2 * w <= context}
+    return sorted(sizes or {max(16, context // 4)}, reverse=True)
+
+
+def attention_choices(spec: ModelSpec) -> tuple[str, ...]:
+    """Attention modes for ``spec`` from the most KV to the least: mha, gqa:N (N descending), mqa, mla,
+    windows (largest first); the model's own mode first when it is none of these."""
+    out = ["mha"] + [f"gqa:{n}" for n in sorted(spec.gqa_group_counts(), reverse=True) if 1 < n < spec.num_query_heads]
+    out += ["mqa", "mla"] + [f"window:{w}" for w in window_choices(spec)]
+    native = native_attention(spec).key
+    return tuple(out if native in out else [native, *out])
+
+
+def cache_choices(device: str | None = None) -> tuple[tuple[str, str | None], ...]:
+    """Every cache strategy with None, or the reason it is not available here: a quantization backend
+    that is not installed (found without importing it), or CUDA for the offloaded cache
+    (``device`` None: not known yet)."""
+    import importlib.util
+
+    out: list[tuple[str, str | None]] = []
+    for key in CACHE_KEYS:
+        strategy, reason = parse_cache(key), None
+        backend = getattr(strategy, "backend", None)
+        if backend in ("quanto", "hqq"):
+            module = "optimum.quanto" if backend == "quanto" else "hqq"
+            try:
+                found = importlib.util.find_spec(module) is not None
+            except (ImportError, ValueError):
+                found = False
+            reason = None if found else "backend not installed"
+        elif key == "offloaded" and not str(device or "").startswith("cuda"):
+            reason = "needs CUDA"
+        out.append((key, reason))
+    return tuple(out)
 
 
 def effective_spec(spec: ModelSpec, settings: RunSettings) -> ModelSpec:

@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.hf import ensure_transformers
-
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 PRESETS_DIR = ASSETS / "presets"
 EMBEDDED_PRESET = "embedded"
@@ -49,6 +47,23 @@ DTYPE_ALIASES: dict[str, str] = {
 
 class SpecError(ValueError):
     """A model source or config that cannot be turned into a ModelSpec. The message is for the user."""
+
+
+def is_transformers_refusal(exc: BaseException) -> bool:
+    """transformers' own validation of a config failed (huggingface_hub's StrictDataclassError, which is
+    no ValueError: hidden size not a multiple of the heads, a field of the wrong type...)."""
+    return any(cls.__name__ == "StrictDataclassError" for cls in type(exc).__mro__)
+
+
+def transformers_refusal(exc: BaseException) -> SpecError:
+    """One line for such a refusal, the same for ``calc`` (core.hf) and ``run`` (core.loading); the
+    caller puts the model's name first. transformers says it on two lines ("Class validation error for
+    validator 'validate_architecture':" then "    ValueError: The hidden size (64) is not a multiple...")."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    detail = lines[-1] if lines else type(exc).__name__
+    for prefix in ("ValueError: ", "TypeError: "):
+        detail = detail.removeprefix(prefix)
+    return SpecError(f"transformers refuses this config: {detail[:300]}")
 
 
 def canonical_dtype(name: str) -> str:
@@ -119,7 +134,9 @@ class ModelSpec:
     def intermediate_size(self) -> int:
         """The MLP width under every spelling configs use (4 x hidden when a config names none)."""
         value = _first(self.config, "intermediate_size", "n_inner", "ffn_hidden_size", "ffn_dim", "d_ff")
-        return int(value) if isinstance(value, (int, float)) and value > 0 else 4 * self.hidden_size
+        usable = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                  and 0 < value <= MAX_COUNT)
+        return int(value) if usable else 4 * self.hidden_size
 
     def kernel_for(self, attn_impl: str) -> str:
         """The attention implementation that would really run for a requested one."""
@@ -139,18 +156,77 @@ def preset_names() -> list[str]:
     return sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+#: Deeper than any model config nests (text_config > rope_scaling > ... is 3 or 4). A config nested
+#: thousands deep is not a config, and would exhaust Python's recursion in json or in transformers.
+MAX_JSON_DEPTH = 64
+
+
+def _json_depth_exceeds(data: Any, limit: int) -> bool:
+    """Whether ``data`` nests containers more than ``limit`` deep (iterative: no recursion to exhaust)."""
+    stack = [(data, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False
+
+
+def path_kind(path: Path, shown: str | None = None) -> str | None:
+    """``"dir"``, ``"file"`` (a regular file), ``"other"`` (a FIFO, a device, a socket) or None (nothing
+    there). A name the OS cannot even look up (too long, not encodable) is a SpecError, not a crash."""
     try:
-        text = path.read_text(encoding="utf-8")
+        if path.is_dir():
+            return "dir"
+        if path.is_file():
+            return "file"
+        return "other" if path.exists() else None
+    except (OSError, ValueError) as exc:
+        what = getattr(exc, "strerror", None) or str(exc)
+        raise SpecError(f"cannot use {shown or str(path)!r} as a model: {what}") from None
+
+
+def read_config_json(path: Path) -> dict[str, Any]:
+    """A config file as a dict: the one reader for ``calc``, ``run`` and hub configs. Anything else
+    (not a regular file, not UTF-8, not JSON, not an object, nested absurdly deep) is a SpecError."""
+    kind = path_kind(path)
+    if kind == "other":  # a FIFO would block the read forever; a device has no end
+        raise SpecError(f"{path} is not a regular file")
+    if kind == "dir":
+        raise SpecError(f"{path} is a folder, not a JSON file")
+    try:
+        raw = path.read_bytes()
     except OSError as exc:
         raise SpecError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"{path} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+                        "a config.json is UTF-8 JSON") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise SpecError(f"{path} is not valid JSON (line {exc.lineno}: {exc.msg})") from exc
+    except RecursionError:
+        raise SpecError(f"{path} nests JSON more than {MAX_JSON_DEPTH} levels deep; it is not a model config") from None
     if not isinstance(data, dict):
         raise SpecError(f"{path} must hold a JSON object, found {type(data).__name__}")
+    if _json_depth_exceeds(data, MAX_JSON_DEPTH):
+        raise SpecError(f"{path} nests JSON more than {MAX_JSON_DEPTH} levels deep; it is not a model config")
     return data
+
+
+EMPTY_MODEL_NAME = ("empty model name; give a preset name, a model folder or config.json, a hub id (org/name), "
+                    "or embedded")
+
+
+def check_model_name(source: Any) -> str:
+    """The model source stripped; an empty one is refused the same way by ``calc``, ``run`` and the window."""
+    src = str(source if source is not None else "").strip()
+    if not src:
+        raise SpecError(EMPTY_MODEL_NAME)
+    return src
 
 
 def load_config_dict(source: str) -> tuple[str, dict[str, Any]]:
@@ -159,20 +235,21 @@ def load_config_dict(source: str) -> tuple[str, dict[str, Any]]:
     ``source`` is a preset name (case-insensitive), a path to a ``config.json`` or to a folder that
     holds one, or a hub id (``org/name``; config only, fetched with huggingface_hub).
     """
-    src = str(source).strip()
-    if not src:
-        raise SpecError("empty model name")
+    src = check_model_name(source)
     preset = PRESETS_DIR / f"{src.lower()}.json"
-    if "/" not in src and "\\" not in src and preset.is_file():
-        return src.lower(), _read_json(preset)
+    if "/" not in src and "\\" not in src and path_kind(preset, src) == "file":
+        return src.lower(), read_config_json(preset)
     path = Path(src).expanduser()
-    if path.is_dir():
+    kind = path_kind(path, src)
+    if kind == "dir":
         cfg = path / "config.json"
-        if not cfg.is_file():
+        if path_kind(cfg) is None:
             raise SpecError(f"{path} has no config.json; a model folder needs one")
-        return path.name, _read_json(cfg)
-    if path.is_file():
-        return path.stem if path.name != "config.json" else path.parent.name, _read_json(path)
+        return path.name, read_config_json(cfg)  # refuses a config.json that is a folder, a FIFO...
+    if kind == "file":
+        return path.stem if path.name != "config.json" else path.parent.name, read_config_json(path)
+    if kind == "other":
+        raise SpecError(f"{src} is not a regular file")
     if path.suffix == ".json" or src.startswith((".", "/", "~")):
         raise SpecError(f"no such file: {src}")
     if src.count("/") == 1 and all(src.split("/")):
@@ -206,7 +283,7 @@ def _fetch_hub_config(repo_id: str) -> dict[str, Any]:
         raise SpecError(f"{repo_id}: no network and not in the local Hugging Face cache") from exc
     except Exception as exc:  # network errors of every flavour
         raise SpecError(f"{repo_id}: could not fetch config ({type(exc).__name__}: {exc})") from exc
-    return _read_json(Path(path))
+    return read_config_json(Path(path))
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,16 +302,40 @@ def _first(d: dict[str, Any], *keys: str) -> Any:
 #: device, ~4 ms each), so 10**12 layers would hang the calculator instead of answering.
 MAX_LAYERS = 4096
 
+#: The largest count or width a config, a setting or a command line may give (heads, hidden size,
+#: vocabulary, positions, window, batch...): 2**31 - 1, past every real model by orders of magnitude
+#: and still inside what torch and transformers index with. Beyond it a value is a typo or an attack
+#: (10**400 overflowed float conversions; 2**70 overflowed torch's int64).
+MAX_COUNT = 2**31 - 1
+#: The largest memory size a command line may give: 16 EiB, what a 64-bit address space can name.
+MAX_SIZE = 2**64
 
-def _positive_int(value: Any, what: str, name: str) -> int:
+#: Where configs name the model's trained maximum of positions (2,048 assumed when none does).
+MAX_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def declared_max_positions(spec: "ModelSpec") -> int | None:
+    """The model's maximum of positions when its config names one; None when 2,048 was only assumed."""
+    return spec.max_position_embeddings if _first(spec.config, *MAX_POSITION_KEYS) is not None else None
+
+
+def shown_count(n: int) -> str:
+    """``1,000,000`` for a count; a number too long to print usefully is described by its length."""
+    text = str(n)
+    return f"{n:,}" if len(text) <= 24 else f"a {len(text.lstrip('-'))}-digit number"
+
+
+def _positive_int(value: Any, what: str, name: str, limit: int | None = MAX_COUNT) -> int:
     if value is None:
         raise SpecError(f"{name}: config is missing the {what}")
     # NaN and infinity parse from JSON ("NaN", "Infinity") and cannot become ints: say so, not crash.
     if (isinstance(value, bool) or not isinstance(value, (int, float))
             or (isinstance(value, float) and not math.isfinite(value)) or value != int(value)):
-        raise SpecError(f"{name}: {what} must be a whole number, got {value!r}")
+        raise SpecError(f"{name}: {what} must be a whole number, got {value!r:.40}")
     if int(value) <= 0:
-        raise SpecError(f"{name}: {what} must be positive, got {value!r}")
+        raise SpecError(f"{name}: {what} must be positive, got {shown_count(int(value))}")
+    if limit is not None and int(value) > limit:
+        raise SpecError(f"{name}: {what} of {shown_count(int(value))} is implausible (more than {limit:,})")
     return int(value)
 
 
@@ -249,34 +350,19 @@ def _text_config(raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
-def _kv_heads(cfg: dict[str, Any], n_heads: int) -> int:
+def _kv_heads(cfg: dict[str, Any], n_heads: int) -> Any:
     """KV heads under every spelling configs use."""
     explicit = _first(cfg, "num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num", "kv_n_heads")
     if cfg.get("model_type") == "falcon":
         # Falcon: new_decoder_architecture uses num_kv_heads; otherwise multi_query means one KV head.
         if cfg.get("new_decoder_architecture"):
-            return int(cfg.get("num_kv_heads") or n_heads)
+            return cfg.get("num_kv_heads") or n_heads  # checked by the caller (_positive_int): NaN, "two"...
         return 1 if cfg.get("multi_query", True) else n_heads
     if explicit is not None:
-        return int(explicit)
+        return explicit
     if cfg.get("multi_query") is True:  # GPT-BigCode/StarCoder
         return 1
     return n_heads
-
-
-def _build_hf_config(cfg: dict[str, Any]):
-    """A transformers config object for ``cfg``, or None for model types transformers does not know."""
-    ensure_transformers()
-    from transformers import AutoConfig
-
-    model_type = cfg.get("model_type")
-    if not model_type:
-        return None
-    kwargs = {k: v for k, v in cfg.items() if k not in ("model_type", "_kvscope", "auto_map")}
-    try:
-        return AutoConfig.for_model(model_type, **kwargs)
-    except (ValueError, KeyError, TypeError):
-        return None
 
 
 @dataclass(frozen=True)
@@ -291,28 +377,60 @@ class ModelFacts:
     supports_sdpa: bool = True
 
 
-@functools.lru_cache(maxsize=64)
-def _meta_facts(config_json: str) -> ModelFacts | None:
-    """Facts of the model a config describes, built on the meta device (no memory)."""
-    import torch
+@dataclass(frozen=True)
+class ConfigView:
+    """What transformers makes of a config dict, the only part of a spec that needs it: whether it
+    knows the model type, the per-layer attention types its cache builds, the sliding window its
+    config object fills in, and the facts of a meta-device build (None where it cannot build one).
 
-    ensure_transformers()
-    from transformers import AutoModelForCausalLM
+    Found once per config and transformers version, with torch and transformers; then read without
+    them, from the preset (``_kvscope.view``, written by ``scripts/refresh_presets.py``) or from the
+    on-disk memo. So ``calc`` of a preset or of a config seen before, and the window, never import
+    the ML stack."""
 
-    hf_config = _build_hf_config(json.loads(config_json))
-    if hf_config is None:
-        return None
+    known: bool
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
+    facts: ModelFacts | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        f = self.facts
+        return {"transformers": transformers_version(), "known": self.known,
+                "layer_types": list(self.layer_types) if self.layer_types is not None else None,
+                "sliding_window": self.sliding_window,
+                "facts": None if f is None else [f.parameters, f.buffer_bytes, int(f.kv_bias), int(f.supports_sdpa)]}
+
+    @classmethod
+    def from_json(cls, data: Any) -> "ConfigView | None":
+        """The view stored by ``to_json`` under this transformers version, or None (stale or damaged:
+        memo files and presets are read as untrusted input)."""
+        if not isinstance(data, dict) or data.get("transformers") != transformers_version():
+            return None
+        types, window, facts = data.get("layer_types"), data.get("sliding_window"), data.get("facts")
+        kinds = (FULL_ATTENTION, SLIDING_ATTENTION, INDEXED_ATTENTION)
+        if not isinstance(data.get("known"), bool) \
+                or not (types is None or isinstance(types, list) and all(t in kinds for t in types)) \
+                or not (window is None or is_plain_int(window) and window > 0) \
+                or not (facts is None or isinstance(facts, list) and len(facts) == 4
+                        and all(is_plain_int(v) and v >= 0 for v in facts)):
+            return None
+        return cls(data["known"], None if types is None else tuple(types), window,
+                   None if facts is None else ModelFacts(facts[0], facts[1], bool(facts[2]), bool(facts[3])))
+
+
+def is_plain_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@functools.lru_cache(maxsize=1)
+def transformers_version() -> str:
+    """The installed transformers' version, read from its metadata (without importing it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(hf_config)
-    except Exception:  # unknown architecture, encoder-only, remote code...
-        return None
-    # parameters() yields tied weights once, which is what the weights occupy; buffers likewise.
-    params = int(sum(p.numel() for p in model.parameters()))
-    buffers = int(sum(b.numel() * b.element_size() for b in model.buffers()))
-    kv_bias = any(getattr(getattr(m, "k_proj", None), "bias", None) is not None for m in model.modules())
-    # transformers refuses sdpa for some classes (Gemma 2: sdpa cannot softcap); they load with eager.
-    return ModelFacts(params, buffers, kv_bias, bool(getattr(type(model), "_supports_sdpa", True)))
+        return version("transformers")
+    except PackageNotFoundError:
+        return "none"
 
 
 def _cache_dir() -> Path:
@@ -322,32 +440,48 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("KVSCOPE_CACHE") or Path.home() / ".cache" / "kvscope")
 
 
-def model_facts(cfg: dict[str, Any]) -> ModelFacts | None:
-    """Exact facts from a meta-device build; memoised on disk, as DeepSeek-V3 takes seconds."""
-    key = json.dumps({k: v for k, v in cfg.items() if k != "_kvscope"}, sort_keys=True, default=str)
-    digest = hashlib.sha256(key.encode()).hexdigest()[:24]
-    store = _cache_dir() / "model_facts.json"
-    try:
-        known = json.loads(store.read_text()) if store.is_file() else {}
-        entry = known.get(digest) if isinstance(known, dict) else None
-        if isinstance(entry, list) and len(entry) == 4 and all(isinstance(v, int) for v in entry):
-            return ModelFacts(entry[0], entry[1], bool(entry[2]), bool(entry[3]))
-    except (OSError, ValueError):
-        known = {}
+def config_key(cfg: dict[str, Any]) -> str:
+    """The canonical JSON of a config (without KV Scope's own ``_kvscope`` notes): what a view is of."""
+    return json.dumps({k: v for k, v in cfg.items() if k != "_kvscope"}, sort_keys=True, default=str)
+
+
+def config_view(cfg: dict[str, Any], shipped: Any = None) -> ConfigView:
+    """What transformers makes of ``cfg``: from ``shipped`` (a preset's stored view) when it is for
+    this transformers version, else from the on-disk memo, else found now (seconds for DeepSeek-V3,
+    and it imports torch) and memoised."""
+    view = ConfigView.from_json(shipped) if shipped is not None else None
+    if view is not None:
+        return view
     import os
 
-    facts = _meta_facts(key)
-    if facts is not None:
-        try:
-            store.parent.mkdir(parents=True, exist_ok=True)
-            known = known if isinstance(known, dict) else {}
-            known[digest] = [facts.parameters, facts.buffer_bytes, int(facts.kv_bias), int(facts.supports_sdpa)]
-            tmp = store.with_suffix(f".{os.getpid()}.tmp")  # unique: processes may race
-            tmp.write_text(json.dumps(known))
-            tmp.replace(store)
-        except OSError:
-            pass
-    return facts
+    key = config_key(cfg)
+    digest = hashlib.sha256(f"{transformers_version()}\n{key}".encode()).hexdigest()[:24]
+    store = _cache_dir() / "config_views.json"
+    try:
+        known = json.loads(store.read_text(encoding="utf-8")) if store.is_file() else {}
+    except (OSError, ValueError):
+        known = {}
+    known = known if isinstance(known, dict) else {}
+    view = ConfigView.from_json(known.get(digest))
+    if view is not None:
+        return view
+    from core.hf import compute_view  # transformers (and torch): a config seen for the first time
+
+    view = compute_view(key)
+    try:
+        store.parent.mkdir(parents=True, exist_ok=True)
+        known[digest] = view.to_json()
+        tmp = store.with_suffix(f".{os.getpid()}.tmp")  # unique: processes may race
+        tmp.write_text(json.dumps(known), encoding="utf-8")
+        tmp.replace(store)
+    except OSError:
+        pass
+    return view
+
+
+def model_facts(cfg: dict[str, Any]) -> ModelFacts | None:
+    """Exact facts from a meta-device build (memoised with the rest of the config's view)."""
+    return config_view(cfg).facts
 
 
 def parameter_count(cfg: dict[str, Any]) -> int | None:
@@ -359,44 +493,44 @@ def parameter_count(cfg: dict[str, Any]) -> int | None:
 def _estimate_parameters(cfg: dict[str, Any], layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
                          vocab: int, tied: bool) -> int:
     """Llama-shaped estimate for model types transformers cannot build (used only then)."""
-    inter = int(cfg.get("intermediate_size") or 4 * hidden)
+    inter = cfg.get("intermediate_size")
+    inter = inter if is_plain_int(inter) and 0 < inter <= MAX_COUNT else 4 * hidden
     attn = hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + heads * head_dim * hidden
     mlp = 3 * hidden * inter
     embed = vocab * hidden * (1 if tied else 2)
     return layers * (attn + mlp + 2 * hidden) + embed + hidden
 
 
-def _layer_types(cfg: dict[str, Any], hf_config, layers: int, window: int | None) -> tuple[str, ...]:
-    """Per-layer attention types exactly as transformers' cache builds them."""
-    if hf_config is not None:
-        try:
-            from transformers.cache_utils import get_layer_types_and_kwargs
-
-            types, _ = get_layer_types_and_kwargs(hf_config.get_text_config(decoder=True))
-            return tuple(SLIDING_ATTENTION if t in ("sliding_attention", "chunked_attention")
-                         else INDEXED_ATTENTION if t == INDEXED_ATTENTION else FULL_ATTENTION
-                         for t in types)
-        except Exception:
-            pass
+def _declared_layer_types(cfg: dict[str, Any], layers: int, window: int | None) -> tuple[str, ...]:
+    """Per-layer attention types of a model type transformers does not know, from the config alone."""
     declared = cfg.get("layer_types")
     if isinstance(declared, list) and len(declared) == layers:
         return tuple(SLIDING_ATTENTION if "sliding" in str(t) else FULL_ATTENTION for t in declared)
     return tuple([SLIDING_ATTENTION if window else FULL_ATTENTION] * layers)
 
 
-def spec_from_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
-    """Derive a ModelSpec from a config dict. Raises SpecError with a specific message on bad fields."""
-    meta = cfg.get("_kvscope") if isinstance(cfg.get("_kvscope"), dict) else {}
-    cfg = _text_config(cfg)
+def _require_layer_count(cfg: dict[str, Any], name: str) -> None:
     if "num_hidden_layers" not in cfg and "n_layer" not in cfg and "num_layers" not in cfg:
         raise SpecError(f"{name}: config has no layer count (num_hidden_layers); is it a causal language model?")
-    archs = cfg.get("architectures") or []
-    if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for a in archs):
-        raise SpecError(f"{name}: {', '.join(archs)} is not a causal language model (no KV cache to generate with)")
 
-    layers = _positive_int(_first(cfg, "num_hidden_layers", "n_layer", "num_layers"), "number of layers", name)
+
+def check_config(cfg: dict[str, Any], name: str = "model") -> None:
+    """The plausibility checks of ``spec_from_config`` alone (counts and widths: whole, positive, not
+    absurd), without transformers and without building anything. ``calc`` refuses a config through them
+    (spec_from_config), and ``run`` through the same function before transformers builds or loads
+    anything: core.loading calls it on a folder's config.json and on the config transformers read."""
+    cfg = _text_config(cfg)
+    _require_layer_count(cfg, name)
+    _checked_counts(cfg, name)
+
+
+def _checked_counts(cfg: dict[str, Any], name: str) -> dict[str, Any]:
+    """Every count and width of a (text) config as a checked int; SpecError naming the first bad one."""
+    layers = _positive_int(_first(cfg, "num_hidden_layers", "n_layer", "num_layers"), "number of layers", name,
+                           limit=None)
     if layers > MAX_LAYERS:
-        raise SpecError(f"{name}: {layers:,} layers is implausible (more than {MAX_LAYERS:,}); check num_hidden_layers")
+        raise SpecError(f"{name}: {shown_count(layers)} layers is implausible (more than {MAX_LAYERS:,}); "
+                        "check num_hidden_layers")
     heads = _positive_int(_first(cfg, "num_attention_heads", "n_head", "num_heads"), "number of attention heads", name)
     hidden = _positive_int(_first(cfg, "hidden_size", "n_embd", "d_model"), "hidden size", name)
     kv_heads = _positive_int(_kv_heads(cfg, heads), "number of KV heads", name)
@@ -407,15 +541,9 @@ def spec_from_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
     if head_dim <= 0:
         raise SpecError(f"{name}: hidden size {hidden} is smaller than the {heads} heads")
     vocab = _positive_int(_first(cfg, "vocab_size", "padded_vocab_size"), "vocab_size", name)
-    max_pos = _first(cfg, "max_position_embeddings", "n_positions", "max_sequence_length", "seq_length") or 2048
-    max_pos = _positive_int(max_pos, "max_position_embeddings", name)
-    tied = bool(cfg.get("tie_word_embeddings", True))
-    dtype_name = str(_first(cfg, "torch_dtype", "dtype") or "float32")
-    try:
-        dtype = canonical_dtype(dtype_name)
-    except SpecError:
-        dtype = "float32"
-
+    max_pos = _first(cfg, *MAX_POSITION_KEYS)
+    # None: the config names no maximum (2048 assumed); 0 or false are refused, not read as "none given".
+    max_pos = _positive_int(2048 if max_pos is None else max_pos, "max_position_embeddings", name)
     window = cfg.get("sliding_window")
     if cfg.get("use_sliding_window") is False:  # Qwen2 declares a window but does not use it
         window = None
@@ -426,22 +554,50 @@ def spec_from_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
     if kv_lora_rank:
         # Expanded per-head keys are nope + rope wide (DeepseekV3 sets config.head_dim to the rope
         # part only, which is not the key width); values are v_head_dim wide.
-        head_dim = int(cfg.get("qk_nope_head_dim", 128)) + int(cfg.get("qk_rope_head_dim", 64))
+        q_lora_rank = cfg.get("q_lora_rank")
         mla = dict(
             kv_lora_rank=_positive_int(kv_lora_rank, "kv_lora_rank", name),
-            q_lora_rank=cfg.get("q_lora_rank"),
+            q_lora_rank=_positive_int(q_lora_rank, "q_lora_rank", name) if q_lora_rank else None,
             qk_rope_head_dim=_positive_int(cfg.get("qk_rope_head_dim", 64), "qk_rope_head_dim", name),
             qk_nope_head_dim=_positive_int(cfg.get("qk_nope_head_dim", 128), "qk_nope_head_dim", name),
             v_head_dim=_positive_int(cfg.get("v_head_dim", 128), "v_head_dim", name),
         )
+        head_dim = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
+    indexer = _first(cfg, "index_head_dim", "indexer_head_dim")
+    indexer = _positive_int(indexer, "index_head_dim", name) if indexer is not None else None
+    return dict(layers=layers, heads=heads, hidden=hidden, kv_heads=kv_heads, head_dim=head_dim, vocab=vocab,
+                max_pos=max_pos, window=window, mla=mla, indexer=indexer)
 
-    hf_config = _build_hf_config(cfg)
-    types = _layer_types(cfg, hf_config, layers, window)
-    if SLIDING_ATTENTION in types and window is None and hf_config is not None:
-        window = getattr(hf_config, "sliding_window", None)
+
+def spec_from_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
+    """Derive a ModelSpec from a config dict. Raises SpecError with a specific message on bad fields."""
+    meta = cfg.get("_kvscope") if isinstance(cfg.get("_kvscope"), dict) else {}
+    cfg = _text_config(cfg)
+    _require_layer_count(cfg, name)
+    archs = cfg.get("architectures") or []
+    if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for a in archs):
+        raise SpecError(f"{name}: {', '.join(archs)} is not a causal language model (no KV cache to generate with)")
+    counts = _checked_counts(cfg, name)
+    layers, heads, hidden, kv_heads = counts["layers"], counts["heads"], counts["hidden"], counts["kv_heads"]
+    head_dim, vocab, max_pos, window, mla = (counts["head_dim"], counts["vocab"], counts["max_pos"], counts["window"],
+                                             counts["mla"])
+    tied = bool(cfg.get("tie_word_embeddings", True))
+    dtype_name = str(_first(cfg, "torch_dtype", "dtype") or "float32")
+    try:
+        dtype = canonical_dtype(dtype_name)
+    except SpecError:
+        dtype = "float32"
+
+    try:
+        view = config_view(cfg, shipped=meta.get("view") if meta else None)
+    except SpecError as exc:  # transformers refused the config (core.hf.build_hf_config)
+        raise SpecError(f"{name}: {exc}") from None
+    types = view.layer_types or _declared_layer_types(cfg, layers, window)
+    if SLIDING_ATTENTION in types and window is None:
+        window = view.sliding_window
     if SLIDING_ATTENTION not in types:
         window = None
-    facts = model_facts(cfg) if hf_config is not None else None
+    facts = view.facts
     if facts is None:
         n_params = _estimate_parameters(cfg, layers, hidden, heads, kv_heads, head_dim, vocab, tied)
         buffer_bytes, kv_bias, supports_sdpa = 0, bool(cfg.get("attention_bias")), True
@@ -465,7 +621,7 @@ def spec_from_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
         buffer_bytes=int(buffer_bytes),
         kv_bias=kv_bias,
         supports_sdpa=supports_sdpa,
-        indexer_head_dim=_first(cfg, "index_head_dim", "indexer_head_dim") if INDEXED_ATTENTION in types else None,
+        indexer_head_dim=counts["indexer"] if INDEXED_ATTENTION in types else None,
         layer_types=types,
         sliding_window=window,
         display_name=str(meta.get("display_name", "")) if meta else "",
@@ -523,6 +679,8 @@ def parse_size(text: str | int) -> int:
         value = int(f * units[unit])
     if value <= 0:
         raise SpecError(f"size must be positive, got {text!r}")
+    if value > MAX_SIZE:  # 1e307 bytes overflowed the calculator's float arithmetic
+        raise SpecError(f"size {str(text)[:40]!r} is implausible (more than 16 EiB)")
     return value
 
 
@@ -540,4 +698,6 @@ def parse_tokens(text: str) -> int:
         raise SpecError(f"cannot read token count {text!r}; write e.g. 4096, 4k or 128K") from exc
     if not math.isfinite(value) or value != int(value) or value <= 0:
         raise SpecError(f"token count must be a positive whole number, got {text!r}")
+    if value > MAX_COUNT:  # a context of 1e307 tokens overflowed the calculator's float arithmetic
+        raise SpecError(f"token count {str(text)[:40]!r} is implausible (more than {MAX_COUNT:,})")
     return int(value)

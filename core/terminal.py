@@ -6,7 +6,10 @@ import signal
 import sys
 from typing import TextIO
 
-from core.generate import GenerationError, ModelInfo, RunHooks, RunRequest, run_generation
+from core.generate import GenerationError, RunHooks, run_generation
+from core.outputs import display_path
+from core.recording import RecordingError
+from core.request import ModelInfo, RunRequest
 from core.sample import PHASE_EVENT, Sample
 from core.spec import human_bytes
 
@@ -77,26 +80,37 @@ class TerminalView:
               file=self.out, flush=True)
 
 
+#: Signals that stop a terminal run cleanly: Ctrl+C, and SIGTERM (``kill``, a service manager, a
+#: container stopping), which used to end the process at once (exit -15, no stop event, no summary).
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM") if hasattr(signal, name))
+
+
 def run_terminal(request: RunRequest, out: TextIO | None = None) -> int:
-    """Run a generation with the live table. Ctrl+C stops cleanly (the recording is kept)."""
+    """Run a generation with the live table.
+
+    Ctrl+C or SIGTERM stops cleanly: the run ends between two tokens with a stop event (in the
+    recording too), the summary is printed and the exit status is 0, as for a finished run. A
+    second signal of the same kind gets its default behaviour (KeyboardInterrupt; termination).
+    """
     view = TerminalView(out)
     stopping = {"flag": False}
 
-    def on_sigint(signum, frame):  # first Ctrl+C: stop between tokens; second: default behaviour
+    def on_signal(signum, frame):  # first signal: stop between tokens; a second one: default behaviour
         stopping["flag"] = True
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
 
-    previous = signal.signal(signal.SIGINT, on_sigint)
+    previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
     try:
         run_generation(request, RunHooks(emit=view.emit, loaded=view.loaded,
                                          progress=lambda t: print(t, file=sys.stderr, flush=True),
                                          should_stop=lambda: stopping["flag"]))
-    except GenerationError:
+    except (GenerationError, RecordingError):  # e.g. the recording was deleted mid-run: said after the summary
         view.summary()
         raise
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     view.summary()
     if request.record_path:
-        print(f"recorded to {request.record_path}", file=view.out)
+        print(f"recorded to {display_path(request.record_path)}", file=view.out)
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import huggingface_hub.constants
 import pytest
 
 
@@ -30,3 +31,30 @@ def os_thread_names() -> list[str]:
 def engine_that_cannot_start(conn) -> None:
     """An engine process main that dies before it is ready (as one whose torch fails to import would)."""
     raise SystemExit(3)
+
+
+@pytest.fixture(scope="module")
+def hub_offline():
+    """No test reaches the network (huggingface_hub reads HF_HUB_OFFLINE once, at import). A module
+    that talks to the hub code uses it with ``pytestmark = pytest.mark.usefixtures("hub_offline")``."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+        yield
+
+
+def one_line_error(code: int, err: str) -> str:
+    """The CLI failed for the user's input: exit 2, exactly one ``kvscope:`` line, said last, no traceback.
+
+    (Progress lines such as "reading config…" may come before it on stderr.)"""
+    assert code == 2, err
+    assert "Traceback" not in err and "internal error" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("kvscope:")]
+    assert len(errors) == 1, err
+    assert err.rstrip().splitlines()[-1] == errors[0]
+    return errors[0]
+
+
+def run_args(model: str, *extra: str) -> list[str]:
+    """``main.py run`` arguments for a short CPU run of ``model``."""
+    return ["run", "--model", model, "--device", "cpu", "--tokens", "2", *extra]

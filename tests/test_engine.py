@@ -13,17 +13,10 @@ import torch
 
 from core.attention import parse_attention
 from core.caches import parse_cache
-from core.generate import (
-    BudgetExceeded,
-    Engine,
-    GenerationError,
-    RunHooks,
-    RunRequest,
-    parse_switch,
-    run_generation,
-)
+from core.generate import BudgetExceeded, Engine, GenerationError, RunHooks, run_generation
 from core.loading import load_model
 from core.recording import RecordingReader
+from core.request import RunRequest, parse_switch
 from core.settings import RunSettings
 
 ROOT = Path(__file__).resolve().parent.parent

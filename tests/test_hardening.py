@@ -57,7 +57,6 @@ import threading
 import time
 from pathlib import Path
 
-import huggingface_hub.constants
 import psutil
 import pytest
 import torch
@@ -69,7 +68,8 @@ from core import loading
 from core.attention import MHA, SettingsError, Window, parse_attention
 from core.caches import Static
 from core.embedded import embedded_model_dir
-from core.generate import Engine, GenerationError, RunHooks, RunRequest, run_generation
+from core.generate import Engine, RunHooks, run_generation
+from core.request import RunRequest
 from core.loading import EMBEDDED_HINT, load_model
 from core.measure import cache_bytes
 from core.predict import kv_bytes
@@ -77,7 +77,10 @@ from core.probes import NOTE_NO_NVML, MemoryProbe
 from core.recording import RecordingReader, RecordingWriter
 from core.settings import RunSettings
 from tests.fake_pynvml import NVML_ERROR_GPU_IS_LOST, FakeGpu, FakeNvml
-from tests.helpers import os_thread_names, run_in_window
+from tests.helpers import (hub_offline, one_line_error, os_thread_names, run_args,  # noqa: F401 - hub_offline: a fixture
+                           run_in_window)
+
+pytestmark = pytest.mark.usefixtures("hub_offline")
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -86,15 +89,6 @@ GiB = 1 << 30
 
 # ------------------------------------------------------------------------------------------------
 # Shared helpers and fixtures
-
-
-@pytest.fixture(scope="module", autouse=True)
-def hub_offline():
-    """No test reaches the network (huggingface_hub reads HF_HUB_OFFLINE once, at import)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -187,22 +181,6 @@ def _cli(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def _one_line_error(code: int, err: str) -> str:
-    """The CLI failed for the user's input: exit 2, exactly one ``kvscope:`` line, said last, no traceback.
-
-    (Progress lines such as "reading config…" may come before it on stderr.)"""
-    assert code == 2, err
-    assert "Traceback" not in err and "internal error" not in err, err
-    errors = [line for line in err.splitlines() if line.startswith("kvscope:")]
-    assert len(errors) == 1, err
-    assert err.rstrip().splitlines()[-1] == errors[0]
-    return errors[0]
-
-
-def _run_args(model: str, *extra: str) -> list[str]:
-    return ["run", "--model", model, "--device", "cpu", "--tokens", "2", *extra]
-
-
 def _hub_refuses(monkeypatch, error_name: str, status: int) -> None:
     """Make transformers' download call raise what the hub raises for this status (no network here)."""
     import httpx2  # huggingface_hub's HTTP client: its errors carry the response
@@ -290,7 +268,7 @@ def test_model_source_refused(case, models, capsys, monkeypatch):
         _hub_refuses(monkeypatch, "GatedRepoError", 403)
     if "/" not in source:
         source = str(models / source)
-    line = _one_line_error(*_cli(capsys, *_run_args(source, *extra))[::2])
+    line = one_line_error(*_cli(capsys, *run_args(source, *extra))[::2])
     assert expected in line
     assert line.endswith(EMBEDDED_HINT)
     if case == "remote-code-without-opt-in":
@@ -308,7 +286,7 @@ def test_model_source_unknown_hub_id_real_process():
     env.pop("KVSCOPE_DEBUG", None)
     out = subprocess.run([sys.executable, str(ROOT / "main.py"), "run", "--model", "no-such-org/no-such-model",
                           "--device", "cpu"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
-    line = _one_line_error(out.returncode, out.stderr)
+    line = one_line_error(out.returncode, out.stderr)
     assert line.startswith("kvscope: no-such-org/no-such-model: ") and line.endswith(EMBEDDED_HINT)
     assert out.stdout == ""
 
@@ -317,11 +295,11 @@ def test_model_source_opt_ins_load(models, capsys, monkeypatch, tmp_path):
     """The refusals above are opt-outs, not dead ends: --trust-remote-code and --allow-pickle load and run."""
     # The repository code goes to HF_MODULES_CACHE (one folder per session, see tests/conftest.py).
     monkeypatch.setattr(sys, "path", list(sys.path))
-    code, out, err = _cli(capsys, *_run_args(str(models / "remote-code"), "--trust-remote-code"))
+    code, out, err = _cli(capsys, *run_args(str(models / "remote-code"), "--trust-remote-code"))
     assert code == 0, err
     assert (models / "remote-ran").read_text() == "ran"
     assert "observed == predicted at 3 of 3 samples" in out
-    code, out, err = _cli(capsys, *_run_args(str(models / "pickle-only"), "--allow-pickle"))
+    code, out, err = _cli(capsys, *run_args(str(models / "pickle-only"), "--allow-pickle"))
     assert code == 0, err
     assert "observed == predicted at 3 of 3 samples" in out
 
@@ -332,10 +310,10 @@ def test_model_source_opt_ins_load(models, capsys, monkeypatch, tmp_path):
 
 def test_settings_gqa_group_count_not_dividing_heads(capsys):
     """`run --attention gqa:3` (8 query heads) and the same in the calculator: one line naming the choices."""
-    line = _one_line_error(*_cli(capsys, *_run_args("embedded", "--attention", "gqa:3"))[::2])
+    line = one_line_error(*_cli(capsys, *run_args("embedded", "--attention", "gqa:3"))[::2])
     assert line == ("kvscope: gqa:3 does not divide 8 query heads of embedded demo model (random weights); "
                     "choose one of gqa:1, gqa:2, gqa:4, gqa:8")
-    calc_line = _one_line_error(*_cli(capsys, "calc", "--attention", "gqa:3")[::2])
+    calc_line = one_line_error(*_cli(capsys, "calc", "--attention", "gqa:3")[::2])
     assert calc_line == line
 
 
@@ -369,7 +347,7 @@ def test_settings_max_context_beyond_model_maximum_run(capsys, tmp_path):
     4,096 positions, as predicted.
     """
     record = tmp_path / "clamped.jsonl"
-    code, out, err = _cli(capsys, *_run_args("embedded", "--cache", "static", "--max-context", "100000",
+    code, out, err = _cli(capsys, *run_args("embedded", "--cache", "static", "--max-context", "100000",
                                              "--record", str(record)))
     assert code == 0, err
     assert ("-- [note] token 0: max context 100,000 is beyond embedded demo model (random weights)'s maximum of "
@@ -423,8 +401,8 @@ def test_settings_quantized_cache_on_sliding_window(case, models, capsys):
         "mistral-like-all-layers-slide": (str(models / "tiny-mistral"), ()),
         "qwen2-some-layers-slide": (str(models / "tiny-qwen2-mixed"), ()),
     }[case]
-    code, out, err = _cli(capsys, *_run_args(model, "--cache", "quantized:4", *extra))
-    line = _one_line_error(code, err)
+    code, out, err = _cli(capsys, *run_args(model, "--cache", "quantized:4", *extra))
+    line = one_line_error(code, err)
     assert "a quantized cache needs full-attention layers; transformers refuses it with a sliding window" in line
     assert "prefill" not in out  # refused before the first token
 
@@ -433,7 +411,7 @@ def test_settings_offloaded_cache_without_cuda(capsys):
     """`--cache offloaded` needs CUDA; here there is none (on a CUDA machine the strategy is accepted)."""
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the offloaded cache is allowed")
-    line = _one_line_error(*_cli(capsys, "run", "--cache", "offloaded", "--tokens", "2")[::2])
+    line = one_line_error(*_cli(capsys, "run", "--cache", "offloaded", "--tokens", "2")[::2])
     assert line == ("kvscope: the offloaded cache needs CUDA (this run is on cpu): it moves layers between GPU "
                     "and CPU memory")
 
@@ -445,19 +423,19 @@ def test_settings_device_without_support_for_fp16(capsys):
     no such GPU here, so that message is covered in tests/test_loading.py's resolve_dtype tests only."""
     if torch.backends.mps.is_available():
         pytest.skip("this machine has MPS")
-    line = _one_line_error(*_cli(capsys, *_run_args("embedded", "--dtype", "fp16", "--device", "mps"))[::2])
+    line = one_line_error(*_cli(capsys, *run_args("embedded", "--dtype", "fp16", "--device", "mps"))[::2])
     assert line.startswith("kvscope: device mps is not available: ")
     assert EMBEDDED_HINT not in line
-    line = _one_line_error(*_cli(capsys, *_run_args("embedded", "--dtype", "fp12"))[::2])
+    line = one_line_error(*_cli(capsys, *run_args("embedded", "--dtype", "fp12"))[::2])
     assert line.startswith("kvscope: unknown dtype 'fp12'; use ") and "fp16" in line
 
 
 def test_settings_fp16_on_cpu_is_allowed_and_halves_memory(capsys):
     """fp16 on the CPU is allowed (documented in core.loading: slow, but it shows the memory halve):
     the run works and its KV cache is exactly half the fp32 one, as predicted."""
-    code16, out16, err = _cli(capsys, *_run_args("embedded", "--dtype", "fp16"))
+    code16, out16, err = _cli(capsys, *run_args("embedded", "--dtype", "fp16"))
     assert code16 == 0, err
-    code32, out32, err = _cli(capsys, *_run_args("embedded"))
+    code32, out32, err = _cli(capsys, *run_args("embedded"))
     assert code32 == 0, err
 
     def kv(out: str) -> int:
@@ -484,7 +462,7 @@ def test_runtime_out_of_memory_is_recovered(where, capsys, monkeypatch, tmp_path
     _fail_forward(monkeypatch, call=1 if where == "prefill" else 7, make_error=_oom)
     record = tmp_path / "oom.jsonl"
     code, out, err = _cli(capsys, "run", "--device", "cpu", "--tokens", "20", "--record", str(record))
-    line = _one_line_error(code, err)
+    line = one_line_error(code, err)
     expected = "out of memory in prefill" if where == "prefill" else "out of memory in decode at token 5"
     assert line.startswith(f"kvscope: {expected} (CUDA out of memory. Tried to allocate 2.00 GiB")
     assert "cache freed" in line and "The predictor had said KV" in line
@@ -644,7 +622,7 @@ def test_files_damaged_recording_export(case, real_recording, tmp_path, capsys):
         else:
             assert f"recording {damaged.name}: skipped 1 damaged line (first: line 4: not valid JSON)" in err
         return
-    line = _one_line_error(code, err)
+    line = one_line_error(code, err)
     assert not out_csv.exists() and list(tmp_path.glob("*.csv")) == [] and list(tmp_path.glob(".*tmp")) == []
     assert line == {
         "empty": f"kvscope: recording {damaged.name} is empty",
@@ -663,7 +641,7 @@ def test_files_replay_broken_recording_real_process(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "KVSCOPE_DEBUG"}
     out = subprocess.run([sys.executable, str(ROOT / "main.py"), "replay", str(broken), "--screenshot", str(shot)],
                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
-    line = _one_line_error(out.returncode, out.stderr)
+    line = one_line_error(out.returncode, out.stderr)
     assert line == "kvscope: recording broken.jsonl is truncated: its header line is incomplete"
     assert out.stderr.strip() == line and not shot.exists()
 
@@ -733,7 +711,7 @@ def test_files_calculator_bad_config(case, tmp_path, capsys):
             cfg.pop(key) if value is None else cfg.__setitem__(key, value)
         path.write_text(json.dumps(cfg))  # NaN / Infinity as Python's json writes (and reads) them
     t0 = time.perf_counter()
-    line = _one_line_error(*_cli(capsys, "calc", "--model", str(path))[::2])
+    line = one_line_error(*_cli(capsys, "calc", "--model", str(path))[::2])
     assert expected in line
     assert time.perf_counter() - t0 < 30  # an absurd layer count must not build 10**12 layers
 

@@ -17,7 +17,6 @@ import pytest
 import torch
 from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM
 
-from core.attention import SettingsError
 from core.embedded import embedded_model_dir
 from core.loading import (
     EMBEDDED_HINT,
@@ -26,7 +25,6 @@ from core.loading import (
     load_model,
     resolve_device,
     resolve_dtype,
-    set_attn_impl,
 )
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -170,23 +168,6 @@ def test_resolve_dtype():
 
 # --------------------------------------------------------------------------------------------
 # Attention implementation
-
-
-def test_set_attn_impl_switches_kernels_with_same_result(tiny_dir):
-    lm = load_model(str(tiny_dir), device="cpu")
-    ids = torch.tensor([[1, 50, 60, 70, 80]])
-    with torch.inference_mode():
-        sdpa = lm.model(ids).logits
-        assert set_attn_impl(lm.model, "eager") == "eager"
-        assert lm.model.config._attn_implementation == "eager"
-        assert lm.model.model.layers[0].self_attn.config._attn_implementation == "eager"
-        eager = lm.model(ids).logits
-    torch.testing.assert_close(eager, sdpa, rtol=1e-4, atol=1e-5)
-    # flash on the CPU (no flash_attn, no CUDA): stays sdpa; the engine forces SDPA's flash backend.
-    assert set_attn_impl(lm.model, "flash") == "sdpa"
-    assert set_attn_impl(lm.model, "sdpa") == "sdpa"
-    with pytest.raises(SettingsError, match="unknown attention implementation 'fast'"):
-        set_attn_impl(lm.model, "fast")
 
 
 # --------------------------------------------------------------------------------------------

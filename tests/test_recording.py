@@ -463,3 +463,130 @@ def test_large_recording_is_streamed_with_bounded_memory(tmp_path):
     assert count == n and last == n - 1 and reader.skipped == 0 and not reader.truncated
     growth = peak - baseline
     assert growth < bound, f"RSS grew by {growth / 2**20:.1f} MiB while streaming {size / 2**20:.0f} MiB"
+
+
+# ------------------------------------------------------------------------------------------------
+# Hardening round 2 (issue 18): non-regular files, ranges, Unicode, header fields, long texts
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="POSIX FIFOs")
+@pytest.mark.parametrize("kind, message", [
+    ("fifo", r"^\S+fifo.jsonl is a FIFO \(named pipe\), not a recording$"),
+    ("zero", r"^\S+zero.jsonl is a device, not a recording$"),
+    ("folder", r"^\S+folder.jsonl is a folder, not a recording$"),
+])
+def test_non_regular_files_are_refused_before_reading(tmp_path, kind, message):
+    """A FIFO would block the open until a writer came; /dev/zero never ends: both refused at once."""
+    path = tmp_path / f"{kind}.jsonl"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "zero":
+        path.symlink_to("/dev/zero")
+    else:
+        path.mkdir()
+    started = time.monotonic()
+    for call in (read_header, RecordingReader):
+        with pytest.raises(RecordingError, match=message):
+            call(path)
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("changes, why", [
+    (dict(token=-1), "sample field token must be from 0 to 2**63-1, got -1"),
+    (dict(kv_bytes_observed=2**63), "sample field kv_bytes_observed must be from 0 to 2**63-1, got 9223372036854775808"),
+    (dict(context_tokens=10**400), "sample field context_tokens must be from 0 to 2**63-1, got an integer of ~400 digits"),
+    (dict(time_s=-1e6), "sample field time_s must be from 0 to 1e+09, got -1000000.0"),
+    (dict(time_s=10**400), "sample field time_s must be from 0 to 1e+09, got an integer of ~400 digits"),
+    (dict(time_s=float("inf")), "sample time must be a finite number, got inf"),
+    (dict(tokens_per_s=float("nan")), "sample field tokens_per_s must be a finite number, got nan"),
+    (dict(tokens_per_s=-3.0), "sample field tokens_per_s must be from 0 to 1e+09, got -3.0"),
+    (dict(text="\ud800"), "sample field text is not valid Unicode (it holds a lone surrogate)"),
+    (dict(attention="m" * 300), "sample field attention is longer than 256 characters"),
+    (dict(text=["x"] * 10_000), "sample field text must be text, got a JSON array"),
+])
+def test_values_out_of_range_are_damaged_lines(tmp_path, changes, why):
+    """What would be plotted or exported as if valid (negative, NaN, beyond 64 bits, lone surrogate)
+    is a damaged line: skipped, counted, named in one short line. The message never repeats a huge value."""
+    path, kept = _damaged_recording(tmp_path, {2: _sample_line(**changes)})
+    reader = RecordingReader(path)
+    assert list(reader) == kept and reader.skipped == 1
+    assert reader.warnings == [f"line 4: {why}"]
+    with pytest.raises(ValueError, match=re.escape(why)):
+        Sample.from_dict(json.loads(_sample_line(**changes)))  # one validator for every untrusted sample
+
+
+def test_largest_values_are_kept(tmp_path):
+    line = _sample_line(kv_bytes_observed=2**63 - 1, token=0, time_s=1e9, tokens_per_s=0)
+    path, kept = _damaged_recording(tmp_path, {2: line})
+    reader = RecordingReader(path)
+    samples = list(reader)
+    assert reader.skipped == 0 and len(samples) == len(kept) + 1
+    assert samples[2].kv_bytes_observed == 2**63 - 1
+
+
+def test_encoded_surrogates_and_bom(tmp_path):
+    """Lines are strict UTF-8: CESU-8 surrogate bytes (which json.loads(bytes) lets through) are damage;
+    a UTF-8 byte order mark before the header (a file saved by an editor) is tolerated."""
+    line = _sample_line(text="SURROGATE").replace(b"SURROGATE", b"\xed\xa0\x80")
+    path, kept = _damaged_recording(tmp_path, {1: line})
+    reader = RecordingReader(path)
+    assert list(reader) == kept and reader.warnings == ["line 3: not valid JSON"]
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert len(list(RecordingReader(bom))) == len(kept)
+
+
+def test_long_texts_are_elided_only_when_asked(tmp_path):
+    from core.recording import ELIDED, MAX_TEXT_CHARS
+
+    path, _ = _damaged_recording(tmp_path, {1: _sample_line(text="x" * 100_000)}, n=3)
+    whole = RecordingReader(path)
+    assert [len(s.text) for s in whole][1] == 100_000 and whole.elided == 0
+    cut = RecordingReader(path, max_text=MAX_TEXT_CHARS)
+    texts = [s.text for s in cut]
+    assert texts[1] == "x" * MAX_TEXT_CHARS + ELIDED.format(n=100_000 - MAX_TEXT_CHARS)
+    assert texts[1].endswith("\u2026[+95,904 chars]") and cut.elided == 1 and cut.problem() is None
+
+
+@pytest.mark.parametrize("block, key, value, why", [
+    ("model", "name", {"a": 1}, "model.name must be text of at most 256 characters, got a JSON object"),
+    ("model", "display_name", [1, 2], "model.display_name must be text of at most 256 characters, got a JSON array"),
+    ("model", "dtype", {"x": 1}, "model.dtype must be text"),
+    ("model", "num_layers", 10**400, "model.num_layers must be an integer from 0 to 2**63-1, got an integer of ~400"),
+    ("model", "num_query_heads", -4, "model.num_query_heads must be an integer from 0 to 2**63-1, got -4"),
+    ("model", "tie_word_embeddings", "yes", "model.tie_word_embeddings must be true or false, got 'yes'"),
+    ("model", "layer_types", ["full_attention", 3], "model.layer_types must be a list of"),
+    ("model", "label", "\ud800", "model.label must be text"),
+    ("device", "total_memory", 10**400, "device.total_memory must be an integer from 0 to 2**63-1"),
+    ("device", "name", ["cuda"], "device.name must be text"),
+    ("settings", "max_context", -1, "settings.max_context must be an integer from 0 to 2**63-1, got -1"),
+])
+def test_header_fields_are_checked_in_the_reader(tmp_path, block, key, value, why):
+    """A header field of the wrong type or range (which used to raise TypeError on every stats refresh
+    of a replay) is a refusal, one line, by the reader: export and replay alike."""
+    header = json.loads(raw_header())
+    header.setdefault(block, {})[key] = value
+    path = tmp_path / "h.jsonl"
+    path.write_text(json.dumps(header) + "\n" + json.dumps(make_sample(0).to_dict()) + "\n")
+    with pytest.raises(RecordingError) as info:
+        RecordingReader(path)
+    message = str(info.value)
+    assert message.startswith(f"recording h.jsonl has a bad header: {why}") and "\n" not in message
+    assert len(message) < 200
+
+
+@pytest.mark.parametrize("changes, why", [
+    (dict(num_query_heads=10**9), "query heads"),  # the calculator lists the divisors: it would hang
+    (dict(num_kv_heads=0), "KV heads"),
+    (dict(num_layers=5000), "model.num_layers must be from 1 to 4,096"),
+    (dict(layer_types=["full_attention"]), "model.layer_types has 1 entries for 4 layers"),
+    (dict(dtype="float7"), "model.dtype 'float7' is not a dtype"),
+])
+def test_spec_from_header_refuses_shapes_the_window_cannot_show(changes, why):
+    from core.recording import header_for, spec_from_header
+
+    header = header_for(tiny_spec(), "cpu", {"attention": "gqa:2"}, "test")
+    assert spec_from_header(header).num_layers == 4
+    header["model"].update(changes)
+    with pytest.raises(RecordingError, match=re.escape(why)):
+        spec_from_header(header)

@@ -7,7 +7,8 @@ import pytest
 from core.predict import kv_bytes, max_context_that_fits, predict
 from core.settings import RunSettings
 from core.spec import human_bytes, load_spec
-from ui.calculator import CalculatorTab, attention_choices, kv_formula
+from core.settings import attention_choices
+from ui.calculator import CalculatorTab, kv_formula
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +83,25 @@ def test_a_bad_combination_shows_a_message_not_a_traceback(calc):
 
 
 def test_attention_choices_run_from_most_to_least_kv(llama):
-    assert attention_choices(llama) == ["mha", "gqa:16", "gqa:8", "gqa:4", "gqa:2", "mqa", "mla", "window:4096"]
+    assert attention_choices(llama) == ("mha", "gqa:16", "gqa:8", "gqa:4", "gqa:2", "mqa", "mla", "window:4096",
+                                        "window:256")
+
+
+def test_one_list_of_choices_per_axis_for_engine_window_and_calculator():
+    """The window before a model loads, the engine's ModelInfo and the calculator all read these."""
+    from dataclasses import replace
+
+    from core.settings import CACHE_KEYS, cache_choices, window_choices
+    from core.spec import load_spec
+
+    embedded, mistral = load_spec("embedded"), load_spec("mistral-7b")
+    assert window_choices(embedded) == [256]  # 4,096-token context: a 4K window would be the whole of it
+    assert attention_choices(mistral)[-2:] == ("window:4096", "window:256")  # its own window, and the demo's
+    assert window_choices(mistral) == [4096, 256]
+    assert window_choices(replace(embedded, max_position_embeddings=64)) == [16]
+    assert [k for k, _ in cache_choices()] == list(CACHE_KEYS)
+    assert dict(cache_choices())["offloaded"] == "needs CUDA" and dict(cache_choices("cuda:0"))["offloaded"] is None
+    assert dict(cache_choices())["quantized:4"] is None  # optimum-quanto is installed here (make setup)
 
 
 def test_model_loads_in_the_background(qtbot):

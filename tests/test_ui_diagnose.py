@@ -10,7 +10,7 @@ import threading
 import pytest
 from PySide6.QtCore import QSettings
 
-from core.generate import RunRequest
+from core.request import RunRequest
 from core.probes import MemoryProbe, MemoryReading
 from core.recording import RecordingReader
 from core.sample import PHASE_EVENT
@@ -19,7 +19,7 @@ from core.spikes import CAUSE_SWITCH
 from tests.fake_pynvml import NVML_ERROR_DRIVER_NOT_LOADED, FakeGpu, FakeNvml
 from ui.diagnose import GpuProcessesPanel, GpuProcessPoller, format_duration
 from ui.main_window import MainWindow
-from ui.synthetic import synthetic_samples
+from tests.synthetic import synthetic_samples
 from ui.theme import theme
 from tests.helpers import run_in_window
 
@@ -266,7 +266,7 @@ def test_closing_the_window_stops_every_thread(qtbot, settings):
 
 def test_engine_host_shutdown_ends_process_and_reader(qtbot):
     """What the application's quit does to the engine: the process exits, its reader thread ends."""
-    from workers.host import EngineHost
+    from workers.engine_link import EngineHost
 
     host = EngineHost()
     with qtbot.waitSignal(host.message, timeout=120_000, check_params_cb=lambda kind, *_: kind == "ready"):
@@ -291,7 +291,7 @@ def test_an_engine_that_cannot_start_fails_the_run_once_and_is_not_restarted_in_
     """The engine dies before it is ready: the run ends with one line naming the exit code, and the
     host does not respawn it by itself (a broken install must not become a process storm)."""
     from tests.helpers import engine_that_cannot_start
-    from workers.host import EngineHost, HostedGenerationController
+    from workers.engine_link import EngineHost, HostedGenerationController
 
     host = EngineHost(target=engine_that_cannot_start)
     controller = HostedGenerationController(host=host)
@@ -304,3 +304,26 @@ def test_an_engine_that_cannot_start_fails_the_run_once_and_is_not_restarted_in_
     qtbot.wait(1_500)
     assert host.starts <= 2 and not host.is_alive()  # the one at construction and the run's, no more
     host.shutdown()
+
+
+def test_repeated_growth_spikes_are_one_row_that_counts_them(qtbot):
+    """Issue 12, item 5: one row per dynamic-cache growth step flooded the table; a run of spikes of one
+    cause is one row with a count and the total rise, and anything in between starts a new row."""
+    from core.spikes import Spike
+    from tests.synthetic import synthetic_samples as samples
+    from ui.diagnose import EventsTable
+
+    table = EventsTable(theme("dark"))
+    qtbot.addWidget(table)
+    growth = "dynamic-cache growth: the cache concatenates per layer"
+    for k in range(10):
+        table.add_spike(Spike(1.0 + k, "process", 4 << 20, (100 + 4 * k) << 20, (104 + 4 * k) << 20, growth), 10 * k)
+    assert table.rowCount() == 1 and table.rows[0].kind == "spikes \u00d710 (this process)"
+    assert table.item(0, 3).text() == "+40.0 MiB" and "100.0 MiB \u2192 140.0 MiB (until token 90)" in table.rows[0].detail
+    switch = next(s for s in samples(30, switches={20: "mqa"}) if s.is_event).replace(time_s=20.0)
+    table.add_event(switch)
+    table.add_spike(Spike(21.0, "process", 4 << 20, 140 << 20, 144 << 20, growth), 200)
+    table.add_spike(Spike(22.0, "process", 8 << 20, 144 << 20, 152 << 20, "mode switch"), 210)
+    assert [r.kind for r in table.rows] == ["spikes \u00d710 (this process)", "switch", "spike (this process)",
+                                            "spike (this process)"]
+    assert table.rowCount() == 4

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from core.sample import Sample
-from ui.plots import BytesAxis, LivePlots, error_percent
+from ui.plots import BytesAxis, LivePlots, error_percent, format_count, format_slope
 from ui.ringbuffer import RingBuffer
-from ui.synthetic import synthetic_samples
+from tests.synthetic import synthetic_samples
 
 
 @pytest.fixture
@@ -101,6 +101,22 @@ def test_bytes_axis_labels_in_binary_units(qtbot):
     assert axis.tickStrings([512 * 1024, 768 * 1024], 1, 256 * 1024) == ["512 KiB", "768 KiB"]
 
 
+@pytest.mark.parametrize("top, size", [(s * 1024**u, px) for u in (0, 1, 2, 3, 4) for s in (0.3, 1, 2.2, 9, 11, 37, 700)
+                                        for px in (90, 170, 260, 400, 640)])
+def test_every_byte_tick_label_is_exactly_its_value(top, size):
+    """Issue 12, item 3: whatever step the axis picks (1, 2, 2.5, 5 x 10^k), each label reads back as
+    the tick's value in its unit (2.5 steps once printed 2/5/8 MiB), and labels are all different."""
+    axis = BytesAxis(orientation="left")
+    (major, _), _minor = axis.tickSpacing(0, top, size)
+    values = [major * k for k in range(1, int(top / major) + 1)]
+    labels = axis.tickStrings(values, 1, major)
+    assert len(set(labels)) == len(labels)
+    for value, label in zip(values, labels):
+        number, unit = label.split(" ")
+        scale = 1024 ** ["B", "KiB", "MiB", "GiB", "TiB"].index(unit)
+        assert float(number) * scale == pytest.approx(value, rel=1e-9), (label, value / scale)
+
+
 def test_error_percent_none_when_not_available():
     assert error_percent(None, 10) is None
     assert error_percent(10, 0) is None
@@ -157,3 +173,31 @@ def test_device_curve_draws_what_pyqtgraph_draws(qtbot, style):
     assert inked.sum() > 1000  # the curve (and fill) is there
     differ = (np.abs(a - b).max(axis=2) > 40).sum() / inked.sum()
     assert differ < 0.05, f"{differ:.1%} of the drawn pixels differ"
+
+
+def test_slopes_and_counts_read_as_numbers():
+    """Issue 12, item 6: no '+-19.9 KiB / token', no '0.00 B parameters' for a 3.4 M model."""
+    assert format_slope(131072) == "+128.0 KiB / token"
+    assert format_slope(-20378) == "\u221219.9 KiB / token"
+    assert format_slope(0) == "+0 B / token"
+    assert format_count(3_426_560) == "3.43 M" and format_count(8_030_261_248) == "8.03 B"
+    assert format_count(671_026_404_352) == "671.03 B" and format_count(950) == "950"
+
+
+def test_spike_labels_never_overlap_and_the_largest_keep_theirs(plots, qtbot):
+    """Issue 12, item 5: 60 spikes within 6 s (a switch storm) on a 1000 px plot: every triangle stays,
+    the labels shown do not overlap on screen, the largest spike's label is among them, and zooming
+    in on a second shows labels that were hidden."""
+    plots.add_samples(synthetic_samples(200, tokens_per_s=20.0))
+    marks = [plots.add_spike(1.0 + k * 0.1, 300 * 2**20, (k % 7 + 1) * 2**20, "test") for k in range(60)]
+    plots.redraw()
+    qtbot.wait(10)
+    shown = [m for m in marks if m.items[2].isVisible()]
+    assert 2 <= len(shown) < 60 and all(m.items[1].isVisible() for m in marks)
+    assert any(m.rise == max(x.rise for x in marks) for m in shown)  # the largest keep their labels
+    rects = sorted((m.items[2].sceneBoundingRect() for m in shown), key=lambda r: r.left())
+    for a, b in zip(rects, rects[1:]):
+        assert a.right() <= b.left() + 1, (a, b)
+    plots.mem_plot.getViewBox().setXRange(2.0, 3.0, padding=0)
+    zoomed = plots.declutter_spike_labels()
+    assert zoomed > sum(1 for m in shown if 2.0 <= m.time_s <= 3.0)

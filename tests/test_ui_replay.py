@@ -145,3 +145,42 @@ def test_first_start_offers_the_demo_without_blocking(qtbot, tmp_path):
 def test_demo_recording_header_is_readable():
     header = json.loads(DEMO.read_text(encoding="utf-8").splitlines()[0])
     assert header["format"] == "kvscope-recording"
+
+
+def _observed_pixels(png) -> int:
+    """Pixels of the observed-KV colour (dark theme) in a screenshot."""
+    import numpy as np
+    from PySide6.QtGui import QImage
+
+    image = QImage(str(png)).convertToFormat(QImage.Format.Format_RGB32)
+    pixels = np.frombuffer(image.constBits(), dtype=np.uint8).reshape(image.height(), image.bytesPerLine() // 4, 4)
+    blue, green, red = (pixels[..., i].astype(int) for i in range(3))
+    return int(((abs(red - 0x56) < 24) & (abs(green - 0xB4) < 24) & (abs(blue - 0xE9) < 24)).sum())
+
+
+def test_size_and_scale_make_a_projector_screenshot_with_lines_in_logical_pixels(tmp_path):
+    """Issue 12, item 4: `--size WxH --scale F` renders a scaled display, and curves are as thick in
+    logical pixels as on a plain one (they were 1-device-pixel hairlines at 200%: the observed line
+    then covered twice, not four times, the pixels of the 100% picture)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    counts = {}
+    for scale in (1, 2):
+        png = tmp_path / f"x{scale}.png"
+        out = subprocess.run([sys.executable, "main.py", "replay", str(demo_recording_path()), "--speed", "50",
+                              "--screenshot", str(png), "--size", "1280x720", "--scale", str(scale)],
+                             cwd=root, env=dict(os.environ, QT_QPA_PLATFORM="offscreen"), capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        width, height, _ = image_stats(png)
+        assert (width, height) == (1280 * scale, 720 * scale)
+        counts[scale] = _observed_pixels(png)
+    assert counts[1] > 500 and 3.2 < counts[2] / counts[1] < 4.8, counts
+    bad = subprocess.run([sys.executable, "main.py", "replay", str(demo_recording_path()), "--screenshot",
+                          str(tmp_path / "bad.png"), "--size", "1280by720"], cwd=root, capture_output=True, text=True,
+                         env=dict(os.environ, QT_QPA_PLATFORM="offscreen"), timeout=60)
+    assert bad.returncode == 2 and "write WxH" in bad.stderr

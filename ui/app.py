@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import sys
+import threading
 import time
 from dataclasses import replace
 
@@ -11,15 +14,51 @@ from ui.selftest import self_test  # noqa: F401 - main.py --self-test calls ui.a
 
 #: How long a --screenshot run may take before it gives up (loading included).
 SCREENSHOT_TIMEOUT_S = 600.0
+#: How much longer a replay --screenshot's watchdog waits, past the timeout, for the window to
+#: stop, draw and save, before it ends the process itself (``_watchdog``).
+WATCHDOG_GRACE_S = 60.0
+
+
+#: What Qt's X11 platform plugin (xcb) loads, with the Debian/Ubuntu package of each. Qt aborts the
+#: process when one is missing ("could not load the Qt platform plugin"); KV Scope names them first.
+XCB_LIBRARIES = (
+    ("libxcb-cursor.so.0", "libxcb-cursor0"), ("libxkbcommon-x11.so.0", "libxkbcommon-x11-0"),
+    ("libxcb-icccm.so.4", "libxcb-icccm4"), ("libxcb-keysyms.so.1", "libxcb-keysyms1"),
+    ("libxcb-render-util.so.0", "libxcb-render-util0"), ("libxcb-image.so.0", "libxcb-image0"),
+    ("libxcb-shape.so.0", "libxcb-shape0"), ("libxcb-randr.so.0", "libxcb-randr0"),
+    ("libxcb-xkb.so.1", "libxcb-xkb1"), ("libEGL.so.1", "libegl1"), ("libfontconfig.so.1", "libfontconfig1"),
+)
+
+
+def display_problem(required: tuple[tuple[str, str], ...] = XCB_LIBRARIES) -> str | None:
+    """Why no window can be shown here (None when one can): no display on Linux, or system libraries
+    that Qt's X11 plugin needs and cannot load (named, with the packages that provide them)."""
+    platform = os.environ.get("QT_QPA_PLATFORM", "")
+    if platform.startswith(("offscreen", "minimal", "vnc")):
+        return None
+    if not (sys.platform.startswith("linux") or "bsd" in sys.platform):
+        return None  # Windows and macOS always have a window system
+    if not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")):
+        return "no display found (DISPLAY/WAYLAND_DISPLAY unset)"
+    if platform.startswith("wayland") or (not platform and not os.environ.get("DISPLAY")):
+        return None
+    import ctypes
+
+    missing = []
+    for soname, package in required:
+        try:
+            ctypes.CDLL(soname)
+        except OSError:
+            missing.append((soname, package))
+    if not missing:
+        return None
+    return (f"the window needs system libraries that are missing: {', '.join(s for s, _ in missing)} "
+            f"(Debian/Ubuntu: sudo apt-get install {' '.join(p for _, p in missing)})")
 
 
 def has_display() -> bool:
-    """Whether a window can be shown: on Linux a DISPLAY/WAYLAND_DISPLAY, or Qt's offscreen platform."""
-    if os.environ.get("QT_QPA_PLATFORM", "").startswith(("offscreen", "minimal", "vnc")):
-        return True
-    if sys.platform.startswith("linux") or "bsd" in sys.platform:
-        return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
-    return True  # Windows and macOS always have a window system
+    """Whether a window can be shown here (see ``display_problem``)."""
+    return display_problem() is None
 
 
 def _application():
@@ -66,13 +105,14 @@ def run_window(request=None, screenshot: str | None = None, tokens: int | None =
     to ``screenshot`` and return 0 (1 if the run failed; the PNG then shows the error).
     """
     app = _application()
-    from PySide6.QtCore import QEventLoop, QSettings, QTimer
+    from PySide6.QtCore import QEventLoop, QTimer
 
     from ui.main_window import MainWindow
 
+    throwaway = None
     if screenshot is not None and settings is None:
         # A screenshot must not depend on (or change) the user's remembered window and settings.
-        settings = _screenshot_settings()
+        settings = throwaway = _screenshot_settings()
     window = MainWindow(settings=settings)
     if screenshot is not None:
         window.resize(*(size or (1600, 1000)))
@@ -88,7 +128,7 @@ def run_window(request=None, screenshot: str | None = None, tokens: int | None =
             window.start_run(request)
         return app.exec()
 
-    from core.generate import RunRequest
+    from core.request import RunRequest
 
     request = request or RunRequest()
     if tokens is not None:
@@ -114,16 +154,24 @@ def run_window(request=None, screenshot: str | None = None, tokens: int | None =
         loop.exec()
         code = 0
     timer.stop()
-    return _finish_screenshot(app, window, screenshot, code, outcome["timeout"])
+    return _finish_screenshot(app, window, screenshot, code, outcome["timeout"], throwaway=throwaway)
 
 
-def _finish_screenshot(app, window, screenshot: str, code: int, timed_out: bool, extra=lambda: "") -> int:
-    """Stop the window's work, draw everything, save the PNG and say so. Returns the exit status."""
+def _finish_screenshot(app, window, screenshot, code: int, timed_out: bool, extra=lambda: "", *,
+                       throwaway=None) -> int:
+    """Stop the window's work, draw everything, save the PNG and say so. Returns the exit status.
+
+    ``screenshot``: a path, or a ``core.outputs.Output`` main.py checked (``-``: the PNG goes to
+    standard output and the "saved" line to stderr). ``throwaway``: the QSettings of
+    ``_screenshot_settings``, deleted once the window is closed.
+    """
+    from core.outputs import display_path
+
     window.shutdown()
     # Drain the queued samples and the finished signal, then draw every curve and number.
     _settle(app, window)
     if timed_out:
-        print(f"kvscope: gave up after {SCREENSHOT_TIMEOUT_S:.0f} s with {window.decode_tokens} tokens",
+        print(f"kvscope: gave up after {SCREENSHOT_TIMEOUT_S:g} s with {window.decode_tokens} tokens",
               file=sys.stderr)
         code = 2
     elif window.last_error:
@@ -133,21 +181,84 @@ def _finish_screenshot(app, window, screenshot: str, code: int, timed_out: bool,
         path = window.save_screenshot(screenshot)
     finally:
         window.close()
+        if throwaway is not None:
+            _discard_settings(throwaway)
     if path is None:
-        print(f"kvscope: could not save {screenshot}: {window.error_label.text()}", file=sys.stderr)
+        print(f"kvscope: could not save {display_path(str(screenshot))}: {window.error_label.text()}",
+              file=sys.stderr)
         return 1
-    print(f"saved {path} ({window.decode_tokens} tokens, {window.switch_events} switches{extra()})")
+    to_stdout = str(path) == "-"
+    shown = "the PNG to standard output" if to_stdout else display_path(path)
+    print(f"saved {shown} ({window.decode_tokens} tokens, {window.switch_events} switches{extra()})",
+          file=sys.stderr if to_stdout else sys.stdout)
     return code
 
 
 def _screenshot_settings():
-    """Throwaway settings for a --screenshot window: never the user's, and no first-start banner."""
+    """Throwaway settings for a --screenshot window: never the user's, and no first-start banner.
+
+    A fresh temporary INI file (``kvscope-screenshot-<pid>-*.ini`` in the temp folder), removed by
+    ``_discard_settings`` when the screenshot is done, and at exit should anything fail before.
+    Files a killed process left behind are removed by the next one (``_remove_stale_settings``).
+    """
+    import atexit
+    import tempfile
+
     from PySide6.QtCore import QSettings
 
-    settings = QSettings(os.path.join(_temp_dir(), f"kvscope-screenshot-{os.getpid()}.ini"), QSettings.Format.IniFormat)
+    _remove_stale_settings()
+    fd, path = tempfile.mkstemp(prefix=f"kvscope-screenshot-{os.getpid()}-", suffix=".ini", dir=_temp_dir())
+    os.close(fd)
+    atexit.register(_remove_settings_file, path)
+    settings = QSettings(path, QSettings.Format.IniFormat)
     settings.clear()
     settings.setValue("app/first_start_done", True)
     return settings
+
+
+_SETTINGS_NAME = re.compile(r"^kvscope-screenshot-(\d+)(-[A-Za-z0-9_]+)?\.ini(\.lock)?$")
+
+
+def _remove_stale_settings() -> None:
+    """Delete ``kvscope-screenshot-<pid>[-*].ini`` files in the temp folder whose process is gone.
+
+    Ours only (same owner), and only with a pid that is not running: a --screenshot killed before
+    it could clean up, and the files older versions never removed (``kvscope-screenshot-<pid>.ini``).
+    """
+    import psutil
+
+    folder = _temp_dir()
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    for name in names:
+        m = _SETTINGS_NAME.match(name)
+        if m is None or int(m.group(1)) == os.getpid():
+            continue
+        path = os.path.join(folder, name)
+        try:
+            if (uid is not None and os.lstat(path).st_uid != uid) or psutil.pid_exists(int(m.group(1))):
+                continue
+            os.remove(path)
+        except (OSError, ValueError):
+            pass
+
+
+def _remove_settings_file(path: str) -> None:
+    for name in (path, path + ".lock"):  # QSettings locks the file with a sibling while it syncs
+        try:
+            os.remove(name)
+        except OSError:
+            pass
+
+
+def _discard_settings(settings) -> None:
+    """Write out a throwaway QSettings (nothing left pending for its destructor to write later), then delete its file."""
+    path = settings.fileName()
+    settings.sync()
+    _remove_settings_file(path)
 
 
 def run_replay(path: str, speed: float = 1.0, screenshot: str | None = None, *, presenter: bool = False,
@@ -155,18 +266,21 @@ def run_replay(path: str, speed: float = 1.0, screenshot: str | None = None, *, 
     """Play the recording at ``path`` in the window, ``speed`` times its recorded pace.
 
     Without ``screenshot`` the window stays open (returns the event loop's exit code). With it:
-    play to the end, let the plots settle, save a PNG of the window and return 0. A file that is
-    not a readable recording prints one line on stderr and returns 2 before any window opens; a
-    recording with damaged or cut-off lines still plays what it can, says so in one line, and
-    returns 1.
+    play to the end as fast as the window takes the samples (a PNG shows the end, so ``speed`` is
+    not waited for), let the plots settle, save a PNG of the window and return 0. A file that is
+    not a readable recording (its header, model included, is checked) prints one line on stderr
+    and returns 2 before any window opens; a recording with damaged or cut-off lines still plays
+    what it can, says so in one line, and returns 1. A replay still running after
+    ``SCREENSHOT_TIMEOUT_S`` is stopped, says so and returns 2; should the window stop answering
+    (so that no timer can fire), a watchdog thread ends the process with status 2 shortly after.
     """
-    from core.recording import RecordingError, read_header
+    from core.recording import RecordingError, read_header, spec_from_header
 
     if not speed or speed <= 0:
         print("kvscope: the replay speed must be positive", file=sys.stderr)
         return 2
     try:
-        read_header(path)
+        spec_from_header(read_header(path))
     except (RecordingError, OSError) as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"kvscope: {message}", file=sys.stderr)
@@ -176,9 +290,10 @@ def run_replay(path: str, speed: float = 1.0, screenshot: str | None = None, *, 
 
     from ui.main_window import MainWindow
 
+    throwaway = None
     if screenshot is not None and settings is None:
-        settings = _screenshot_settings()
-    window = MainWindow(settings=settings)
+        settings = throwaway = _screenshot_settings()
+    window = MainWindow(settings=settings, start_engine=False)
     if screenshot is not None or size:
         window.resize(*(size or (1600, 1000)))
     if presenter:
@@ -195,14 +310,37 @@ def run_replay(path: str, speed: float = 1.0, screenshot: str | None = None, *, 
     timer.setSingleShot(True)
     timer.timeout.connect(lambda: (outcome.__setitem__("timeout", True), loop.quit()))
     timer.start(int(SCREENSHOT_TIMEOUT_S * 1000))
-    code = 0
-    if not window.open_recording(path, speed=speed):
-        code = 1
-    else:
-        loop.exec()
-    timer.stop()
-    return _finish_screenshot(app, window, screenshot, code, outcome["timeout"],
-                              lambda: f", {window.spike_count} spikes")
+    watchdog = _watchdog(SCREENSHOT_TIMEOUT_S + WATCHDOG_GRACE_S, lambda: f"{window.decode_tokens} tokens")
+    try:
+        code = 0
+        if not window.open_recording(path, speed=math.inf):
+            code = 1
+        else:
+            loop.exec()
+        timer.stop()
+        return _finish_screenshot(app, window, screenshot, code, outcome["timeout"],
+                                  lambda: f", {window.spike_count} spikes", throwaway=throwaway)
+    finally:
+        watchdog.cancel()
+
+
+def _watchdog(seconds: float, progress) -> threading.Timer:
+    """The last resort behind a --screenshot's QTimer, which cannot fire while the GUI thread is busy
+    (a layout that never ends, a blocking call): after ``seconds`` a thread prints one line and ends
+    the process with status 2. ``progress()`` says how far it got (read from that thread: a plain
+    attribute, no Qt call). Cancel it when the screenshot is done."""
+
+    def fire() -> None:
+        try:
+            print(f"kvscope: gave up after {seconds:g} s (the window stopped responding) with {progress()}",
+                  file=sys.stderr, flush=True)
+        finally:
+            os._exit(2)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def _temp_dir() -> str:

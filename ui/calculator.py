@@ -19,7 +19,6 @@ from PySide6.QtWidgets import (
     QComboBox,
     QFileDialog,
     QFormLayout,
-    QFrame,
     QGridLayout,
     QGroupBox,
     QHBoxLayout,
@@ -31,13 +30,13 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from core.attention import SettingsError, native_attention, parse_attention
+from core.attention import native_attention, parse_attention
 from core.caches import kv_layout, parse_cache
 from core.predict import kv_bytes, kv_elem_bytes, max_context_that_fits, predict
-from core.settings import RunSettings, effective_spec
-from core.hf import freeze_long_lived
+from core.settings import RunSettings, attention_choices, effective_spec
+from core.longlived import freeze_long_lived
 from core.spec import ModelSpec, SpecError, human_bytes, load_spec, parse_size, preset_names
-from ui.plots import BytesAxis, format_tokens
+from ui.plots import BytesAxis, format_count, format_tokens
 from ui.theme import Theme, theme as make_theme
 
 log = logging.getLogger(__name__)
@@ -51,18 +50,6 @@ MEMORY_CHOICES = ("8 GiB  laptop GPU", "12 GiB  RTX 4070", "16 GiB  RTX 4080", "
 MIN_CONTEXT_CEILING = 128 * 1024  # the slider reaches at least 128K, beyond a shorter model's max (flagged)
 SLIDER_STEPS = 1000
 CHART_POINTS = 72
-
-
-def attention_choices(spec: ModelSpec) -> list[str]:
-    """Attention modes for a model, from the most KV to the least: mha, gqa:N (N descending), mqa, mla, window."""
-    out = ["mha"]
-    out += [f"gqa:{n}" for n in sorted(spec.gqa_group_counts(), reverse=True) if 1 < n < spec.num_query_heads]
-    out += ["mqa", "mla"]
-    out.append(f"window:{spec.sliding_window or 4096}")
-    native = native_attention(spec).key
-    if native not in out:
-        out.insert(0, native)
-    return out
 
 
 def kv_formula(spec: ModelSpec, settings: RunSettings, tokens: int) -> str:
@@ -350,7 +337,7 @@ class CalculatorTab(QWidget):
 
         self.chart = pg.PlotWidget(axisItems={"left": BytesAxis(orientation="left"),
                                               "bottom": TokensLog2Axis(orientation="bottom")})
-        self.chart.setMinimumHeight(260)
+        self.chart.setMinimumHeight(180)  # the whole tab fits 1280x720 (else it scrolls)
         self.chart.setToolTip("Predicted memory vs context (log scale), stacked: weights, KV cache, activation "
                               "peak. Horizontal line: the GPU's memory. Vertical lines: this context, the "
                               "largest that fits and the model's trained maximum.")
@@ -466,11 +453,11 @@ class CalculatorTab(QWidget):
         current = min(self._context_values, key=lambda v: abs(v - (current or 4096)))
         self.context.set_values(self._context_values, lambda v: f"{format_tokens(v)} tokens", current)
         self.dtype.set_values(list(WEIGHT_DTYPES), str, spec.dtype if spec.dtype in WEIGHT_DTYPES else "bfloat16")
-        choices = attention_choices(spec)
+        choices = list(attention_choices(spec))
         self.attention.set_values(choices, str, native_attention(spec).key)
         self.model_status.setText(
             f"{spec.label}: {spec.num_layers} layers, {spec.num_query_heads} query / {spec.num_kv_heads} KV heads "
-            f"of {spec.head_dim}, {spec.num_parameters / 1e9:.2f} B parameters, trained to "
+            f"of {spec.head_dim}, {format_count(spec.num_parameters)} parameters, trained to "
             f"{format_tokens(spec.max_position_embeddings)} tokens")
         self._chart_key = None
         self.spec_loaded.emit(spec)

@@ -22,7 +22,7 @@ from PySide6.QtGui import QBrush, QColor, QFont
 from PySide6.QtWidgets import QAbstractItemView, QHeaderView, QLabel, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget
 
 from core.forecast import Forecast, budget_forecast, estimate_bytes_per_token, forecast_oom
-from core.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
+from core.sample import PHASE_DECODE, PHASE_PREFILL, Sample
 from core.spec import human_bytes
 from core.spikes import EVENT_DECODE, EVENT_LOAD, EVENT_OOM, EVENT_PREFILL, EVENT_STATIC_PREALLOC, EVENT_SWITCH, Event, Spike
 from workers.threaded import return_to_main_thread
@@ -183,6 +183,7 @@ class EventsTable(QTableWidget):
         super().__init__(0, len(self.HEADERS), parent)
         self.theme = theme
         self.rows: list[EventRow] = []
+        self._spike_group: dict | None = None  # the newest spike row, while later spikes of its kind join it
         self.setHorizontalHeaderLabels(self.HEADERS)
         self.verticalHeader().setVisible(False)
         self.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
@@ -192,6 +193,9 @@ class EventsTable(QTableWidget):
         header = self.horizontalHeader()
         for i in range(len(self.HEADERS) - 1):
             header.setSectionResizeMode(i, QHeaderView.ResizeMode.ResizeToContents)
+        # Size columns from the rows in view only: measuring all of them on every new row made each
+        # event cost more than the last (thousands of events in a recording took minutes).
+        header.setResizeContentsPrecision(0)
         header.setStretchLastSection(True)
         self.setToolTip("What the run did (load, prefill, every switch, refused switches, forecasts, budget, out of "
                         "memory)\nand every spike in memory the sampler saw, with its likely cause.")
@@ -236,12 +240,35 @@ class EventsTable(QTableWidget):
         self.add(EventRow(s.time_s, s.token, EVENT_NAMES.get(kind, kind), size, s.text), color)
 
     def add_spike(self, spike: Spike, token: int | None) -> None:
+        """A spike as a row; a run of spikes of one cause on one series (dynamic-cache growth, step
+        after step) is one row that counts them, not one row each."""
         series = {"process": "this process", "device": "whole GPU"}.get(spike.series, spike.series)
-        self.add(EventRow(spike.time_s, token, f"spike ({series})", f"+{human_bytes(spike.rise_bytes)}",
-                          f"{spike.cause} \u00b7 {human_bytes(spike.before)} \u2192 {human_bytes(spike.after)}"),
-                 self.theme.warning)
+        group = self._spike_group
+        last = self.rows[-1] if self.rows else None
+        if (group is not None and last is group["row"] and group["key"] == (spike.series, spike.cause)
+                and spike.time_s >= last.time_s):
+            group["count"] += 1
+            group["rise"] += spike.rise_bytes
+            r = len(self.rows) - 1
+            until = f" (until token {token})" if token is not None else ""
+            merged = EventRow(last.time_s, last.token, f"spikes \u00d7{group['count']} ({series})",
+                              f"+{human_bytes(group['rise'])}", f"{spike.cause} \u00b7 {human_bytes(group['before'])} "
+                                                               f"\u2192 {human_bytes(spike.after)}{until}")
+            self.rows[r] = group["row"] = merged
+            for c, text in ((2, merged.kind), (3, merged.size), (4, merged.detail)):
+                item = self.item(r, c)
+                item.setText(text)
+                if c == 4:
+                    item.setToolTip(text)
+            return
+        row = EventRow(spike.time_s, token, f"spike ({series})", f"+{human_bytes(spike.rise_bytes)}",
+                       f"{spike.cause} \u00b7 {human_bytes(spike.before)} \u2192 {human_bytes(spike.after)}")
+        self.add(row, self.theme.warning)
+        self._spike_group = {"row": row, "key": (spike.series, spike.cause), "count": 1,
+                             "rise": spike.rise_bytes, "before": spike.before}
 
     def clear_rows(self) -> None:
+        self._spike_group = None
         self.rows.clear()
         self.setRowCount(0)
 

@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from PySide6.QtCore import QSettings, Qt, QTimer, Signal
-from PySide6.QtGui import QAction, QActionGroup, QColor, QKeySequence, QShortcut, QTextCharFormat, QTextCursor
+from PySide6.QtGui import QAction, QActionGroup, QColor, QGuiApplication, QKeySequence, QShortcut, QTextCharFormat, QTextCursor
 from PySide6.QtWidgets import (
     QComboBox,
     QFileDialog,
@@ -41,8 +41,8 @@ from PySide6.QtWidgets import (
 from core.attention import parse_attention
 from core.caches import parse_cache
 from core.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
-from core.settings import RunSettings, parse_attn_impl
-from core.spec import SpecError, human_bytes, parse_size
+from core.settings import ATTN_IMPLS, RunSettings, attention_choices, cache_choices, parse_attn_impl
+from core.spec import SpecError, human_bytes, load_spec, parse_size
 from core.spikes import EVENT_LOAD, Event, SpikeMonitor
 from ui.calculator import CalculatorTab
 from ui.diagnose import (OOM_WARN_S, EventsTable, GpuProcessesPanel, GpuProcessPoller, oom_forecast, reading_from_sample,
@@ -57,12 +57,9 @@ log = logging.getLogger(__name__)
 ORG, APP = "KVScope", "KV Scope"
 REDRAW_HZ = 30
 STATS_MS = 1000
-DEFAULT_ATTENTION = ("mha", "gqa:4", "gqa:2", "mqa", "mla", "window:256")
-DEFAULT_CACHES = (("dynamic", None), ("static", None), ("quantized:4", None), ("quantized:2", None),
-                  ("quantized:hqq:4", None), ("quantized:fp8", None), ("offloaded", "needs CUDA"))
-IMPLS = ("eager", "sdpa", "flash")
 SOURCES = ("embedded", "folder", "hub")
-MARKED_EVENTS = ("switch", "oom", "budget", "error")
+#: Column widths (logical px) that let the window fit 1280x720 with every control reachable.
+CONTROLS_MIN_W, RIGHT_MIN_W, RIGHT_MAX_W = 300, 200, 420
 SAMPLER_RATES = (5.0, 10.0, 20.0, 50.0, 100.0)
 DEFAULT_SAMPLER_HZ = 20.0
 #: Readings reach the spike monitor this late, so the run's events (which arrive in their own
@@ -70,7 +67,41 @@ DEFAULT_SAMPLER_HZ = 20.0
 SPIKE_LAG_S = 0.3
 #: After a run ends the memory plot keeps taking readings this long (the drop when memory is freed).
 READINGS_TAIL_S = 2.0
+#: The longest paragraph the text view is given (characters); longer streams are cut into paragraphs.
+TEXT_BLOCK_CHARS = 2048
 KEYS_HELP = "1\u20135 attention \u00b7 F flash \u00b7 C cache \u00b7 Space pause \u00b7 F11 presenter \u00b7 Ctrl+S screenshot"
+
+
+def _insert_bounded(cursor: QTextCursor, text: str, fmt: QTextCharFormat, block_len: int) -> int:
+    """Insert ``text`` at ``cursor`` (the end of the text view), starting a new paragraph whenever the
+    current one (``block_len`` characters so far) would pass TEXT_BLOCK_CHARS: at the last space in
+    reach if there is one near the limit, else at the limit. Returns the last paragraph's length."""
+    pos = 0
+    while pos < len(text):
+        if block_len >= TEXT_BLOCK_CHARS:
+            cursor.insertBlock()
+            block_len = 0
+        room = TEXT_BLOCK_CHARS - block_len
+        piece = text[pos:pos + room]
+        cut = len(piece) == room and pos + room < len(text) and "\n" not in piece
+        if cut:
+            space = piece.rfind(" ", room * 3 // 4)
+            if space > 0:
+                piece = piece[:space + 1]
+        cursor.insertText(piece, fmt)
+        newline = piece.rfind("\n")
+        block_len = len(piece) - newline - 1 if newline >= 0 else block_len + len(piece)
+        if cut:
+            block_len = TEXT_BLOCK_CHARS  # this paragraph is full: the rest starts the next one
+        pos += len(piece)
+    return block_len
+
+
+def _default_attention_choices() -> tuple[str, ...]:
+    try:
+        return attention_choices(load_spec("embedded"))
+    except SpecError:  # a damaged install: the keys still offer the plain modes
+        return ("mha", "mqa")
 
 
 def demo_recording_path() -> Path:
@@ -79,12 +110,43 @@ def demo_recording_path() -> Path:
     return base / "assets" / "demo" / "demo.jsonl"
 
 
-def _controller_class():
-    """The generation controller: the engine host process by default, a thread of this process with
-    KVSCOPE_ENGINE=thread (imports torch: done once, when the window is built)."""
-    from workers.host import controller_class
+def _make_controller(parent: QWidget, warm: bool):
+    """The generation controller: the engine host process by default (started now when ``warm``,
+    else at the first run), a thread of this process with KVSCOPE_ENGINE=thread (imports torch:
+    done once, when the window is built)."""
+    from workers.engine_link import HostedGenerationController, controller_class
 
-    return controller_class()
+    cls = controller_class()
+    return cls(parent, warm=warm) if cls is HostedGenerationController else cls(parent)
+
+
+class ElidedLabel(QLabel):
+    """One line of text, cut with an ellipsis where it does not fit; ``text()`` stays the whole text."""
+
+    def __init__(self, text: str = "", parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self._full = ""
+        self.setText(text)
+
+    def setText(self, text: str) -> None:  # noqa: N802 - Qt's name
+        self._full = str(text)
+        self._elide()
+
+    def text(self) -> str:
+        return self._full
+
+    def resizeEvent(self, event) -> None:  # noqa: N802 - Qt's name
+        super().resizeEvent(event)
+        self._elide()
+
+    def changeEvent(self, event) -> None:  # noqa: N802 - a new font (presenter mode, theme) re-elides
+        super().changeEvent(event)
+        self._elide()
+
+    def _elide(self) -> None:
+        shown = self.fontMetrics().elidedText(self._full, Qt.TextElideMode.ElideRight, max(self.width(), 1))
+        if shown != super().text():
+            super().setText(shown)
 
 
 class MainWindow(QMainWindow):
@@ -93,7 +155,10 @@ class MainWindow(QMainWindow):
     samples_added = Signal(int)  # decode tokens so far, after each batch
     run_finished = Signal()
 
-    def __init__(self, settings: QSettings | None = None, controller=None, parent: QWidget | None = None) -> None:
+    def __init__(self, settings: QSettings | None = None, controller=None, parent: QWidget | None = None,
+                 start_engine: bool = True) -> None:
+        """``start_engine`` False (a replay) starts the engine process and the memory sampler only
+        when a live run starts: a replay loads no model and needs neither."""
         super().__init__(parent)
         self.setWindowTitle("KV Scope")
         self.qsettings = settings if settings is not None else QSettings(ORG, APP)
@@ -109,9 +174,10 @@ class MainWindow(QMainWindow):
         self.last_error = ""
         self._pending_text: list[tuple[str, str]] = []  # (kind, text) waiting for the next redraw
         self._updating = False  # True while the window sets combos itself (not a user switch)
-        self._attention_choices = DEFAULT_ATTENTION
-        self._cache_choices = DEFAULT_CACHES
-        self._impl_choices = IMPLS
+        # Before a model loads: the embedded model's choices (its spec comes from its preset, no torch).
+        self._attention_choices = _default_attention_choices()
+        self._cache_choices = cache_choices()
+        self._impl_choices = ATTN_IMPLS
         self._last_non_flash = "sdpa"
         # ---- diagnosing (issue 5) and recordings (issue 6)
         self.mode = "live"  # live | replay: where the samples come from
@@ -121,6 +187,7 @@ class MainWindow(QMainWindow):
         self.last_reading = None  # newest MemoryReading from the sampler
         self.sampler = None
         self.sampler_device = "cpu"
+        self._engine_device = "auto"  # what 'auto' is in the engine process, once it has said
         self.sampler_rate_hz = DEFAULT_SAMPLER_HZ
         self.sampler_achieved_hz: float | None = None
         self.sampler_notes: list[str] = []
@@ -144,7 +211,7 @@ class MainWindow(QMainWindow):
         self.controller = controller
         if self.controller is None:
             try:
-                self.controller = _controller_class()(self)
+                self.controller = _make_controller(self, warm=start_engine)
             except ImportError as exc:  # a UI-only build (replay) still opens
                 log.warning("generation worker not available: %s", exc)
         if self.controller is not None:
@@ -184,7 +251,8 @@ class MainWindow(QMainWindow):
             if host.pid is not None:
                 self.gpu_poller.set_app_pids({host.pid})
         self.gpu_poller.start()
-        self._start_sampler(self._auto_device())
+        if start_engine:
+            self._start_sampler(self._auto_device())
         self._maybe_offer_demo()
 
     # ============================================================================================
@@ -287,7 +355,7 @@ class MainWindow(QMainWindow):
         rf.addRow("Max context", self.max_context_spin)
         rf.addRow("New tokens", self.max_tokens_spin)
         rf.addRow("Memory budget", self.budget_edit)
-        rf.addRow("", self.snapshot_button)
+        rf.addRow(self.snapshot_button)  # both columns: the panel stays narrow enough for 1280x720
         prompt_box = QGroupBox("Prompt")
         pl = QVBoxLayout(prompt_box)
         pl.addWidget(self.prompt_edit)
@@ -312,7 +380,7 @@ class MainWindow(QMainWindow):
         self.controls_scroll.setWidgetResizable(True)
         self.controls_scroll.setFrameShape(QScrollArea.Shape.NoFrame)
         self.controls_scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        self.controls_scroll.setMinimumWidth(310)
+        self.controls_scroll.setMinimumWidth(CONTROLS_MIN_W)
         self.controls_scroll.setMaximumWidth(420)
         for combo in (self.source_combo, self.device_combo, self.dtype_combo, self.attention_combo, self.impl_combo,
                       self.cache_combo):
@@ -344,13 +412,13 @@ class MainWindow(QMainWindow):
                 label = QLabel(name)
                 label.setObjectName("badgeName")
                 box.addWidget(label)
-            value = QLabel("\u2014")
+            value = ElidedLabel("\u2014") if key == "model" else QLabel("\u2014")
             value.setObjectName("modelName" if key == "model" else "badge")
             if key == "model":
-                # A long model name yields its width to the plots instead of widening the window.
+                # A long model name yields its width to the plots: one line, elided (the tooltip has it
+                # whole), so the badge row keeps its height at 1280x720 and in presenter mode.
                 value.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
-                value.setMinimumWidth(120)
-                value.setWordWrap(True)  # wraps rather than cutting "(random weights)" off in presenter mode
+                value.setMinimumWidth(80)
             value.setToolTip(tip)
             box.addWidget(value)
             self.badges[key] = value
@@ -426,10 +494,19 @@ class MainWindow(QMainWindow):
         right = QWidget()
         rv = QVBoxLayout(right)
         rv.setContentsMargins(4, 4, 4, 0)
-        rv.addWidget(self.stats_panel)
+        # The numbers scroll rather than push the window taller than a 720p projector.
+        self.stats_scroll = QScrollArea()
+        self.stats_scroll.setWidget(self.stats_panel)
+        self.stats_scroll.setWidgetResizable(True)
+        self.stats_scroll.setFrameShape(QScrollArea.Shape.NoFrame)
+        self.stats_scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.stats_scroll.setMinimumHeight(160)
+        self.stats_scroll.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Maximum)
+        text_box.setMinimumHeight(120)
+        rv.addWidget(self.stats_scroll)
         rv.addWidget(text_box, 1)
-        right.setMinimumWidth(240)
-        right.setMaximumWidth(420)
+        right.setMinimumWidth(RIGHT_MIN_W)
+        right.setMaximumWidth(RIGHT_MAX_W)
         self.right_panel = right
 
         self.live_splitter = QSplitter(Qt.Orientation.Horizontal)
@@ -442,9 +519,13 @@ class MainWindow(QMainWindow):
         self.live_splitter.setSizes([320, 1000, 280])
 
         self.calculator = CalculatorTab(self.theme)
+        calculator_scroll = QScrollArea()  # likewise: at 720p the calculator scrolls, the window fits
+        calculator_scroll.setWidget(self.calculator)
+        calculator_scroll.setWidgetResizable(True)
+        calculator_scroll.setFrameShape(QScrollArea.Shape.NoFrame)
         self.tabs = QTabWidget()
         self.tabs.addTab(self.live_splitter, "Live")
-        self.tabs.addTab(self.calculator, "Calculator")
+        self.tabs.addTab(calculator_scroll, "Calculator")
         self.setCentralWidget(self.tabs)
 
         # ---- status bar
@@ -573,7 +654,7 @@ class MainWindow(QMainWindow):
 
             current = self.impl_combo.currentData() or "sdpa"
             self.impl_combo.clear()
-            for key in IMPLS:
+            for key in ATTN_IMPLS:
                 self.impl_combo.addItem(key, key)
                 if key not in self._impl_choices:
                     self._disable_item(self.impl_combo, key, "not available here")
@@ -611,7 +692,7 @@ class MainWindow(QMainWindow):
 
     def build_request(self):
         """The RunRequest the controls describe. Raises SpecError (SettingsError) with a user message."""
-        from core.generate import RunRequest
+        from core.request import RunRequest
 
         kind = self.source_combo.currentData()
         if kind == "folder":
@@ -718,6 +799,8 @@ class MainWindow(QMainWindow):
         # Readings from now on belong to this run (the load itself is the first thing to see).
         self._plot_readings = True
         self._load_started = time.monotonic()
+        if self.sampler is None:  # a window opened for a replay: the first live run starts it
+            self._start_sampler(self._auto_device())
         self._new_monitor(self.sampler_device)
         if request.record_path:
             self.last_recording = request.record_path
@@ -789,7 +872,8 @@ class MainWindow(QMainWindow):
         self.last_error = ""
         self._plot_readings = False
         self._set_state("loading")
-        self.statusBar().showMessage(f"replaying {Path(path).name}" + (f" at {speed:g}x" if speed != 1 else ""))
+        self.statusBar().showMessage(f"replaying {Path(path).name}" + (
+            "" if speed == 1 else f" at {speed:g}x" if speed < float("inf") else " unpaced"))
         self._new_monitor(None)
         self.replay.start(path, speed)
 
@@ -924,7 +1008,10 @@ class MainWindow(QMainWindow):
 
     def _cuda_available(self) -> bool:
         if self._cuda is None:
-            self._cuda = self._auto_device().startswith("cuda")
+            device = self._auto_device()
+            if device == "auto":
+                return False  # the engine has not said yet
+            self._cuda = device.startswith("cuda")
         return self._cuda
 
     def _snapshot_toggled(self, checked: bool) -> None:
@@ -944,7 +1031,11 @@ class MainWindow(QMainWindow):
     # ---- the memory sampler (its own thread, independent of tokens)
 
     def _auto_device(self) -> str:
-        """'cuda' where torch sees a GPU, else 'mps' or 'cpu' (core.loading decides)."""
+        """'cuda' where torch sees a GPU, else 'mps' or 'cpu'. With the engine process, the engine
+        says which ('auto' until it has: this process never imports torch); in thread mode
+        core.loading decides here."""
+        if getattr(self.controller, "host", None) is not None:
+            return self._engine_device
         try:
             from core.loading import resolve_device
 
@@ -955,6 +1046,12 @@ class MainWindow(QMainWindow):
     def _on_engine_message(self, kind: str, payload: object, run: object) -> None:
         if kind == "ready":
             self.gpu_poller.set_app_pids({int(payload)})
+        elif kind == "device":
+            self._engine_device = str(payload)
+            self._cuda = self._engine_device.startswith("cuda")
+            if self.sampler_device == "auto":  # the engine's sampler read 'auto' as this device
+                self.sampler_device = self._engine_device
+                self._show_sampler_status()
 
     def _start_sampler(self, device: str) -> None:
         """(Re)start the fixed-rate memory sampler for ``device`` at the chosen rate."""
@@ -970,7 +1067,7 @@ class MainWindow(QMainWindow):
         self.sampler_achieved_hz = None
         host = getattr(self.controller, "host", None)
         if host is not None:  # the model runs in the engine process: measure that process, from inside it
-            from workers.host import HostedSampler
+            from workers.engine_link import HostedSampler
 
             sampler = HostedSampler(device, self.sampler_rate_hz, parent=self, host=host)
         else:
@@ -1002,7 +1099,7 @@ class MainWindow(QMainWindow):
         self._show_sampler_status()
 
     def _show_sampler_status(self) -> None:
-        rate = ("measuring\u2026" if self.sampler_achieved_hz is None
+        rate = ("off" if self.sampler is None else "measuring\u2026" if self.sampler_achieved_hz is None
                 else f"{self.sampler_achieved_hz:.1f} Hz")
         note = self.sampler_notes[0] if self.sampler_notes else ""
         if self.mode == "replay":
@@ -1163,8 +1260,12 @@ class MainWindow(QMainWindow):
                     what = "Out of memory" if s.event == "oom" else "Memory budget reached"
                     self._show_alert(f"\u26a0 {what} at token {s.token}: {s.text}", "error")
                     self.statusBar().showMessage(s.text, 8000)
-                elif s.event in ("refused", "forecast", "error"):
+                elif s.event in ("refused", "forecast", "error", "note"):
                     self.statusBar().showMessage(s.text, 8000)
+                    if s.event in ("refused", "error", "note"):
+                        # The engine's settings after a refused (or no-op) switch: the controls
+                        # must show what runs, not what was asked for.
+                        self._show_settings(s)
                 continue
             if s.phase == PHASE_PREFILL:
                 self.events_table.add_event(s)
@@ -1185,9 +1286,9 @@ class MainWindow(QMainWindow):
     def set_model_info(self, info) -> None:
         """A model is loaded (or a recording opened): show it and what it can switch to."""
         self.info = info
-        self._attention_choices = tuple(info.attention_choices) or DEFAULT_ATTENTION
-        self._cache_choices = tuple(info.cache_choices) or DEFAULT_CACHES
-        self._impl_choices = tuple(info.attn_impl_choices) or IMPLS
+        self._attention_choices = tuple(info.attention_choices) or attention_choices(info.spec)
+        self._cache_choices = tuple(info.cache_choices) or cache_choices(info.device)
+        self._impl_choices = tuple(info.attn_impl_choices) or ATTN_IMPLS
         self._fill_choices()
         self.badges["model"].setText(info.label)
         self.badges["model"].setToolTip(f"{info.label}\nsource: {info.source}\n{info.spec.num_layers} layers, "
@@ -1264,7 +1365,7 @@ class MainWindow(QMainWindow):
             self.statusBar().showMessage(f"switching {key} to {value} after this token\u2026", 3000)
 
     def attention_key(self, n: int) -> None:
-        """Keys 1-5: mha, the middle GQA choice, mqa, mla, window."""
+        """Keys 1-5: mha, the middle GQA choice, mqa, mla, the smallest window (its plateau shows soonest)."""
         choices = list(self._attention_choices)
         gqa = [c for c in choices if c.startswith("gqa:")]
         wanted = {
@@ -1272,7 +1373,7 @@ class MainWindow(QMainWindow):
             2: gqa[len(gqa) // 2] if gqa else None,
             3: "mqa" if "mqa" in choices else None,
             4: "mla" if "mla" in choices else None,
-            5: next((c for c in choices if c.startswith("window")), None),
+            5: next((c for c in reversed(choices) if c.startswith("window")), None),  # the smallest
         }.get(n)
         names = {1: "MHA", 2: "GQA", 3: "MQA", 4: "MLA", 5: "a sliding window"}
         if wanted is None:
@@ -1321,6 +1422,29 @@ class MainWindow(QMainWindow):
         except Exception:  # a drawing bug must not kill the timer (and the demo)
             log.exception("redraw failed")
 
+    def _recolor_text(self, old: Theme, new: Theme) -> None:
+        """Text already streamed takes the new theme's colours (prompt, tokens, markers): light text
+        from the dark theme would be unreadable on the light background."""
+        mapping = {QColor(old.muted).rgb(): QColor(new.muted), QColor(old.text).rgb(): QColor(new.text),
+                   QColor(old.curves["marker"]).rgb(): QColor(new.curves["marker"])}
+        if all(QColor(c).rgb() == k for k, c in mapping.items()):
+            return
+        cursor = QTextCursor(self.text_view.document())
+        block = self.text_view.document().begin()
+        while block.isValid():
+            it = block.begin()
+            while not it.atEnd():
+                fragment = it.fragment()
+                colour = mapping.get(fragment.charFormat().foreground().color().rgb())
+                if fragment.isValid() and colour is not None:
+                    cursor.setPosition(fragment.position())
+                    cursor.setPosition(fragment.position() + fragment.length(), QTextCursor.MoveMode.KeepAnchor)
+                    f = QTextCharFormat()
+                    f.setForeground(colour)
+                    cursor.mergeCharFormat(f)
+                it += 1
+            block = block.next()
+
     def _flush_text(self) -> None:
         t = self.theme
         cursor = self.text_view.textCursor()
@@ -1333,11 +1457,15 @@ class MainWindow(QMainWindow):
             if bold:
                 f.setFontWeight(700)
             formats[kind] = f
-        # Consecutive pieces of the same kind go in as one insertion.
+        # Consecutive pieces of the same kind go in as one insertion, cut into paragraphs of at most
+        # TEXT_BLOCK_CHARS: Qt lays out a whole paragraph on every insertion into it, and a stream of
+        # tokens without newlines would otherwise grow one paragraph forever (quadratic: 200 KB without
+        # a space took minutes). setMaximumBlockCount then bounds what is kept.
+        block_len = cursor.block().length() - 1
         run_kind, run_text = None, []
         for kind, text in self._pending_text + [(None, "")]:
             if kind != run_kind and run_text:
-                cursor.insertText("".join(run_text), formats[run_kind])
+                block_len = _insert_bounded(cursor, "".join(run_text), formats[run_kind], block_len)
                 run_text = []
             run_kind = kind
             run_text.append(text)
@@ -1423,29 +1551,45 @@ class MainWindow(QMainWindow):
 
     def set_presenter(self, on: bool, fullscreen: bool = True) -> None:
         """Presenter mode: full screen, large type, thick lines, high contrast; the controls hide (keys drive)."""
+        was = self.presenter
         self.presenter = bool(on)
         self.presenter_action.setChecked(self.presenter)
+        if self.presenter and not was:
+            self._normal_geometry = self.saveGeometry()  # leaving presenter mode puts the window back
         self.controls_scroll.setVisible(not self.presenter)
-        self.right_panel.setMaximumWidth(600 if self.presenter else 420)
-        self.right_panel.setMinimumWidth(540 if self.presenter else 250)
-        # Large type: the numbers go two abreast so the streamed text keeps some room, and the
-        # events table yields height to the plots (it still shows the last few rows).
-        self.stats_panel.set_columns(2 if self.presenter else 1)
-        if self.presenter:
+        screen = self.screen() or QGuiApplication.primaryScreen()
+        wide = screen is None or screen.availableGeometry().width() >= 1600
+        self.right_panel.setMaximumWidth(600 if self.presenter else RIGHT_MAX_W)
+        self.right_panel.setMinimumWidth((540 if wide else 340) if self.presenter else RIGHT_MIN_W)
+        # Large type: on a wide screen the numbers go two abreast so the streamed text keeps some room
+        # (on 1280 px they stay one column and scroll); the events table yields some height to the plots.
+        self.stats_panel.set_columns(2 if self.presenter and wide else 1)
+        if self.presenter and not was:
             self._normal_centre_sizes = self.centre_splitter.sizes()
             total = max(sum(self._normal_centre_sizes), 1)
-            self.centre_splitter.setSizes([int(total * 0.8), int(total * 0.2)])
-        elif getattr(self, "_normal_centre_sizes", None):
-            self.centre_splitter.setSizes(self._normal_centre_sizes)
+            self.centre_splitter.setSizes([int(total * 0.72), int(total * 0.28)])
         self.apply_theme()
         if fullscreen:
             if self.presenter:
                 self.showFullScreen()
             else:
                 self.showNormal()
+        if not self.presenter and was and getattr(self, "_normal_geometry", None) is not None:
+            # After the normal layout's minimum sizes are in force (pending layout requests), else the
+            # presenter layout's wider minimum would clamp the restored width.
+            geometry, sizes = self._normal_geometry, getattr(self, "_normal_centre_sizes", None)
+
+            def give_back() -> None:
+                self.restoreGeometry(geometry)
+                if sizes:
+                    self.centre_splitter.setSizes(sizes)
+
+            QTimer.singleShot(0, give_back)
 
     def apply_theme(self) -> None:
+        old = self.theme
         self.theme = make_theme(self.theme_name, self.presenter)
+        self._recolor_text(old, self.theme)
         self.setStyleSheet(stylesheet(self.theme))
         self.plots.apply_theme(self.theme)
         self.calculator.apply_theme(self.theme)
@@ -1478,6 +1622,19 @@ class MainWindow(QMainWindow):
     # ============================================================================================
     # settings
 
+    def fit_to_screen(self) -> None:
+        """Never larger than the screen's free area (a 1280x720 projector, a remembered size from a bigger
+        monitor): shrink to it, title bar included, and move fully onto it."""
+        screen = self.screen() or QGuiApplication.primaryScreen()
+        if screen is None:
+            return
+        free = screen.availableGeometry()
+        title = 32  # the window manager's title bar, not part of our geometry before the window is shown
+        width, height = min(self.width(), free.width()), min(self.height(), free.height() - title)
+        if (width, height) != (self.width(), self.height()):
+            self.resize(max(width, self.minimumSizeHint().width()), max(height, self.minimumSizeHint().height()))
+            self.move(free.left(), free.top())
+
     def restore_settings(self) -> None:
         s = self.qsettings
         geometry = s.value("window/geometry")
@@ -1485,6 +1642,7 @@ class MainWindow(QMainWindow):
             self.restoreGeometry(geometry)
         else:
             self.resize(1600, 1000)
+        self.fit_to_screen()
         splitter = s.value("window/live_splitter")
         if splitter is not None:
             self.live_splitter.restoreState(splitter)
@@ -1514,7 +1672,7 @@ class MainWindow(QMainWindow):
             self.prompt_edit.setPlainText(str(prompt))
         else:
             try:
-                from core.generate import DEFAULT_PROMPT
+                from core.request import DEFAULT_PROMPT
             except ImportError:
                 DEFAULT_PROMPT = "Every token keeps a key and a value in every layer, so the cache grows: "
             self.prompt_edit.setPlainText(DEFAULT_PROMPT)

@@ -17,7 +17,7 @@ import numpy as np
 import pyqtgraph as pg
 from pyqtgraph.graphicsItems.PlotCurveItem import arrayToLineSegments as _line_segments
 from PySide6.QtCore import Qt
-from PySide6.QtGui import QColor, QFont, QFontMetrics, QPainter, QTransform
+from PySide6.QtGui import QColor, QFont, QFontMetrics, QPainter, QPen, QTransform
 from PySide6.QtWidgets import QGraphicsItem, QSplitter, QVBoxLayout, QWidget
 
 from core.sample import PHASE_EVENT, Sample
@@ -29,6 +29,12 @@ from ui.theme import Theme, theme as make_theme
 log = logging.getLogger(__name__)
 
 DEFAULT_CAPACITY = 200_000  # points per curve kept in memory (about 1.6 MB per column)
+#: Switch markers and spike marks kept on the plots (the newest; older ones are removed): each is a
+#: few graphics items every frame draws and every new item re-bounds, so a recording with thousands
+#: of switches made each sample slower than the last (2,000 took 100 s to replay).
+MAX_MARKS = 200
+#: The longest marker label drawn on a plot (characters).
+MARK_LABEL_CHARS = 80
 
 TOKEN_COLUMNS = ("token", "kv_observed", "kv_predicted", "total_observed", "total_predicted", "error_total",
                  "error_kv")
@@ -52,6 +58,21 @@ def format_bytes(n: float | None) -> str:
     return human_bytes(n)
 
 
+def format_slope(bytes_per_token: float) -> str:
+    """'+128.0 KiB / token', '\u221219.9 KiB / token' (a cache that shrinks: a quantized cache's
+    residual flush, a window filling up), '+0 B / token'."""
+    sign = "\u2212" if bytes_per_token < 0 else "+"
+    return f"{sign}{format_bytes(abs(bytes_per_token))} / token"
+
+
+def format_count(n: float) -> str:
+    """Parameter counts for people: 8_030_261_248 -> '8.03 B', 3_426_560 -> '3.43 M', 950 -> '950'."""
+    for size, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)}"
+
+
 def format_tokens(n: float | None) -> str:
     """Token counts for people: 4096 -> '4K', 131072 -> '128K', 1500 -> '1,500'."""
     if n is None:
@@ -62,6 +83,18 @@ def format_tokens(n: float | None) -> str:
     if n >= 1024 and n % 1024 == 0:
         return f"{n // 1024}K"
     return f"{n:,}"
+
+
+def _places(step: float) -> int:
+    """Decimals that print every multiple of ``step`` exactly (2.5 -> 1, 0.25 -> 2, 20 -> 0), at most 3:
+    a tick at 7.5 MiB must not read "8 MiB" (where an 8 MiB plateau would then sit above it)."""
+    if not math.isfinite(step) or step <= 0:
+        return 0
+    for places in range(4):
+        scaled = step * 10 ** places
+        if abs(scaled - round(scaled)) < 1e-6 * max(1.0, scaled):
+            return places
+    return 3
 
 
 class BytesAxis(pg.AxisItem):
@@ -97,8 +130,7 @@ class BytesAxis(pg.AxisItem):
         if not values:
             return []
         unit, name = self._unit(max(abs(v) for v in values))
-        step = spacing / unit if unit else spacing
-        places = 0 if step >= 1 else min(3, int(math.ceil(-math.log10(step))))
+        places = _places(spacing / unit if unit else spacing)
         out = []
         for v in values:
             if v == 0:
@@ -145,6 +177,12 @@ class DeviceCurve(pg.PlotCurveItem):
                     p.fillPath(fill, brush)
             pen = self.opts["pen"]
             if pen is not None and pen.style() != Qt.PenStyle.NoPen:
+                # Widths are logical pixels: on a scaled display (4K at 200%) these device coordinates
+                # hold devicePixelRatio pixels per logical one, so the pen grows with it.
+                ratio = p.device().devicePixelRatioF() if p.device() is not None else 1.0
+                if ratio != 1.0:
+                    pen = QPen(pen)
+                    pen.setWidthF(max(pen.widthF(), 1.0) * ratio)
                 p.setPen(pen)
                 if self._shouldUseDrawLineSegments(pen):
                     self._device_lines = _line_segments(dx, dy, connect, check, getattr(self, "_device_lines", None))
@@ -267,8 +305,12 @@ class LivePlots(QWidget):
         # label goes, and the KV line starts high on the left.
         # The two small predicted-vs-observed plots have no legend box (it hid the line it named): their
         # title and their error label name the curves in the curves' colours.
-        self._legends = {id(p): p.addLegend(offset=(-8, -4) if p is self.kv_plot else (8, 4), colCount=3)
-                         for p in (self.kv_plot, self.mem_plot)}
+        # The memory plot's legend has its own row under the time axis: over the curves it covered the
+        # process memory line near the top (and spike labels) on a short plot (1280x720, presenter mode).
+        mem_legend = pg.LegendItem(colCount=4)
+        self.mem_plot.layout.addItem(mem_legend, 4, 1)
+        self._legends = {id(self.kv_plot): self.kv_plot.addLegend(offset=(-8, -4), colCount=3),
+                         id(self.mem_plot): mem_legend}
         self._build_curves()
 
         # The current slope, large, in the KV plot's corner: the number a speaker points at.
@@ -561,7 +603,33 @@ class LivePlots(QWidget):
         mark = SpikeMark(time_s, int(after), int(rise), cause, (line, point, text))
         self._style_spike(mark)
         self.spikes.append(mark)
+        if len(self.spikes) > MAX_MARKS:
+            self._remove_marks(self.spikes.pop(0).items, (self.mem_plot,) * 3)
         return mark
+
+    def declutter_spike_labels(self) -> int:
+        """Show a spike's '+size' label only where it fits: the largest spikes first, each label where
+        no other shown label is within its width (in pixels at the current zoom). The triangles and
+        lines all stay; a hidden label's size is in the triangle's tooltip and the events table.
+        Returns the labels shown."""
+        view = self.mem_plot.getViewBox()
+        (x0, x1), _ = view.viewRange()
+        width_px = max(view.width(), 1.0)
+        per_px = (x1 - x0) / width_px if x1 > x0 else 0.0
+        char_px = 0.62 * max(self.theme.font_pt - 1, 8) * 96 / 72
+        taken: list[tuple[float, float]] = []
+        shown = 0
+        for mark in sorted(self.spikes, key=lambda m: -m.rise):
+            text = mark.items[2]
+            left = mark.time_s
+            right = left + (len(text.toPlainText()) + 2) * char_px * per_px
+            fits = per_px > 0 and x0 <= left <= x1 and all(right < a or left > b for a, b in taken)
+            if fits:
+                taken.append((left - 8 * per_px, right))
+                shown += 1
+            if text.isVisible() != fits:
+                text.setVisible(fits)
+        return shown
 
     def _style_spike(self, mark: SpikeMark) -> None:
         t = self.theme
@@ -590,11 +658,16 @@ class LivePlots(QWidget):
 
     def _add_marker(self, s: Sample) -> None:
         label = self._marker_label(s)
+        if len(label) > MARK_LABEL_CHARS:  # a recorded text can be long: the plot shows a line's worth
+            label = label[:MARK_LABEL_CHARS - 1] + "\u2026"
         token = max(int(s.token), 0)
         # Stagger labels of neighbouring markers so they do not print over each other.
         position = (0.93, 0.80, 0.67)[len(self.markers) % 3]
-        kv_line = pg.InfiniteLine(movable=False, pos=token, angle=90, label=label,
-                              labelOpts={"position": position, "anchors": [(0, 0.5), (0, 0.5)]})
+        # pyqtgraph formats a line's label with str.format(value=...): braces from a recording
+        # ("d}namic") would raise, so they are doubled.
+        kv_line = pg.InfiniteLine(movable=False, pos=token, angle=90,
+                                  label=label.replace("{", "{{").replace("}", "}}"),
+                                  labelOpts={"position": position, "anchors": [(0, 0.5), (0, 0.5)]})
         mem_line = pg.InfiniteLine(movable=False, pos=s.time_s, angle=90)
         tot_line = pg.InfiniteLine(movable=False, pos=token, angle=90)
         err_line = pg.InfiniteLine(movable=False, pos=token, angle=90)
@@ -604,6 +677,14 @@ class LivePlots(QWidget):
         marker = Marker(token, s.time_s, label, s.event or "switch", (kv_line, mem_line, tot_line, err_line))
         self._style_marker(marker)
         self.markers.append(marker)
+        if len(self.markers) > MAX_MARKS:
+            self._remove_marks(self.markers.pop(0).lines, (self.kv_plot, self.mem_plot, self.total_plot,
+                                                           self.error_plot))
+
+    @staticmethod
+    def _remove_marks(items, plots) -> None:
+        for plot, item in zip(plots, items):
+            plot.removeItem(item)
 
     def _style_marker(self, marker: Marker) -> None:
         t = self.theme
@@ -683,6 +764,7 @@ class LivePlots(QWidget):
             self._range_budget = math.inf if settle else 1
             self._ranges_pending = False
             self._fit_ranges()
+            self.declutter_spike_labels()
         if updated:
             self.slope_bytes_per_token = self._slope()
             self._refresh_labels()
@@ -694,10 +776,9 @@ class LivePlots(QWidget):
 
         A range that changes every frame makes every axis regenerate its ticks and pictures at
         30 Hz, which costs more than drawing the curves. Ranges here grow in steps (``GROW``) and
-        only change when the data leaves them, so most frames repaint curves only. The tops
-        keep extra room for the legend rows that sit over the plots.
+        only change when the data leaves them, so most frames repaint curves only. The KV plot's
+        top keeps room for its legend row.
         """
-        headroom = 1.45 if self.theme.presenter else 1.3
         tok = self.tokens.column("token")
         if len(tok):
             self._set_x(self.kv_plot, float(tok[0]), float(tok[-1]))
@@ -712,9 +793,7 @@ class LivePlots(QWidget):
         mem_top = self._top(("device_used", "process_gpu", "process_rss", "reserved", "allocated", "weights",
                              "kv_share") + tuple(f"sampled_{key}" for key in SAMPLED))
         if mem_top is not None:
-            # The memory legend has up to three rows over the curves; host RSS and device used sit
-            # near the top of their range, so give the legend its own band above them.
-            self._set_y(self.mem_plot, 0.0, mem_top, headroom + 0.3)
+            self._set_y(self.mem_plot, 0.0, mem_top, 1.2)  # room for the spike labels above the peaks
         hi = self._top(("total_observed", "total_predicted"))
         lo = self._bottom(("total_observed", "total_predicted"))
         if hi is not None and lo is not None:
@@ -860,7 +939,7 @@ class LivePlots(QWidget):
     def _refresh_labels(self) -> None:
         t = self.theme
         size = f"{t.title_pt + 2}pt"
-        slope = "" if self.slope_bytes_per_token is None else f"+{format_bytes(self.slope_bytes_per_token)} / token"
+        slope = "" if self.slope_bytes_per_token is None else format_slope(self.slope_bytes_per_token)
         err = self.tokens.last("error_kv")
         tot = self.tokens.last("error_total")
         parts = []  # coloured like their curves: this label is the error plot's legend

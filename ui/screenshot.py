@@ -6,29 +6,54 @@ import time
 from pathlib import Path
 
 import numpy as np
-from PySide6.QtCore import QStandardPaths
+from PySide6.QtCore import QBuffer, QByteArray, QIODevice, QStandardPaths
 from PySide6.QtGui import QImage
 from PySide6.QtWidgets import QWidget
+
+from core.outputs import STDOUT, Output, OutputError, check_output_path, write_output
 
 
 class ScreenshotError(RuntimeError):
     """The PNG could not be written. The message is for the user."""
 
 
-def save_widget(widget: QWidget, path: str | Path) -> Path:
-    """Render ``widget`` (and its children) to ``path`` (PNG); raise ScreenshotError with the reason."""
-    target = Path(path).expanduser()
-    if target.parent and not target.parent.exists():
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ScreenshotError(f"cannot create {target.parent}: {exc.strerror or exc}") from exc
+def png_bytes(pixmap) -> bytes:
+    """A QPixmap or QImage encoded as PNG, in memory. Raises ScreenshotError."""
+    data = QByteArray()
+    buffer = QBuffer(data)
+    buffer.open(QIODevice.OpenModeFlag.WriteOnly)
+    ok = pixmap.save(buffer, "PNG")
+    buffer.close()
+    if not ok:
+        raise ScreenshotError("cannot encode the image as PNG")
+    return bytes(data)
+
+
+def write_png(pixmap, path: str | Path | Output) -> Path:
+    """Save ``pixmap`` as a PNG at ``path`` by the rule of ``core.outputs`` and return the file written.
+
+    ``path`` is an ``Output`` the caller checked (the command line, with its ``--force``) or a path
+    the user chose in a file dialog (which asked before replacing): a folder, a device or a
+    read-only file is refused, a missing folder is not created, ``-`` is standard output (returned
+    as ``Path("-")``), a symbolic link is written through to its file. Atomic (temporary file,
+    renamed). Raises ScreenshotError.
+    """
+    try:
+        out = check_output_path(path, force=True)
+        write_output(out, png_bytes(pixmap))
+    except OutputError as exc:
+        raise ScreenshotError(str(exc)) from None
+    return Path(STDOUT) if out.path is None else out.path
+
+
+def save_widget(widget: QWidget, path: str | Path | Output) -> Path:
+    """Render ``widget`` (and its children) to ``path`` (PNG, see ``write_png``); raise ScreenshotError."""
+    if not isinstance(path, Output) and str(path) != STDOUT:
+        path = Path(path).expanduser()
     pixmap = widget.grab()
     if pixmap.isNull():
         raise ScreenshotError("the window has no pixels to save (is it shown?)")
-    if not pixmap.save(str(target), "PNG"):
-        raise ScreenshotError(f"cannot write {target}")
-    return target
+    return write_png(pixmap, path)
 
 
 def default_path() -> Path:

@@ -82,10 +82,10 @@ def _run(timeout_s: float, tokens: int) -> str:
     from PySide6.QtCore import QEvent, QEventLoop, QTimer
     from PySide6.QtWidgets import QApplication
 
-    from core.generate import RunRequest
+    from core.request import RunRequest
     from core.sample import PHASE_DECODE
     from core.spec import ASSETS
-    from workers.host import HostedGenerationController, controller_class
+    from workers.engine_link import HostedGenerationController, controller_class
 
     if not ASSETS.is_dir():
         # In a bundle this means the spec did not place assets/ next to core/.

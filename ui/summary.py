@@ -7,7 +7,7 @@ from pathlib import Path
 from PySide6.QtCore import QRect, QRectF, Qt
 from PySide6.QtGui import QColor, QFont, QImage, QPainter, QPen
 
-from ui.screenshot import ScreenshotError
+from ui.screenshot import ScreenshotError, write_png
 from ui.theme import Theme
 
 
@@ -91,11 +91,6 @@ def render_summary(path: str | Path, theme: Theme, title: str, subtitle: str, nu
                 painter.drawRect(QRect(x, y_top, scaled.width(), scaled.height()))
     finally:
         painter.end()
-    target = Path(path).expanduser()
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ScreenshotError(f"cannot create {target.parent}: {exc.strerror or exc}") from exc
-    if not image.save(str(target), "PNG"):
-        raise ScreenshotError(f"cannot write {target}")
-    return target
+    # The file dialog asked before replacing; the rest of the rule (no folders created, no devices,
+    # atomic) is core.outputs'.
+    return write_png(image, Path(path).expanduser())

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-THEMES = ("dark", "light")
-
-
 @dataclass(frozen=True)
 class Theme:
     name: str

@@ -1,6 +1,6 @@
-"""The generation worker in the window's own process (thread mode): core.host.RunDriver on a QThread.
+"""The generation worker in the window's own process (thread mode): core.engine_process.RunDriver on a QThread.
 
-The window normally runs generation in the engine host process (``workers.host``); this is the
+The window normally runs generation in the engine host process (``workers.engine_link``); this is the
 same driver on a thread of the window's process, for ``KVSCOPE_ENGINE=thread`` and for tests that
 patch the model in this process. Shape from superqt's ``_qthreading``: a parentless QObject moved
 to a named QThread; ``thread.started -> worker.work``; the worker's ``done`` quits the thread.
@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from PySide6.QtCore import QObject, Signal, Slot
 
-from core.generate import ModelInfo, RunRequest, limit_cpu_threads
-from core.host import RunDriver
+from core.generate import limit_cpu_threads
+from core.request import ModelInfo, RunRequest
+from core.engine_process import RunDriver
 from workers.threaded import ThreadedController
 
 
 class _Worker(QObject):
-    """core.host.RunDriver on a QThread: its messages become these signals."""
+    """core.engine_process.RunDriver on a QThread: its messages become these signals."""
 
     samples = Signal(list)
     loaded = Signal(object)

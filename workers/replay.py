@@ -3,21 +3,34 @@
 ``ReplayController`` has the same signals as ``GenerationController`` (samples, loaded, errored,
 finished, paused_changed), so the window consumes either. Samples are paced by their recorded
 ``time_s`` divided by ``speed``; the file is streamed, never loaded whole.
+
+Every sample costs the window a bounded amount, whatever the file holds: the reader checks each
+field (``core.recording``) and cuts each text to ``MAX_TEXT_CHARS``; a gap between two samples is
+waited at most ``MAX_GAP_S`` recorded seconds (a time that jumps by hours, or back, does not stall
+the replay); ``speed=math.inf`` plays without waiting (a ``--screenshot`` shows the end); and at
+most ``MAX_IN_FLIGHT`` batches wait for the window, so a fast reader never queues a whole file's
+samples in memory.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
 from PySide6.QtCore import QObject, Signal, Slot
 
-from core.generate import ModelInfo
-from core.recording import RecordingError, RecordingReader, spec_from_header
+from core.request import ModelInfo
+from core.recording import MAX_TEXT_CHARS, RecordingError, RecordingReader, spec_from_header
 from workers.threaded import ThreadedController
 
 BATCH_MAX = 32
 FLUSH_S = 0.05
+#: The longest wait between two samples (recorded seconds, before ``speed``): longer gaps (a run
+#: left paused, a damaged or hand-edited time) are shortened to it.
+MAX_GAP_S = 2.0
+#: Batches emitted and not yet taken by the window before the worker waits.
+MAX_IN_FLIGHT = 4
 
 
 def _positive_int(value: object) -> int | None:
@@ -60,16 +73,25 @@ class _ReplayWorker(QObject):
         self.abort = threading.Event()
         self.resume_event = threading.Event()
         self.resume_event.set()
+        self.credits = threading.Semaphore(MAX_IN_FLIGHT)  # released as the window takes batches
+
+    def _emit(self, batch: list) -> None:
+        """Hand a batch to the window once it has taken enough of the earlier ones (or on abort)."""
+        while not self.credits.acquire(timeout=0.05):
+            if self.abort.is_set():
+                return
+        self.samples.emit(batch)
 
     @Slot()
     def work(self) -> None:
         try:
-            with RecordingReader(self.path) as reader:
+            with RecordingReader(self.path, max_text=MAX_TEXT_CHARS) as reader:
                 self.loaded.emit(info_from_header(reader.header, self.path))
                 batch: list = []
                 last_flush = time.monotonic()
-                start = time.monotonic()
-                first_t: float | None = None
+                due = time.monotonic()  # when the current sample is due on the wall clock
+                last_t: float | None = None
+                paced = math.isfinite(self.speed)
                 for sample in reader:
                     if self.abort.is_set():
                         break
@@ -78,26 +100,31 @@ class _ReplayWorker(QObject):
                         while not self.resume_event.wait(0.05):
                             if self.abort.is_set():
                                 break
-                        start += time.monotonic() - paused_at
-                    first_t = sample.time_s if first_t is None else first_t
-                    due = start + (sample.time_s - first_t) / self.speed
+                        due += time.monotonic() - paused_at
+                    if paced and last_t is not None:
+                        due += min(max(sample.time_s - last_t, 0.0), MAX_GAP_S) / self.speed
+                    last_t = sample.time_s
                     delay = due - time.monotonic()
-                    if delay > 0:
+                    if paced and delay > 0:
                         if batch:
-                            self.samples.emit(batch)
+                            self._emit(batch)
                             batch, last_flush = [], time.monotonic()
-                        self.abort.wait(min(delay, 1.0))
+                        while delay > 0 and not self.abort.wait(min(delay, 0.25)):
+                            delay = due - time.monotonic()
                     batch.append(sample)
-                    if len(batch) >= BATCH_MAX or sample.is_event or time.monotonic() - last_flush >= FLUSH_S:
-                        self.samples.emit(batch)
+                    if (len(batch) >= BATCH_MAX or (paced and sample.is_event)
+                            or time.monotonic() - last_flush >= FLUSH_S):
+                        self._emit(batch)
                         batch, last_flush = [], time.monotonic()
-                if batch:
-                    self.samples.emit(batch)
+                if batch and not self.abort.is_set():
+                    self._emit(batch)
                 problem = reader.problem()
                 if problem:
                     self.errored.emit(problem)
         except (RecordingError, OSError) as exc:
-            self.errored.emit(str(exc))
+            self.errored.emit(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        except Exception as exc:  # noqa: BLE001 - a bug must end the replay with a message, not a traceback
+            self.errored.emit(f"replay failed: internal error: {type(exc).__name__}: {exc}".splitlines()[0])
         finally:
             self.done.emit()
 
@@ -106,9 +133,20 @@ class ReplayController(ThreadedController):
     """Plays one recording at a time; same signals as the generation controller."""
 
     def start(self, path: str, speed: float = 1.0) -> None:
+        """Play ``path`` at ``speed`` x its recorded pace (``math.inf``: as fast as the window takes it)."""
         self._launch(_ReplayWorker(path, speed), "kvscope-replay", {
-            "samples": self.samples, "loaded": self.loaded, "errored": self.errored,
+            "samples": self._take, "loaded": self.loaded, "errored": self.errored,
             "paused_changed": self.paused_changed})
+
+    @Slot(list)
+    def _take(self, batch: list) -> None:
+        """A batch reached the GUI thread: give it to the window, then let the worker send another."""
+        try:
+            self.samples.emit(batch)
+        finally:
+            worker = self.sender()  # the worker that sent it (an earlier replay's may still be ending)
+            if isinstance(worker, _ReplayWorker):
+                worker.credits.release()
 
     def switch(self, key: str, value: str) -> None:  # a recording cannot be changed
         self.progress.emit("a replay shows what was recorded; switches apply to live runs")

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
-from core.host import sample_memory
+from core.engine_process import sample_memory
 from core.probes import MemoryProbe
 from workers.threaded import return_to_main_thread
 

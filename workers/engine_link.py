@@ -1,4 +1,4 @@
-"""The window's side of the engine host process (``core.host.serve``): one child, shared, talked to over a pipe.
+"""The window's side of the engine host process (``core.engine_process.serve``): one child, shared, talked to over a pipe.
 
 ``EngineHost`` spawns the child (the ``spawn`` start method everywhere: forking a process that runs
 Qt and torch threads is unsafe) and reads its messages on a named QThread that only waits on the
@@ -22,7 +22,7 @@ from typing import Any
 
 from PySide6.QtCore import QCoreApplication, QObject, QThread, Signal
 
-from core.host import serve
+from core.engine_process import serve
 from workers.threaded import RunSignals
 
 log = logging.getLogger(__name__)
@@ -81,12 +81,12 @@ class _Reader(QThread):
 class EngineHost(QObject):
     """The engine process and its pipe. ``send`` starts the process when it is not running."""
 
-    message = Signal(str, object, object)  # (kind, payload, run id or None) from core.host
+    message = Signal(str, object, object)  # (kind, payload, run id or None) from core.engine_process
     exited = Signal(int)  # the process ended; its exit code (negative: killed by that signal)
 
     def __init__(self, parent: QObject | None = None, target: Any = serve) -> None:
         super().__init__(parent)
-        self._target = target  # the child's main (core.host.serve; a test gives one that fails)
+        self._target = target  # the child's main (core.engine_process.serve; a test gives one that fails)
         self._process: Any = None
         self._conn: Any = None
         self._reader: _Reader | None = None
@@ -120,7 +120,7 @@ class EngineHost(QObject):
         reader.start()
 
     def send(self, *command: Any) -> None:
-        """Send a command (see core.host); starts the engine first when it is not running."""
+        """Send a command (see core.engine_process); starts the engine first when it is not running."""
         if not self.is_alive():
             self.start()
         if command[0] == "run":
@@ -207,7 +207,7 @@ def _shutdown_shared() -> None:
 class HostedGenerationController(RunSignals):
     """GenerationController's interface, with the run in the engine process."""
 
-    def __init__(self, parent: QObject | None = None, host: EngineHost | None = None) -> None:
+    def __init__(self, parent: QObject | None = None, host: EngineHost | None = None, warm: bool = True) -> None:
         super().__init__(parent)
         self.host = host or shared_host()
         self.info = None
@@ -216,7 +216,8 @@ class HostedGenerationController(RunSignals):
         self._run_id = 0
         self.host.message.connect(self._on_message)
         self.host.exited.connect(self._on_exited)
-        self.host.start()  # warm: torch is imported there while the window starts
+        if warm:  # torch is imported there while the window starts; else at the first run
+            self.host.start()
 
     def start(self, request: Any) -> None:
         """Start a run; a run already going is stopped first."""

@@ -16,11 +16,12 @@ window's own process (``workers``' thread mode):
 
 Both report through ``send(kind, payload)``. Messages (child -> window), as ``(kind, payload, run)``,
 where ``run`` is the id the window gave the run (None for the sampler's and ``ready``):
-``ready`` (pid), ``samples`` (list[Sample]), ``loaded`` (ModelInfo), ``progress`` (str), ``errored``
+``ready`` (pid), ``device`` (str: what ``auto`` means in this process, found with torch so that
+the window need not import it), ``samples`` (list[Sample]), ``loaded`` (ModelInfo), ``progress`` (str), ``errored``
 (str), ``paused`` (bool), ``done`` (None: the run ended), ``readings`` (list[MemoryReading]),
 ``rate`` (float Hz), ``note`` (str), ``sampler_errored`` (str). Commands (window -> child), as
 tuples: ``("run", RunRequest, run_id)``, ``("switch", key, value)``, ``("pause",)``, ``("resume",)``,
-``("stop",)``, ``("sampler", device, rate_hz)``, ``("sampler_rate", rate_hz)``,
+``("stop",)``, ``("sampler", device, rate_hz)`` (device may be ``auto``), ``("sampler_rate", rate_hz)``,
 ``("sampler_stop",)``, ``("quit",)``.
 """
 
@@ -189,6 +190,7 @@ class _Sampler:
     def __init__(self, device: str, rate_hz: float, send: Send) -> None:
         from core.probes import MemoryProbe
 
+        device = _auto_device() if device == "auto" else device
         self.period = 1.0 / rate_hz
         self.abort = threading.Event()
         self.thread = threading.Thread(
@@ -199,6 +201,16 @@ class _Sampler:
     def stop(self, timeout_s: float = 2.0) -> None:
         self.abort.set()
         self.thread.join(timeout_s)
+
+
+def _auto_device() -> str:
+    """The device a run with ``--device auto`` gets here (cuda, mps or cpu)."""
+    from core.loading import resolve_device
+
+    try:
+        return resolve_device("auto")
+    except Exception:  # noqa: BLE001 - a torch that cannot tell: host memory is what there is
+        return "cpu"
 
 
 def _yield_cpu_to_the_window() -> None:
@@ -238,6 +250,7 @@ def serve(conn: Any) -> None:
     limit_cpu_threads("cpu")  # on this main thread, before any run: one core stays with the window
     ensure_transformers()  # the slow imports now, while the window starts
     send("ready", os.getpid())
+    send("device", _auto_device())
     driver: RunDriver | None = None
     runner: threading.Thread | None = None
     sampler: _Sampler | None = None

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Drive the real window the way a speaker does, on a real X server (Xvfb + openbox), and save what a
+# projector would show. Needs: apt-get install -y xvfb openbox xdotool imagemagick.
+#
+#   scripts/stage_check.sh [OUT_DIR] [WxH ...]      (default: stage-shots/, 1280x720 1920x1080)
+#
+# Per screen size: time from launch to the window being mapped; then keys 1-5 (attention modes), F
+# (flash), C (cache), Space twice (pause, resume), F11 (presenter) and back, the calculator tab,
+# the File menu, and Ctrl+Q (quit, timed). A PNG after each step in OUT_DIR/<size>/; look at every one.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-stage-shots}
+shift || true
+SIZES=("$@")
+[ ${#SIZES[@]} -gt 0 ] || SIZES=(1280x720 1920x1080)
+PY=${PY:-.venv/bin/python}
+for tool in Xvfb openbox xdotool import; do
+  command -v "$tool" >/dev/null || { echo "stage_check: $tool is missing (apt-get install -y xvfb openbox xdotool imagemagick)"; exit 2; }
+done
+
+# KVSCOPE_CACHE as set (default: the user cache, where the embedded model is usually built already)
+CONFIG=$(mktemp -d)  # the window's remembered settings: fresh for every size, never the user's
+trap 'rm -rf "$CONFIG"' EXIT
+
+shot() {  # shot NAME: the whole screen, as the audience sees it
+  import -display "$DISPLAY" -window root "$DIR/$1.png"
+  echo "  $DIR/$1.png"
+}
+
+key() {  # key KEYSPEC [SECONDS]: press a key in the window (found afresh: full screen may remap it)
+  WID=$(xdotool search --onlyvisible --name "^KV Scope" | head -1)
+  xdotool windowactivate "$WID" 2>/dev/null || true
+  xdotool key --clearmodifiers "$1"
+  sleep "${2:-2}"
+}
+
+for size in "${SIZES[@]}"; do
+  DIR="$OUT/$size"
+  mkdir -p "$DIR"
+  export DISPLAY=:97
+  Xvfb "$DISPLAY" -screen 0 "${size}x24" -nolisten tcp >/dev/null 2>&1 &
+  XVFB=$!
+  sleep 1
+  openbox >/dev/null 2>&1 &
+  WM=$!
+  sleep 1
+  echo "== $size"
+  start=$(date +%s.%N)
+  XDG_CONFIG_HOME="$CONFIG/$size" "$PY" main.py --tokens 100000 >"$DIR/app.log" 2>&1 &
+  APP=$!
+  WID=$(xdotool search --sync --onlyvisible --name "^KV Scope" | head -1)
+  shown=$(date +%s.%N)
+  printf '  window mapped after %.2f s\n' "$(echo "$shown - $start" | bc)"
+  xdotool windowactivate --sync "$WID" 2>/dev/null || true
+  xdotool key --window "$WID" super+Up 2>/dev/null || true  # maximise, as on a projector
+  sleep 25  # the engine loads the model and the run starts
+  echo "  window geometry: $(xdotool getwindowgeometry "$WID" | tr '\n' ' ' | sed 's/  */ /g')"
+  shot 01-running
+  for n in 1 2 3 4 5; do key "$n" 4; shot "02-key-$n"; done
+  key f 4; shot 03-flash
+  key c 4; shot 04-cache
+  key space 2; shot 05-paused
+  key space 2
+  key F11 4; shot 06-presenter
+  key F11 3; shot 07-presenter-left
+  key ctrl+Tab 3; shot 08-calculator
+  key ctrl+Tab 1
+  key alt+f 1; shot 09-file-menu
+  key Escape 1
+  quit_start=$(date +%s.%N)
+  xdotool key --clearmodifiers ctrl+q || true
+  for _ in $(seq 1 100); do kill -0 "$APP" 2>/dev/null || break; sleep 0.1; done
+  quit_end=$(date +%s.%N)
+  if kill -0 "$APP" 2>/dev/null; then echo "  still running 10 s after Ctrl+Q"; kill "$APP"; fi
+  printf '  quit (Ctrl+Q) took %.2f s\n' "$(echo "$quit_end - $quit_start" | bc)"
+  kill "$WM" "$XVFB" 2>/dev/null || true
+  wait "$XVFB" 2>/dev/null || true
+done

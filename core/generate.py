@@ -131,6 +131,7 @@ class Engine:
         self.tokens_per_s: float | None = None
         self._next_logits: torch.Tensor | None = None
         self._last_step_s: float | None = None
+        self._tokens_rerun: int | None = None  # set by a switch that runs the tokens through the model again
         self._weights_observed = model_weight_bytes(self.model)
         self.budget_forecast_token: int | None = None
         self._pending_ids: list[int] = []
@@ -375,6 +376,7 @@ class Engine:
                 out = self.model(input_ids=self.ids, cache=self.cache, use_cache=True, logits_to_keep=1)
             self._next_logits = out.logits[:, -1, :].float()
             self.cache = out.cache if getattr(out, "cache", None) is not None else self.cache
+        self._tokens_rerun = self.seq_len
         return f"re-ran {self.seq_len} tokens: {why}"
 
     #: Engine fields a switch may change; the transaction restores them on failure.
@@ -398,9 +400,11 @@ class Engine:
         before = {"attention": self.mode.key, "attn_impl": self.settings.attn_impl, "cache": self.settings.cache.key}
         wanted = parsed if name == "attn_impl" else parsed.key
         label = name.replace("_", "-")
+        fields = {"switch_key": label, "switch_before": before[name], "switch_after": wanted}
         if wanted == before[name]:
             return self._sample(PHASE_EVENT, f"{label}: {before[name]} (no change: already {wanted})", event="note",
-                                step_s=self.clock() - t)
+                                step_s=self.clock() - t, **fields)
+        self._tokens_rerun = None
         mode = parsed if name == "attention" else self.mode
         impl = parsed if name == "attn_impl" else self.settings.attn_impl
         strategy = parsed if name == "cache" else self.settings.cache
@@ -431,7 +435,8 @@ class Engine:
         gc.collect()
         after = {"attention": self.mode.key, "attn_impl": self.settings.attn_impl, "cache": self.settings.cache.key}
         text = f"{label}: {before[name]} -> {after[name]} ({detail})"
-        return self._sample(PHASE_EVENT, text, event="switch", step_s=self.clock() - t)
+        return self._sample(PHASE_EVENT, text, event="switch", step_s=self.clock() - t,
+                            **(fields | {"switch_after": after[name], "tokens_rerun": self._tokens_rerun}))
 
     def _trial_step(self) -> None:
         """Run one forward pass on the converted model and cache, then undo what it added to the cache:
@@ -566,7 +571,8 @@ class Engine:
         n = self.seq_len if tokens is None else tokens
         return kv_bytes(self.spec, self._prediction_settings(), n, prompt_tokens=min(self.cache_base_tokens, n))
 
-    def _sample(self, phase: str, text: str, event: str | None = None, step_s: float | None = None) -> Sample:
+    def _sample(self, phase: str, text: str, event: str | None = None, step_s: float | None = None,
+                **switch: Any) -> Sample:
         observed = cache_bytes(self.cache) if self.cache is not None else None
         reading = self.probe.read() if self.probe is not None else None
         n = self.seq_len
@@ -602,11 +608,25 @@ class Engine:
             tokens_per_s=self.tokens_per_s,
             event=event,
             context_tokens=n,
+            **switch,
         )
 
-    def event(self, kind: str, text: str) -> Sample:
-        """An event Sample (load, error, oom, budget...) carrying the current measurements."""
-        return self._sample(PHASE_EVENT, text, event=kind)
+    def event(self, kind: str, text: str, **switch: Any) -> Sample:
+        """An event Sample (load, error, oom, budget...) carrying the current measurements; a refused
+        switch passes ``switch_key``, ``switch_before`` and ``switch_after`` as well."""
+        return self._sample(PHASE_EVENT, text, event=kind, **switch)
+
+    def switch_fields(self, key: str, value: Any) -> dict[str, Any]:
+        """``switch_key`` / ``switch_before`` / ``switch_after`` of a switch asked as ``key=value``,
+        in canonical spellings (``value`` that does not parse is kept as written)."""
+        before = {"attention": self.mode.key, "attn_impl": self.settings.attn_impl, "cache": self.settings.cache.key}
+        try:
+            name, parsed = parse_switch_value(key, value) if isinstance(value, str) else (
+                {"attention": "attention", "cache": "cache"}.get(key, "attn_impl"), value)
+        except (SettingsError, SpecError):
+            return {"switch_key": str(key).strip().lower().replace("_", "-"), "switch_after": str(value)}
+        after = parsed if name == "attn_impl" else parsed.key
+        return {"switch_key": name.replace("_", "-"), "switch_before": before[name], "switch_after": after}
 
     def free_cache(self) -> None:
         """Drop the cache (after an out-of-memory error) and return its memory to the device."""
@@ -869,7 +889,7 @@ def _loop(request: RunRequest, engine: Engine, hooks: RunHooks, emit: Callable[[
                 try:
                     emit(engine.apply(key, value))
                 except (SettingsError, SpecError) as exc:
-                    emit(engine.event("refused", f"{key}={value} refused: {exc}"))
+                    emit(engine.event("refused", f"{key}={value} refused: {exc}", **engine.switch_fields(key, value)))
             if hooks.should_stop():
                 continue
             if budget is not None:

@@ -508,7 +508,24 @@ def sample_from_json(data: Any, *, check_unicode: bool = True) -> Sample:
     a known phase. ``check_unicode=False`` skips the surrogate scan, for callers that know the
     source had no ``\\uD8xx`` escape (it is the one check that costs a pass over every text).
     """
-    return Sample(**_checked_fields(data, check_unicode=check_unicode))
+    fields = _checked_fields(data, check_unicode=check_unicode)
+    if fields.get("event") == "switch" and fields.get("switch_key") is None:
+        fields.update(_legacy_switch_fields(str(fields.get("text", ""))))
+    return Sample(**fields)
+
+
+_LEGACY_SWITCH = re.compile(r"\s*(attention|attn-impl|cache): (\S+) -> (\S+)")
+
+
+def _legacy_switch_fields(text: str) -> dict[str, Any]:
+    """What a switch event of a recording made before switches were data said in words: the one place
+    the prose is read back, so that old recordings (the shipped demo) show like new ones."""
+    match = _LEGACY_SWITCH.match(text)
+    if match is None:
+        return {}
+    rerun = re.search(r"re-ran (\d+) tokens", text)
+    return {"switch_key": match[1], "switch_before": match[2], "switch_after": match[3],
+            "tokens_rerun": int(rerun[1]) if rerun and len(rerun[1]) < 12 else None}
 
 
 def _tables() -> tuple[dict[str, frozenset[type]], dict[str, float | int | None]]:

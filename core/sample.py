@@ -50,6 +50,11 @@ class Sample:
     tokens_per_s: float | None = None
     event: str | None = None  # for phase == event: "switch", "load", "error", "oom", "budget"...
     context_tokens: int = 0  # tokens in the sequence (prompt + generated) at this instant
+    # A switch, refused switch or no-op ("note") as data; ``text`` is the same said in words.
+    switch_key: str | None = None  # attention | attn-impl | cache (the command line's spelling)
+    switch_before: str | None = None  # the setting before
+    switch_after: str | None = None  # the setting asked for (applied, unless the event is "refused")
+    tokens_rerun: int | None = None  # tokens the switch ran through the model again (MLA, leaving a window...)
 
     @property
     def is_event(self) -> bool:

@@ -28,7 +28,8 @@ def synthetic_samples(n_tokens: int, prompt_tokens: int = 16, switches: dict[int
     def kv(tokens: int, mode: str) -> int:
         return 2 * LAYERS * KV_HEADS.get(mode, 8) * HEAD_DIM * tokens * ELEM
 
-    def sample(token: int, phase: str, text: str, mode: str, t: float, event: str | None = None) -> Sample:
+    def sample(token: int, phase: str, text: str, mode: str, t: float, event: str | None = None,
+               **switch: object) -> Sample:
         k = kv(token + 1, mode)
         act = 300_000
         return Sample(
@@ -41,7 +42,7 @@ def synthetic_samples(n_tokens: int, prompt_tokens: int = 16, switches: dict[int
             process_rss=None if gpu else 400 * 1024**2 + weights + k + (token % 7) * 4096,
             kv_bytes_predicted=k, weights_predicted=weights, activations_predicted=act,
             total_predicted=weights + k + act, tokens_per_s=tokens_per_s,
-            event=event, **base)
+            event=event, **switch, **base)
 
     mode = attention
     if start_token == 0:
@@ -51,7 +52,8 @@ def synthetic_samples(n_tokens: int, prompt_tokens: int = 16, switches: dict[int
         token = start_token + i
         t = token / tokens_per_s
         if token in switches:
-            mode = switches[token]
-            out.append(sample(token - 1, PHASE_EVENT, f"attention -> {mode}", mode, t, event="switch"))
+            before, mode = mode, switches[token]
+            out.append(sample(token - 1, PHASE_EVENT, f"attention: {before} -> {mode}", mode, t, event="switch",
+                              switch_key="attention", switch_before=before, switch_after=mode))
         out.append(sample(token, PHASE_DECODE, (" kv", " cache", " grows", ".")[token % 4], mode, t))
     return out

@@ -132,3 +132,36 @@ def test_an_error_in_a_run_is_an_event_in_the_recording(tmp_path, monkeypatch):
     last = json.loads(record.read_text().splitlines()[-1])
     assert last["event"] == "error" and seen[-1].event == "error"
     assert last["text"].startswith("RuntimeError: kernel exploded (at token 2; attention mha, attn-impl sdpa, cache dynamic)")
+
+
+def test_switches_travel_as_data_and_old_recordings_read_alike(tmp_path):
+    """Issue 13: a switch, a refusal and a no-op carry key / before / after / tokens re-run as fields
+    (the text is their prose); the window reads the fields, never the text. Recordings made before
+    (the shipped demo) get the same fields from the reader."""
+    from core.recording import RecordingReader, sample_from_json
+    from ui.main_window import demo_recording_path
+
+    record = tmp_path / "r.jsonl"
+    request = RunRequest(max_new_tokens=12, record_path=str(record), settings=RunSettings(),
+                         switches=((3, "attention", "gqa:2"), (5, "attention", "mla"), (7, "attention", "mla"),
+                                   (9, "attn_impl", "eager"), (9, "cache", "quantized:4"), (10, "attention", "window:8")))
+    emitted = []
+    run_generation(request, RunHooks(emit=emitted.append))
+    events = [s for s in emitted if s.is_event and s.switch_key]
+    assert [(s.event, s.switch_key, s.switch_before, s.switch_after) for s in events] == [
+        ("switch", "attention", "mha", "gqa:2"), ("switch", "attention", "gqa:2", "mla"),
+        ("note", "attention", "mla", "mla"), ("switch", "attn-impl", "sdpa", "eager"),
+        ("refused", "cache", "dynamic", "quantized:4"),  # MLA's latent: no group size divides it
+        ("switch", "attention", "mla", "window:8")]
+    assert events[0].tokens_rerun is None and events[1].tokens_rerun > 10  # MLA re-runs the tokens
+    assert events[5].tokens_rerun == events[1].tokens_rerun + 5  # and so does leaving it
+    assert events[4].cache == "dynamic" and "refused" in events[4].text  # the settings in force, the reason
+    with RecordingReader(record) as reader:
+        assert [s.switch_after for s in reader if s.switch_key] == [s.switch_after for s in events]
+    with RecordingReader(demo_recording_path()) as reader:
+        demo = [(s.switch_key, s.switch_after) for s in reader if s.event == "switch"]
+    assert demo[:3] == [("attention", "gqa:4"), ("attention", "gqa:2"), ("attention", "mqa")] and len(demo) == 6
+    legacy = sample_from_json(events[1].to_dict() | {"switch_key": None, "switch_before": None, "switch_after": None,
+                                                     "tokens_rerun": None})
+    assert (legacy.switch_key, legacy.switch_before, legacy.switch_after, legacy.tokens_rerun) == \
+        ("attention", "gqa:2", "mla", events[1].tokens_rerun)

@@ -12,7 +12,6 @@ import bisect
 
 import logging
 import math
-import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -70,12 +69,10 @@ def spike_events(sample: Sample, previous_cache: str | None = None) -> list[Even
     if kind == "oom":
         return [Event(t, EVENT_OOM, sample.text)]
     if kind == "switch":
-        # The engine writes "attention: mha -> mqa (...)", "attn-impl: ...", "cache: ...".
-        match = re.match(r"\s*(attention|attn-impl|cache)\b", sample.text)
-        key = match.group(1) if match else "setting"
+        key = sample.switch_key or "setting"
         if key == "cache" and sample.cache.startswith("static") and previous_cache != sample.cache:
             return [Event(t, EVENT_STATIC_PREALLOC, f"cache to {sample.cache}")]
-        new = {"attention": sample.attention, "attn-impl": sample.attn_impl, "cache": sample.cache}.get(key, "")
+        new = sample.switch_after or ""
         return [Event(t, EVENT_SWITCH, f"{key} to {new}" if new else key)]
     return []
 

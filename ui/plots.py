@@ -262,7 +262,6 @@ class LivePlots(QWidget):
         self.markers: list[Marker] = []
         self.spikes: list[SpikeMark] = []
         self._curves: dict[str, _Curve] = {}
-        self._last_settings: tuple[str, str, str] | None = None
         self.host_only: bool | None = None  # None until the first sample says whether a GPU reports memory
         self.draws = 0
         self._range_budget: float = 1  # view range changes left in this frame (see redraw)
@@ -501,7 +500,6 @@ class LivePlots(QWidget):
                 plot.removeItem(line)
         self.markers.clear()
         self._fresh.clear()
-        self._last_settings = None
         self.host_only = None
         self.slope_bytes_per_token = None
         for curve in self._curves.values():
@@ -522,9 +520,7 @@ class LivePlots(QWidget):
             if s.phase == PHASE_EVENT:
                 if s.event in ("switch", "error", "oom", "budget"):
                     self._add_marker(s)
-                self._last_settings = (s.attention, s.attn_impl, s.cache)
                 continue
-            self._last_settings = (s.attention, s.attn_impl, s.cache)
             total_obs, total_pred = observed_and_predicted_total(s)
             token_rows.append({
                 "token": s.token,
@@ -645,13 +641,9 @@ class LivePlots(QWidget):
         text.setFont(font)
 
     def _marker_label(self, s: Sample) -> str:
-        if s.event == "switch" and self._last_settings is not None:
-            old = self._last_settings
-            new = (s.attention, s.attn_impl, s.cache)
-            names = ("", "", "cache ")
-            changed = [f"{names[i]}{n}" for i, (o, n) in enumerate(zip(old, new)) if o != n]
-            if changed:
-                return " ".join(changed)
+        """What a marker says: the setting switched to ('mqa', 'flash', 'cache static'), else the event."""
+        if s.event == "switch" and s.switch_after:
+            return f"cache {s.switch_after}" if s.switch_key == "cache" else s.switch_after
         if s.event == "switch":
             return s.text or "switch"
         return s.event or s.text

@@ -35,7 +35,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
 def _add_run_options(p: argparse.ArgumentParser) -> None:
     _add_model_options(p)
     p.add_argument("--device", default="auto", help="auto | cuda | cuda:N | mps | cpu (default auto)")
-    p.add_argument("--tokens", type=int, default=None, help="tokens to generate (default 128; window: until stopped)")
+    p.add_argument("--tokens", type=int, default=None, help="tokens to generate (run: default 128; the window: its New tokens, remembered, 3000 at first)")
     p.add_argument("--prompt", default=None, help="prompt text")
     p.add_argument("--prompt-file", default=None, help="read the prompt from a file")
     p.add_argument("--max-context", default=None, help="context a static cache preallocates, e.g. 4096 or 4k")

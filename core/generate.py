@@ -109,6 +109,8 @@ class Engine:
         self.mla_model = None
         self.probe = probe
         self.clock = clock
+        #: One line before work that takes long between two tokens (re-running every token so far).
+        self.progress: Callable[[str], None] = lambda text: None
         self.t0 = clock()
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.settings = settings.with_(weight_dtype=loaded.dtype, kv_dtype=None)
@@ -372,6 +374,7 @@ class Engine:
         self.cache = self._new_cache()
         self.cache_base_tokens = self.seq_len
         if self.ids is not None and self.seq_len:
+            self.progress(f"re-running {self.seq_len:,} tokens ({why})\u2026")
             with torch.inference_mode(), self._kernel_context():
                 out = self.model(input_ids=self.ids, cache=self.cache, use_cache=True, logits_to_keep=1)
             self._next_logits = out.logits[:, -1, :].float()
@@ -704,6 +707,7 @@ def run_generation(request: RunRequest, hooks: RunHooks) -> list[Sample]:
     writer = None
     try:
         engine = Engine(loaded, request.settings, probe=probe, seed=request.seed)
+        engine.progress = hooks.progress
         info = model_info(loaded, engine, probe)
         hooks.loaded(info)
         if request.record_path:

@@ -125,6 +125,23 @@ def test_a_refused_switch_puts_the_controls_back_to_what_runs(qtbot, window):
         window.stop_run()
 
 
+def test_a_long_conversion_says_so_and_keys_meanwhile_show_as_queued(qtbot, window):
+    """Issue 12, item 2: MLA re-runs every token so far (seconds on a long run): the engine says so
+    before it starts, and keys pressed meanwhile are shown as queued, then applied in order."""
+    said = []
+    window.controller.progress.connect(said.append)
+    window.start_run(RunRequest(source="embedded", max_new_tokens=100_000))
+    qtbot.waitUntil(lambda: window.decode_tokens >= 20, timeout=120_000)
+    qtbot.keyClick(window, Qt.Key.Key_4)  # MLA
+    qtbot.keyClick(window, Qt.Key.Key_3)  # MQA, while MLA is still to come
+    assert window.statusBar().currentMessage().endswith("(2 queued)")
+    qtbot.waitUntil(lambda: window.badges["attention"].text() == "MQA", timeout=60_000)
+    assert [m.label for m in window.plots.markers][-2:] == ["mla", "mqa"]
+    assert any(text.startswith("re-running ") and "tokens (MLA" in text for text in said), said
+    with qtbot.waitSignal(window.run_finished, timeout=10_000):
+        window.stop_run()
+
+
 def test_an_error_is_shown_and_the_run_ends(qtbot, window):
     run_in_window(qtbot, window, RunRequest(source="/no/such/model/folder", max_new_tokens=4))
     assert window.last_error
@@ -184,6 +201,26 @@ def test_presenter_mode_round_trip_gives_the_window_back_as_it_was(qtbot, settin
     assert all(width <= before[0] for width, _ in after), (before, after)
     assert w.right_panel.minimumWidth() == 200
     w.shutdown()
+
+
+def test_a_launch_without_tokens_runs_the_remembered_new_tokens(qtbot, settings):
+    """Issue 12, item 7: the launch's run used to be 128 tokens (over before anyone looked) and reset
+    New tokens every time; now it is the window's own setting, 3,000 at first start."""
+    from ui.app import startup_request
+    from ui.main_window import FIRST_START_TOKENS
+
+    w = MainWindow(settings=settings)
+    qtbot.addWidget(w)
+    assert startup_request(w, RunRequest(), None).max_new_tokens == FIRST_START_TOKENS == 3000
+    w.max_tokens_spin.setValue(640)
+    w.close()
+    again = MainWindow(settings=settings)
+    qtbot.addWidget(again)
+    assert startup_request(again, RunRequest(), None).max_new_tokens == 640
+    assert startup_request(again, RunRequest(max_new_tokens=12), 12).max_new_tokens == 12  # --tokens 12 wins
+    x0, x1 = again.plots.kv_plot.getViewBox().viewRange()[0]
+    assert (x0, x1) == (0, 256) and not again.plots.kv_plot.getAxis("bottom").autoSIPrefix  # no "token (x0.001)"
+    again.shutdown()
 
 
 def test_text_streamed_before_a_theme_change_takes_the_new_colours(qtbot, settings):

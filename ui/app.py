@@ -96,6 +96,12 @@ def _settle(app, window, rounds: int = 6) -> None:
     app.processEvents()
 
 
+def startup_request(window, request, tokens: int | None):
+    """The run a launch starts: without ``--tokens``, as many tokens as the window's New tokens (the
+    user's last choice, remembered; ``FIRST_START_TOKENS`` at first), not the terminal run's 128."""
+    return request if tokens is not None else replace(request, max_new_tokens=window.max_tokens_spin.value())
+
+
 def run_window(request=None, screenshot: str | None = None, tokens: int | None = None, *,
                presenter: bool = False, size: tuple[int, int] | None = None, settings=None) -> int:
     """Open the window. With ``request`` the run starts at once.
@@ -124,6 +130,7 @@ def run_window(request=None, screenshot: str | None = None, tokens: int | None =
 
     if screenshot is None:
         if request is not None:
+            request = startup_request(window, request, tokens)
             window.apply_request(request)
             window.start_run(request)
         return app.exec()

@@ -58,6 +58,9 @@ ORG, APP = "KVScope", "KV Scope"
 REDRAW_HZ = 30
 STATS_MS = 1000
 SOURCES = ("embedded", "folder", "hub")
+#: New tokens at first start: a run long enough to watch and to press every key in (the embedded model's
+#: context is 4,096 tokens); the window remembers the user's own choice after that.
+FIRST_START_TOKENS = 3000
 #: Column widths (logical px) that let the window fit 1280x720 with every control reachable.
 CONTROLS_MIN_W, RIGHT_MIN_W, RIGHT_MAX_W = 300, 200, 420
 SAMPLER_RATES = (5.0, 10.0, 20.0, 50.0, 100.0)
@@ -174,6 +177,7 @@ class MainWindow(QMainWindow):
         self.last_error = ""
         self._pending_text: list[tuple[str, str]] = []  # (kind, text) waiting for the next redraw
         self._updating = False  # True while the window sets combos itself (not a user switch)
+        self._switches_pending = 0  # switches sent to the engine and not answered yet (keys pressed meanwhile)
         # Before a model loads: the embedded model's choices (its spec comes from its preset, no torch).
         self._attention_choices = _default_attention_choices()
         self._cache_choices = cache_choices()
@@ -311,7 +315,7 @@ class MainWindow(QMainWindow):
                                          "forecasts to. 0: the model's maximum.")
         self.max_tokens_spin = QSpinBox()
         self.max_tokens_spin.setRange(1, 1 << 20)
-        self.max_tokens_spin.setValue(256)
+        self.max_tokens_spin.setValue(FIRST_START_TOKENS)
         self.max_tokens_spin.setToolTip("How many tokens to generate.")
         self.budget_edit = QLineEdit()
         self.budget_edit.setPlaceholderText("none \u00b7 e.g. 1.5GiB")
@@ -790,6 +794,7 @@ class MainWindow(QMainWindow):
 
     def _start_now(self, request) -> None:
         self.mode = "live"
+        self._switches_pending = 0
         self._show_sampler_status()
         self.reset_view()
         self.error_label.setText("")
@@ -1249,6 +1254,10 @@ class MainWindow(QMainWindow):
             self._prev_cache = s.cache
             if s.phase == PHASE_EVENT:
                 self.events_table.add_event(s)
+                if s.switch_key is not None and self._switches_pending:
+                    self._switches_pending -= 1  # a key's switch has been applied, refused or found a no-op
+                    if not self._switches_pending and s.event == "switch":
+                        self.statusBar().showMessage(s.text, 4000)
                 if s.event == "switch":
                     self.switch_events += 1
                     self._bpt_points.clear()  # a step is not a slope: the forecast starts afresh
@@ -1362,7 +1371,9 @@ class MainWindow(QMainWindow):
             self._last_non_flash = value
         if self.controller is not None and self.state in ("running", "paused", "loading"):
             self.controller.switch(key, value)
-            self.statusBar().showMessage(f"switching {key} to {value} after this token\u2026", 3000)
+            self._switches_pending += 1
+            queued = f" ({self._switches_pending} queued)" if self._switches_pending > 1 else ""
+            self.statusBar().showMessage(f"switching {key} to {value} after this token\u2026{queued}")
 
     def attention_key(self, n: int) -> None:
         """Keys 1-5: mha, the middle GQA choice, mqa, mla, the smallest window (its plateau shows soonest)."""
@@ -1664,7 +1675,7 @@ class MainWindow(QMainWindow):
                 self._select(combo, str(value))
         try:
             self.max_context_spin.setValue(int(s.value("max_context", 0) or 0))
-            self.max_tokens_spin.setValue(int(s.value("max_new_tokens", 256) or 256))
+            self.max_tokens_spin.setValue(int(s.value("max_new_tokens", FIRST_START_TOKENS) or FIRST_START_TOKENS))
         except (TypeError, ValueError):
             pass
         prompt = s.value("prompt")

@@ -284,6 +284,9 @@ class LivePlots(QWidget):
         self.error_plot.getViewBox().setLimits(minYRange=2.0)
 
         self.all_plots = (self.kv_plot, self.mem_plot, self.total_plot, self.error_plot)
+        for plot in self.all_plots:  # tokens and seconds are counts: never "token (x0.001)"
+            plot.getAxis("bottom").enableAutoSIPrefix(False)
+        self._empty_ranges()
         # Which of the three views (scenes Qt repaints separately) draws each plot; see redraw.
         self._view_of = {id(self.kv_plot): "kv", id(self.mem_plot): "mem", id(self.total_plot): "cmp",
                          id(self.error_plot): "cmp"}
@@ -510,7 +513,16 @@ class LivePlots(QWidget):
             curve.in_legend = False
             curve.drawn_version = None
             curve.y_range = None
+        self._empty_ranges()
         self.apply_theme(self.theme)
+
+    def _empty_ranges(self) -> None:
+        """Axes that read as a run about to start (0-256 tokens, 0-1 MiB, 0-60 s), not pyqtgraph's 0-1."""
+        for plot, (x, y) in ((self.kv_plot, (256, 2**20)), (self.mem_plot, (60, 2**30)),
+                             (self.total_plot, (256, 2**20)), (self.error_plot, (256, None))):
+            plot.setXRange(0, x, padding=0.0)
+            if y is not None:
+                plot.setYRange(0, y, padding=0.0)
 
     def add_samples(self, samples: list[Sample]) -> None:
         """Append a batch of samples (any rate; drawing happens in ``redraw``)."""

@@ -327,3 +327,27 @@ def test_repeated_growth_spikes_are_one_row_that_counts_them(qtbot):
     assert [r.kind for r in table.rows] == ["spikes \u00d710 (this process)", "switch", "spike (this process)",
                                             "spike (this process)"]
     assert table.rowCount() == 4
+
+
+def test_the_context_end_is_named_when_it_comes_before_the_memory(qtbot):
+    """Issue 12, item 6: "Out of memory: token 2.6M (about 3 days)" on a 4,096-token model; the
+    context's end is the limit that comes first, and it says so (and no warning for the far one)."""
+    from ui.diagnose import oom_forecast
+    from ui.stats import StatsPanel
+
+    # As the engine counts: token = generated so far, context_tokens = the 16-token prompt + those.
+    samples = [s.replace(context_tokens=s.token + 16) for s in synthetic_samples(40, prompt_tokens=16)
+               if not s.is_event]
+    points = [(s.token, s.kv_bytes_observed) for s in samples]
+    last = samples[-1]
+    far = oom_forecast(points, last, free=20 * 2**30, free_source="host memory", max_context=4096)
+    assert far.context_first == 4096 - 16 and far.token > 2_000_000
+    assert far.message() == (f"the context ends at token 4,080, before the host memory would run out "
+                             f"(token {far.token:,})")
+    assert not far.warning(10**9)
+    near = oom_forecast(points, last, free=64 * 2**10, free_source="host memory", max_context=4096)
+    assert near.context_first is None and near.token < 4080 and near.message().startswith("out of memory at token")
+    panel = StatsPanel()
+    qtbot.addWidget(panel)
+    panel.show_forecast(far)
+    assert panel.tiles["oom"].value.text() == "context first"

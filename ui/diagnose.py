@@ -9,6 +9,7 @@ NVML on its own thread once a second (an NVML call can block for a long time on 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 
 import logging
 import math
@@ -108,6 +109,8 @@ class OomForecast:
 
     forecast: Forecast
     limit: str  # "GPU memory", "host memory" or "memory budget"
+    #: The token at which the run's context ends, when that comes before the memory runs out.
+    context_first: int | None = None
 
     @property
     def token(self) -> int:
@@ -118,17 +121,21 @@ class OomForecast:
         return self.forecast.seconds
 
     def message(self) -> str:
-        """'out of memory at token 5,120 (about 12 s)'; 'memory budget reached at ...' for a budget."""
+        """'out of memory at token 5,120 (about 12 s)'; 'memory budget reached at ...' for a budget;
+        the context's end when it comes first."""
+        if self.context_first is not None:
+            return (f"the context ends at token {self.context_first:,}, before the {self.limit} would run out "
+                    f"(token {self.token:,})")
         what = "memory budget reached" if self.limit == "memory budget" else "out of memory"
         when = f" (about {format_duration(self.seconds)})" if self.seconds is not None else ""
         return f"{what} at token {self.token:,}{when}"
 
     def warning(self, threshold_s: float = OOM_WARN_S) -> bool:
-        return self.seconds is not None and self.seconds <= threshold_s
+        return self.context_first is None and self.seconds is not None and self.seconds <= threshold_s
 
 
 def oom_forecast(points: list[tuple[int, int]], last: Sample | None, *, free: int | None, free_source: str,
-                 budget: int | None = None) -> OomForecast | None:
+                 budget: int | None = None, max_context: int | None = None) -> OomForecast | None:
     """Forecast from recent (token, KV bytes) ``points`` (since the last switch), free bytes and a budget.
 
     Bytes per token is the least-squares slope of the points (``estimate_bytes_per_token``); the
@@ -153,6 +160,11 @@ def oom_forecast(points: list[tuple[int, int]], last: Sample | None, *, free: in
             f = None
         if f is not None and (best is None or f.token < best.token):
             best = OomForecast(f, "memory budget")
+    if best is not None and max_context:
+        # Tokens are counted from the first generated one; the context also holds the prompt.
+        last_token = max_context - max(last.context_tokens - last.token, 0)
+        if last_token < best.token:
+            best = dataclasses.replace(best, context_first=last_token)
     return best
 
 

@@ -1521,7 +1521,8 @@ class MainWindow(QMainWindow):
         elif self.mode == "live" and host is not None:
             free, source = host, "host memory"
         budget = self.request.memory_budget if (self.mode == "live" and self.request is not None) else None
-        self.forecast = oom_forecast(list(self._bpt_points), s, free=free, free_source=source, budget=budget)
+        self.forecast = oom_forecast(list(self._bpt_points), s, free=free, free_source=source, budget=budget,
+                                     max_context=getattr(self.info, "max_context", None))
         near = self.forecast is not None and self.forecast.warning(OOM_WARN_S) and self.state in ("running", "paused")
         self.stats_panel.show_forecast(self.forecast, self.theme.warning if near else None)
         if near:

@@ -212,7 +212,11 @@ class StatsPanel(QWidget):
             from ui.diagnose import format_duration
 
             when = f"about {format_duration(forecast.seconds)} · " if forecast.seconds is not None else ""
-            tile.set(f"token {_compact(forecast.token)}", f"{when}{forecast.limit}")
+            if forecast.context_first is not None:  # the context ends first: that is the limit to show
+                tile.set("context first", f"ends at token {_compact(forecast.context_first)}; {forecast.limit} "
+                                          f"lasts to {_compact(forecast.token)}")
+            else:
+                tile.set(f"token {_compact(forecast.token)}", f"{when}{forecast.limit}")
         tile.set_value_style(f"color: {warning_color};" if warning_color else "")
 
 

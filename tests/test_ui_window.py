@@ -294,3 +294,17 @@ def test_has_display_follows_the_environment(monkeypatch):
 
     if sys.platform.startswith("linux"):
         assert not has_display()
+
+
+def test_menus_show_the_speaker_keys(qtbot, settings):
+    """Issue 12, item 10: the keys are menu entries with their shortcuts (which number is which mode),
+    Help has the key map and an About."""
+    w = MainWindow(settings=settings)
+    qtbot.addWidget(w)
+    menus = {a.text().replace("&", ""): a.menu() for a in w.menuBar().actions()}
+    run = {a.text(): a.shortcut().toString() for a in menus["Run"].actions() if not a.isSeparator()}
+    assert run["MHA attention"] == "1" and run["MQA attention"] == "3" and run["Sliding window attention"] == "5"
+    assert run["Flash attention on / off"] == "F" and run["Pause / resume"] == "Space"
+    assert {a.text() for a in menus["Help"].actions()} == {"Keys\u2026", "About KV Scope\u2026"}
+    assert any(a.shortcut().toString() == "Ctrl+S" for a in menus["File"].actions())
+    w.shutdown()

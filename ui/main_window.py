@@ -26,6 +26,7 @@ from PySide6.QtWidgets import (
     QLabel,
     QLineEdit,
     QMainWindow,
+    QMessageBox,
     QPlainTextEdit,
     QPushButton,
     QScrollArea,
@@ -72,6 +73,14 @@ SPIKE_LAG_S = 0.3
 READINGS_TAIL_S = 2.0
 #: The longest paragraph the text view is given (characters); longer streams are cut into paragraphs.
 TEXT_BLOCK_CHARS = 2048
+ATTENTION_KEYS = {1: "MHA", 2: "GQA", 3: "MQA", 4: "MLA", 5: "Sliding window"}
+KEY_MAP = (("1", "MHA: every query head has its own K/V head"),
+           ("2", "GQA: the middle group count the model allows"),
+           ("3", "MQA: one K/V head"), ("4", "MLA: a compressed latent (re-runs the tokens so far)"),
+           ("5", "sliding window: the smallest offered (its plateau shows soonest)"),
+           ("F", "flash attention on / off"), ("C", "next cache strategy"), ("Space", "pause / resume"),
+           ("F11", "presenter mode (Esc leaves it)"), ("Ctrl+S", "screenshot to your Pictures folder"),
+           ("Ctrl+O", "open a recording"), ("Ctrl+Q", "quit"), ("F1", "this list"))
 KEYS_HELP = "1\u20135 attention \u00b7 F flash \u00b7 C cache \u00b7 Space pause \u00b7 F11 presenter \u00b7 Ctrl+S screenshot"
 
 
@@ -574,9 +583,14 @@ class MainWindow(QMainWindow):
         summary.triggered.connect(lambda: self.export_summary(ask=True))
         file_menu.addAction(summary)
         file_menu.addSeparator()
-        shot = QAction("Save screenshot\u2026", self)
-        shot.triggered.connect(lambda: self.save_screenshot(ask=True))
+        shot = QAction("Save screenshot", self)
+        shot.setShortcut(QKeySequence("Ctrl+S"))
+        shot.setToolTip("A PNG of the window in your Pictures folder (the status bar says where)")
+        shot.triggered.connect(lambda: self.save_screenshot())
         file_menu.addAction(shot)
+        shot_as = QAction("Save screenshot as\u2026", self)
+        shot_as.triggered.connect(lambda: self.save_screenshot(ask=True))
+        file_menu.addAction(shot_as)
         file_menu.addSeparator()
         quit_action = QAction("Quit", self)
         quit_action.setShortcut(QKeySequence.StandardKey.Quit)
@@ -585,9 +599,24 @@ class MainWindow(QMainWindow):
         self.file_menu = file_menu
 
         run_menu = bar.addMenu("&Run")
-        for text, slot in (("Start", self.start_run), ("Pause / resume", self.toggle_pause), ("Stop", self.stop_run)):
+        for text, slot, shortcut in (("Start", self.start_run, None), ("Pause / resume", self.toggle_pause, "Space"),
+                                     ("Stop", self.stop_run, None)):
             action = QAction(text, self)
             action.triggered.connect(slot)
+            if shortcut:
+                action.setShortcut(QKeySequence(shortcut))
+                self.addAction(action)  # the key works wherever the focus is in the window
+            run_menu.addAction(action)
+        run_menu.addSeparator()
+        # The keys a speaker presses, as menu entries: the menu shows which number is which mode.
+        switch_keys = [(f"{name} attention", lambda _c=False, n=n: self.attention_key(n), str(n))
+                       for n, name in ATTENTION_KEYS.items()]
+        switch_keys += [("Flash attention on / off", self.toggle_flash, "F"), ("Next cache strategy", self.next_cache, "C")]
+        for text, slot, shortcut in switch_keys:
+            action = QAction(text, self)
+            action.setShortcut(QKeySequence(shortcut))
+            action.triggered.connect(slot)
+            self.addAction(action)
             run_menu.addAction(action)
 
         view = bar.addMenu("&View")
@@ -615,9 +644,26 @@ class MainWindow(QMainWindow):
             rate_menu.addAction(action)
             self.rate_actions[hz] = action
         help_menu = bar.addMenu("&Help")
-        keys = QAction("Keys: " + KEYS_HELP, self)
-        keys.setEnabled(False)
+        keys = QAction("Keys\u2026", self)
+        keys.setShortcut(QKeySequence("F1"))
+        keys.triggered.connect(self.show_keys)
         help_menu.addAction(keys)
+        about = QAction("About KV Scope\u2026", self)
+        about.triggered.connect(self.show_about)
+        help_menu.addAction(about)
+
+    def show_keys(self) -> None:
+        rows = "".join(f"<tr><td><b>{k}</b></td><td>{what}</td></tr>" for k, what in KEY_MAP)
+        QMessageBox.information(self, "KV Scope keys", f"<table cellspacing='6'>{rows}</table>")
+
+    def show_about(self) -> None:
+        from core import __version__
+
+        QMessageBox.about(self, "About KV Scope",
+                          f"<b>KV Scope {__version__}</b><p>See the KV cache grow token by token, and predict "
+                          "what a context will cost before anything is loaded.</p><p>Bytes = 2 \u00d7 layers "
+                          "\u00d7 KV heads \u00d7 head_dim \u00d7 tokens \u00d7 batch \u00d7 bytes per "
+                          "element.</p><p>Memory in binary units: 1 GiB = 1,073,741,824 bytes.</p>")
 
     def _build_shortcuts(self) -> None:
         def key(seq: str, slot) -> None:
@@ -625,12 +671,7 @@ class MainWindow(QMainWindow):
             sc.setContext(Qt.ShortcutContext.WindowShortcut)
             sc.activated.connect(slot)
 
-        for n in range(1, 6):
-            key(str(n), lambda n=n: self.attention_key(n))
-        key("F", self.toggle_flash)
-        key("C", self.next_cache)
-        key("Space", self.toggle_pause)
-        key("Ctrl+S", lambda: self.save_screenshot())
+        # 1-5, F, C, Space and Ctrl+S are the menu actions' shortcuts (so the menus show them).
         key("Escape", lambda: self.set_presenter(False) if self.presenter else None)
         self.addAction(self.presenter_action)
 

@@ -408,6 +408,7 @@ class Engine:
             return self._sample(PHASE_EVENT, f"{label}: {before[name]} (no change: already {wanted})", event="note",
                                 step_s=self.clock() - t, **fields)
         self._tokens_rerun = None
+        self.progress(f"switching {label} to {wanted}\u2026")
         mode = parsed if name == "attention" else self.mode
         impl = parsed if name == "attn_impl" else self.settings.attn_impl
         strategy = parsed if name == "cache" else self.settings.cache

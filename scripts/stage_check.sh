@@ -67,6 +67,8 @@ for size in "${SIZES[@]}"; do
   key ctrl+Tab 1
   key alt+f 1; shot 09-file-menu
   key Escape 1
+  key alt+r 1; shot 10-run-menu
+  key Escape 1
   quit_start=$(date +%s.%N)
   xdotool key --clearmodifiers ctrl+q || true
   for _ in $(seq 1 100); do kill -0 "$APP" 2>/dev/null || break; sleep 0.1; done

@@ -44,7 +44,7 @@ from core.caches import parse_cache
 from core.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
 from core.settings import ATTN_IMPLS, RunSettings, attention_choices, cache_choices, parse_attn_impl
 from core.spec import SpecError, human_bytes, load_spec, parse_size
-from core.spikes import EVENT_LOAD, Event, SpikeMonitor
+from core.spikes import EVENT_LOAD, EVENT_SWITCH, Event, SpikeMonitor
 from ui.calculator import CalculatorTab
 from ui.diagnose import (OOM_WARN_S, EventsTable, GpuProcessesPanel, GpuProcessPoller, oom_forecast, reading_from_sample,
                          spike_events, spike_threshold)
@@ -1365,6 +1365,10 @@ class MainWindow(QMainWindow):
 
     def _on_progress(self, text: str) -> None:
         self.statusBar().showMessage(text)
+        if text.startswith(("switching", "re-running")) and self.monitor is not None and self._origin is not None:
+            # The re-run's memory rises before its switch event arrives: tell the spike monitor now,
+            # so those spikes are the conversion's, not "unknown".
+            self.monitor.add_event(Event(time.monotonic() - self._origin, EVENT_SWITCH, text))
 
     def _on_error(self, message: str) -> None:
         self.last_error = message

@@ -197,7 +197,7 @@ def test_gpu_processes_panel_lists_every_process_and_highlights_this_app(qtbot):
         poller.start()
     assert poller.stop()
     table = panel.table
-    assert table.rowCount() == 3
+    assert table.rowCount() == 3 and not table.isHidden()
     cells = [[table.item(r, c).text() for c in range(table.columnCount())] for r in range(3)]
     mine = next(row for row in cells if row[1] == str(me))
     assert mine[2].endswith("(this app)") and mine[3] == "3.0 GiB"
@@ -227,6 +227,7 @@ def test_gpu_processes_panel_without_a_driver_says_so(qtbot):
     assert poller.stop()
     assert panel.table.rowCount() == 0
     assert panel.note.text().startswith("no GPU processes: no NVIDIA driver")
+    assert panel.table.isHidden()  # issue 12, item 10: the reason, not an empty table under it
 
 
 def test_closing_the_window_stops_every_thread(qtbot, settings):

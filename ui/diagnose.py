@@ -326,6 +326,8 @@ class GpuProcessesPanel(QWidget):
             gpus = len({p.gpu_index for p in self.processes})
             self.note.setText(f"{len(self.processes)} process(es) on {gpus} GPU(s)" + (f" \u00b7 {note}" if note else ""))
         self.table.setRowCount(len(self.processes))
+        # No processes (no NVIDIA driver, no GPU): the note says why; no empty table under it.
+        self.table.setVisible(bool(self.processes))
         accent = QColor(self.theme.accent)
         accent.setAlpha(90)
         for r, p in enumerate(self.processes):

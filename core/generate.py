@@ -398,14 +398,10 @@ class Engine:
         from core.transaction import Snapshot
 
         t = self.clock()
-        name, parsed = parse_switch_value(key, value) if isinstance(value, str) else (
-            {"attention": "attention", "cache": "cache"}.get(key, "attn_impl"), value)
-        before = {"attention": self.mode.key, "attn_impl": self.settings.attn_impl, "cache": self.settings.cache.key}
-        wanted = parsed if name == "attn_impl" else parsed.key
-        label = name.replace("_", "-")
-        fields = {"switch_key": label, "switch_before": before[name], "switch_after": wanted}
-        if wanted == before[name]:
-            return self._sample(PHASE_EVENT, f"{label}: {before[name]} (no change: already {wanted})", event="note",
+        name, parsed, fields = self._asked(key, value)
+        label, was, wanted = fields["switch_key"], fields["switch_before"], fields["switch_after"]
+        if wanted == was:
+            return self._sample(PHASE_EVENT, f"{label}: {was} (no change: already {wanted})", event="note",
                                 step_s=self.clock() - t, **fields)
         self._tokens_rerun = None
         self.progress(f"switching {label} to {wanted}\u2026")
@@ -437,10 +433,10 @@ class Engine:
             raise SettingsError(f"{why}; nothing was changed") from exc
         del snapshot
         gc.collect()
-        after = {"attention": self.mode.key, "attn_impl": self.settings.attn_impl, "cache": self.settings.cache.key}
-        text = f"{label}: {before[name]} -> {after[name]} ({detail})"
+        now = self._settings_now()[name]
+        text = f"{label}: {was} -> {now} ({detail})"
         return self._sample(PHASE_EVENT, text, event="switch", step_s=self.clock() - t,
-                            **(fields | {"switch_after": after[name], "tokens_rerun": self._tokens_rerun}))
+                            **(fields | {"switch_after": now, "tokens_rerun": self._tokens_rerun}))
 
     def _trial_step(self) -> None:
         """Run one forward pass on the converted model and cache, then undo what it added to the cache:
@@ -620,17 +616,25 @@ class Engine:
         switch passes ``switch_key``, ``switch_before`` and ``switch_after`` as well."""
         return self._sample(PHASE_EVENT, text, event=kind, **switch)
 
+    def _settings_now(self) -> dict[str, str]:
+        """The three switchable settings, keyed as ``parse_switch_value`` names them."""
+        return {"attention": self.mode.key, "attn_impl": self.settings.attn_impl, "cache": self.settings.cache.key}
+
+    def _asked(self, key: str, value: Any) -> tuple[str, Any, dict[str, Any]]:
+        """A switch asked as ``key=value``: the setting's name, the parsed value, and its ``switch_key`` /
+        ``switch_before`` / ``switch_after`` fields in canonical spellings. SettingsError if it does not parse."""
+        name, parsed = parse_switch_value(key, value) if isinstance(value, str) else (
+            {"attention": "attention", "cache": "cache"}.get(key, "attn_impl"), value)
+        wanted = parsed if name == "attn_impl" else parsed.key
+        return name, parsed, {"switch_key": name.replace("_", "-"), "switch_before": self._settings_now()[name],
+                              "switch_after": wanted}
+
     def switch_fields(self, key: str, value: Any) -> dict[str, Any]:
-        """``switch_key`` / ``switch_before`` / ``switch_after`` of a switch asked as ``key=value``,
-        in canonical spellings (``value`` that does not parse is kept as written)."""
-        before = {"attention": self.mode.key, "attn_impl": self.settings.attn_impl, "cache": self.settings.cache.key}
+        """The switch fields of ``key=value`` for a refusal event (a value that does not parse is kept as written)."""
         try:
-            name, parsed = parse_switch_value(key, value) if isinstance(value, str) else (
-                {"attention": "attention", "cache": "cache"}.get(key, "attn_impl"), value)
+            return self._asked(key, value)[2]
         except (SettingsError, SpecError):
             return {"switch_key": str(key).strip().lower().replace("_", "-"), "switch_after": str(value)}
-        after = parsed if name == "attn_impl" else parsed.key
-        return {"switch_key": name.replace("_", "-"), "switch_before": before[name], "switch_after": after}
 
     def free_cache(self) -> None:
         """Drop the cache (after an out-of-memory error) and return its memory to the device."""

@@ -8,10 +8,12 @@ after them is the token that does not. The budget counts what an allocator holds
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from core.sample import Sample
 from core.spec import human_bytes
 
 
@@ -38,7 +40,7 @@ class Forecast:
         """``out of memory at token 5120 (about 12 s)`` — for the window and the CLI."""
         if self.seconds is None:
             return f"out of memory at token {self.token}"
-        return f"out of memory at token {self.token} (about {_seconds(self.seconds)})"
+        return f"out of memory at token {self.token} (about {format_duration(self.seconds)})"
 
     def warning(self, threshold_s: float) -> str | None:
         """A warning line when the OOM is at most ``threshold_s`` seconds away, else None."""
@@ -46,14 +48,6 @@ class Forecast:
             return None
         return (f"warning: {self.message()}: {human_bytes(max(self.free_bytes, 0))} free, "
                 f"{human_bytes(self.bytes_per_token)} per token")
-
-
-def _seconds(s: float) -> str:
-    if s < 10:
-        return f"{s:.1f} s"
-    if s < 600:
-        return f"{s:.0f} s"
-    return f"{s / 60:.0f} min"
 
 
 def forecast_oom(bytes_per_token: float, free_bytes: int, tokens_per_s: float | None,
@@ -125,3 +119,87 @@ def budget_forecast(weights: int, kv_observed: int, activations_predicted: int, 
         raise ValueError(f"memory budget must be positive, got {budget!r}")
     free = budget - budget_used(weights, kv_observed, activations_predicted)
     return forecast_oom(bytes_per_token, free, tokens_per_s, current_token)
+
+
+#: The forecast turns into a warning when out of memory is this close (seconds).
+OOM_WARN_S = 10.0
+
+
+def format_duration(seconds: float | None) -> str:
+    """'4.2 s', '38 s', '12 min', '3.5 h', '9 days' for the forecast."""
+    if seconds is None or not math.isfinite(seconds):
+        return "n/a"
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 3 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:,.0f} days"
+
+
+@dataclass(frozen=True)
+class OomForecast:
+    """The window's forecast: when memory (or the budget) runs out, from what."""
+
+    forecast: Forecast
+    limit: str  # "GPU memory", "host memory" or "memory budget"
+    #: The token at which the run's context ends, when that comes before the memory runs out.
+    context_first: int | None = None
+
+    @property
+    def token(self) -> int:
+        return self.forecast.token
+
+    @property
+    def seconds(self) -> float | None:
+        return self.forecast.seconds
+
+    def message(self) -> str:
+        """'out of memory at token 5,120 (about 12 s)'; 'memory budget reached at ...' for a budget;
+        the context's end when it comes first."""
+        if self.context_first is not None:
+            return (f"the context ends at token {self.context_first:,}, before the {self.limit} would run out "
+                    f"(token {self.token:,})")
+        what = "memory budget reached" if self.limit == "memory budget" else "out of memory"
+        when = f" (about {format_duration(self.seconds)})" if self.seconds is not None else ""
+        return f"{what} at token {self.token:,}{when}"
+
+    def warning(self, threshold_s: float = OOM_WARN_S) -> bool:
+        return self.context_first is None and self.seconds is not None and self.seconds <= threshold_s
+
+
+def oom_forecast(points: list[tuple[int, int]], last: Sample | None, *, free: int | None, free_source: str,
+                 budget: int | None = None, max_context: int | None = None) -> OomForecast | None:
+    """Forecast from recent (token, KV bytes) ``points`` (since the last switch), free bytes and a budget.
+
+    Bytes per token is the least-squares slope of the points (``estimate_bytes_per_token``); the
+    budget counts weights + KV + activations (``budget_forecast``). The earlier of the two wins.
+    None when memory is not growing or nothing is known.
+    """
+    if last is None:
+        return None
+    bpt = estimate_bytes_per_token([p[0] for p in points], [p[1] for p in points])
+    if bpt is None or bpt <= 0:
+        return None
+    best: OomForecast | None = None
+    if free is not None:
+        f = forecast_oom(bpt, free, last.tokens_per_s, last.token)
+        if f is not None:
+            best = OomForecast(f, free_source)
+    if budget is not None and last.weights_bytes is not None and last.kv_bytes_observed is not None:
+        try:
+            f = budget_forecast(last.weights_bytes, last.kv_bytes_observed, last.activations_predicted or 0, budget,
+                                bpt, last.tokens_per_s, last.token)
+        except ValueError:
+            f = None
+        if f is not None and (best is None or f.token < best.token):
+            best = OomForecast(f, "memory budget")
+    if best is not None and max_context:
+        # Tokens are counted from the first generated one; the context also holds the prompt.
+        last_token = max_context - max(last.context_tokens - last.token, 0)
+        if last_token < best.token:
+            best = dataclasses.replace(best, context_first=last_token)
+    return best

@@ -24,6 +24,8 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from core.sample import PHASE_DECODE, PHASE_PREFILL, Sample
+
 # Event kinds the generation loop and the window report (``Event.kind``).
 EVENT_LOAD = "load"  # model weights being loaded / moved to the device
 EVENT_STATIC_PREALLOC = "static_prealloc"  # a static cache reserving max context up front
@@ -328,3 +330,51 @@ class SpikeMonitor:
         process_rise = rise_between(times, values, start, spike.time_s)
         cause = attribute_cause(spike, self._events, process_rise=process_rise)
         return [spike.with_cause(cause)] if cause == CAUSE_OTHER_PROCESS else []
+
+
+#: Spike thresholds: a GPU allocation worth a question, and on the CPU demo a few MiB of host memory.
+SPIKE_MIN_GPU = 64 << 20
+SPIKE_MIN_CPU = 4 << 20
+
+
+def spike_threshold(device: str | None) -> int:
+    """Bytes a rise must exceed to count as a spike on ``device`` (cuda/mps: 64 MiB, cpu: 4 MiB)."""
+    return SPIKE_MIN_GPU if str(device or "").startswith(("cuda", "mps")) else SPIKE_MIN_CPU
+
+
+def spike_events(sample: Sample, previous_cache: str | None = None) -> list[Event]:
+    """What a Sample tells the SpikeMonitor about the app's doing at ``sample.time_s`` (plot seconds).
+
+    A switch *to* a static cache is a preallocation (the whole max context at once); other
+    switches are switches, named by what they switched to (so 'static -> dynamic' is not read as
+    a preallocation). Decode samples name the cache strategy (dynamic-cache growth).
+    """
+    t = sample.time_s
+    if sample.phase == PHASE_PREFILL:
+        detail = ("eager scores are prompt x prompt per head" if sample.attn_impl == "eager"
+                  else f"{sample.context_tokens} prompt tokens, kernel {sample.kernel}")
+        return [Event(t, EVENT_PREFILL, detail)]
+    if sample.phase == PHASE_DECODE:
+        return [Event(t, EVENT_DECODE, sample.cache)]
+    kind = sample.event or ""
+    if kind == "load":
+        return [Event(t, EVENT_LOAD, sample.text)]
+    if kind == "oom":
+        return [Event(t, EVENT_OOM, sample.text)]
+    if kind == "switch":
+        key = sample.switch_key or "setting"
+        if key == "cache" and sample.cache.startswith("static") and previous_cache != sample.cache:
+            return [Event(t, EVENT_STATIC_PREALLOC, f"cache to {sample.cache}")]
+        new = sample.switch_after or ""
+        return [Event(t, EVENT_SWITCH, f"{key} to {new}" if new else key)]
+    return []
+
+
+def reading_from_sample(sample: Sample):
+    """A MemoryReading built from what a recorded token Sample measured (replays have no sampler)."""
+    from core.probes import MemoryReading
+
+    return MemoryReading(time_s=sample.time_s, allocator_allocated=sample.allocator_allocated,
+                         allocator_reserved=sample.allocator_reserved, allocator_peak=sample.allocator_peak,
+                         device_used=sample.device_used, device_total=sample.device_total,
+                         process_gpu=sample.process_gpu, process_rss=sample.process_rss)

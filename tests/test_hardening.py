@@ -68,7 +68,8 @@ from core import loading
 from core.attention import MHA, SettingsError, Window, parse_attention
 from core.caches import Static
 from core.embedded import embedded_model_dir
-from core.generate import Engine, RunHooks, run_generation
+from core.engine import Engine
+from core.run import RunHooks, run_generation
 from core.request import RunRequest
 from core.loading import EMBEDDED_HINT, load_model
 from core.measure import cache_bytes
@@ -484,15 +485,15 @@ def test_runtime_out_of_memory_window_stays_usable(qtbot, thread_window, monkeyp
     _fail_forward(monkeypatch, call=5, make_error=_oom, loads=(1,))
     run_in_window(qtbot, window, RunRequest(device="cpu", max_new_tokens=50))
     assert window.last_error.startswith("out of memory in decode at token 3")
-    assert window.error_label.text() == window.last_error
-    assert window.state == "idle" and window.start_button.isEnabled() and not window.stop_button.isEnabled()
+    assert window.controls.error_label.text() == window.last_error
+    assert window.state == "idle" and window.controls.start_button.isEnabled() and not window.controls.stop_button.isEnabled()
     assert not window.controller.is_running()
     assert window.decode_tokens == 2
     # The next run also carries a "note" event (max context clamped to the model's 4,096): the window takes it.
     run_in_window(qtbot, window, RunRequest(device="cpu", max_new_tokens=8,
                                              settings=RunSettings(cache=Static(), max_context=100_000)))
-    assert window.last_error == "" and window.error_label.text() == ""
-    assert window.decode_tokens == 8 and window.start_button.isEnabled()
+    assert window.last_error == "" and window.controls.error_label.text() == ""
+    assert window.decode_tokens == 8 and window.controls.start_button.isEnabled()
 
 
 @pytest.mark.parametrize("case", ["nvml-missing", "nvml-library-not-loadable", "nvml-failing-mid-run"])
@@ -568,8 +569,8 @@ def test_runtime_worker_raising_mid_token_window_controls_come_back(qtbot, threa
     _fail_forward(monkeypatch, call=5, make_error=lambda: RuntimeError("kernel exploded at token 3"))
     run_in_window(qtbot, window, RunRequest(device="cpu", max_new_tokens=50))
     assert window.last_error == "RuntimeError: kernel exploded at token 3"
-    assert window.error_label.text() == window.last_error
-    assert window.state == "idle" and window.start_button.isEnabled()
+    assert window.controls.error_label.text() == window.last_error
+    assert window.state == "idle" and window.controls.start_button.isEnabled()
     assert window.decode_tokens == 2
 
 
@@ -733,8 +734,8 @@ def test_runtime_engine_process_killed_mid_run(qtbot, window):
         os.kill(old_pid, signal.SIGKILL)
     assert window.last_error == ("the engine process ended during the run (killed by signal 9); "
                                  "the next run starts a new one")
-    assert window.error_label.text() == window.last_error
-    assert window.state == "idle" and window.start_button.isEnabled()
+    assert window.controls.error_label.text() == window.last_error
+    assert window.state == "idle" and window.controls.start_button.isEnabled()
     run_in_window(qtbot, window, RunRequest(device="cpu", max_new_tokens=5))
     assert window.last_error == "" and window.decode_tokens == 5
     assert host.pid not in (None, old_pid)

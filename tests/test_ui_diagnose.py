@@ -17,7 +17,9 @@ from core.sample import PHASE_EVENT
 from core.settings import RunSettings
 from core.spikes import CAUSE_SWITCH
 from tests.fake_pynvml import NVML_ERROR_DRIVER_NOT_LOADED, FakeGpu, FakeNvml
-from ui.diagnose import GpuProcessesPanel, GpuProcessPoller, format_duration
+from core.forecast import format_duration
+from ui.diagnose import GpuProcessesPanel
+from workers.gpu_poller import GpuProcessPoller
 from ui.main_window import MainWindow
 from tests.synthetic import synthetic_samples
 from ui.theme import theme
@@ -27,11 +29,11 @@ MiB = 1 << 20
 
 
 def test_sampler_readings_reach_the_memory_plot_on_the_samples_time_axis(qtbot, window):
-    assert window.sampler is not None and window.sampler.is_running()
+    assert window.sampling.sampler is not None and window.sampling.sampler.is_running()
     # A run long enough for the sampler to measure its rate (it reports once a second).
     request = RunRequest(source="embedded", max_new_tokens=100_000)
     window.start_run(request)
-    qtbot.waitUntil(lambda: window.decode_tokens >= 5 and window.sampler_achieved_hz is not None, timeout=120_000)
+    qtbot.waitUntil(lambda: window.decode_tokens >= 5 and window.sampling.achieved_hz is not None, timeout=120_000)
     qtbot.wait(1200)
     with qtbot.waitSignal(window.run_finished, timeout=10_000):
         window.stop_run()
@@ -45,9 +47,9 @@ def test_sampler_readings_reach_the_memory_plot_on_the_samples_time_axis(qtbot, 
     # One time axis: the readings span the run's tokens (the load comes before 0 s).
     token_times = plots.times.column("time")
     assert x[0] < token_times[0] and x[-1] >= token_times[-1] - 0.5
-    assert window.sampler_achieved_hz == pytest.approx(20.0, rel=0.5)
+    assert window.sampling.achieved_hz == pytest.approx(20.0, rel=0.5)
     assert "Hz" in window.sampler_label.text() and "host memory" in window.sampler_label.text()
-    print(f"sampler rate achieved in the window: {window.sampler_achieved_hz:.1f} Hz")
+    print(f"sampler rate achieved in the window: {window.sampling.achieved_hz:.1f} Hz")
 
 
 def test_scripted_run_puts_the_prefill_and_every_switch_in_the_events_table(qtbot, window, tmp_path):
@@ -74,14 +76,14 @@ def test_scripted_run_puts_the_prefill_and_every_switch_in_the_events_table(qtbo
 
 
 def test_a_spike_in_the_readings_is_marked_and_listed_with_its_cause(qtbot, window):
-    window.sampler.stop()  # the synthetic readings are the only ones
+    window.sampling.sampler.stop()  # the synthetic readings are the only ones
     qtbot.wait(100)  # readings queued before the stop are delivered now, not later
-    window.mode = "live"
-    window._plot_readings = True
-    window._new_monitor("cpu")
+    window.session.mode = "live"
+    window.session.plot_readings = True
+    window.session.new_monitor("cpu")
     samples = synthetic_samples(40, prompt_tokens=8, switches={20: "gqa:2"}, tokens_per_s=20.0)
     window.add_samples(samples)
-    origin = window._origin
+    origin = window.session.origin
     assert origin is not None
     # 20 Hz host-memory readings over 2 s: flat at 500 MiB, then +48 MiB within 0.1 s at 1.0 s,
     # which is when the synthetic run switched to GQA (token 20 at 20 tok/s).
@@ -90,8 +92,8 @@ def test_a_spike_in_the_readings_is_marked_and_listed_with_its_cause(qtbot, wind
         t = i * 0.05
         rss = 500 * MiB + (48 * MiB if t >= 1.05 else 0) + (24 * MiB if 1.0 <= t < 1.05 else 0)
         readings.append(MemoryReading(time_s=origin + t, process_rss=rss))
-    window._on_readings(readings)
-    window._feed_spikes(flush=True)
+    window.session.take_readings(readings)
+    window.session.feed_spikes(flush=True)
     window._redraw()
     assert len(window.plots.spikes) == 1
     mark = window.plots.spikes[0]
@@ -107,17 +109,17 @@ def test_a_spike_in_the_readings_is_marked_and_listed_with_its_cause(qtbot, wind
 
 
 def test_oom_forecast_from_samples_and_readings_turns_into_a_warning(qtbot, window):
-    window.sampler.stop()
+    window.sampling.sampler.stop()
     qtbot.wait(100)
-    window.mode = "live"
-    window._set_state("running")
+    window.session.mode = "live"
+    window.session.set_state("running")
     samples = synthetic_samples(40, prompt_tokens=8, gpu=True, tokens_per_s=200.0)
     window.add_samples(samples)
     last = samples[-1]
     bpt = 8 * 1024  # the synthetic MHA cache grows 8 KiB per token
     # Far from full: a forecast, no warning.
-    window.sampler_device = "cuda:0"
-    window.last_reading = MemoryReading(time_s=0.0, device_total=80 << 30, device_used=40 << 30)
+    window.sampling.device = "cuda:0"
+    window.session.last_reading = MemoryReading(time_s=0.0, device_total=80 << 30, device_used=40 << 30)
     window.refresh_stats()
     tile = window.stats_panel.tiles["oom"]
     expected = last.token + (40 << 30) // bpt + 1
@@ -125,14 +127,14 @@ def test_oom_forecast_from_samples_and_readings_turns_into_a_warning(qtbot, wind
     assert "GPU memory" in tile.note.text()
     assert not window.alert_label.isVisible()
     # 1,000 tokens of room at 200 tok/s: 5 s away, a visible warning.
-    window.last_reading = MemoryReading(time_s=0.0, device_total=80 << 30, device_used=(80 << 30) - 1000 * bpt)
+    window.session.last_reading = MemoryReading(time_s=0.0, device_total=80 << 30, device_used=(80 << 30) - 1000 * bpt)
     window.refresh_stats()
     expected = last.token + 1000 + 1
     assert tile.value.text() == f"token {expected:,}"
     assert window.alert_label.isVisible()
     assert f"out of memory at token {expected:,} (about 5.0 s)" in window.alert_label.text()
-    assert window.forecast.warning()
-    window._set_state("idle")
+    assert window.session.forecast.warning()
+    window.session.set_state("idle")
 
 
 def test_an_oom_event_is_marked_and_the_window_stays_usable(qtbot, window):
@@ -145,11 +147,11 @@ def test_an_oom_event_is_marked_and_the_window_stays_usable(qtbot, window):
     assert window.plots.markers[-1].kind == "oom"
     assert window.alert_label.isVisible() and "The predictor had said KV 144.0 KiB" in window.alert_label.text()
     assert window.events_table.rows[-1].kind == "out of memory"
-    assert window.start_button.isEnabled()
+    assert window.controls.start_button.isEnabled()
 
 
 def test_memory_budget_stops_the_run_with_forecast_and_start_works_again(qtbot, window):
-    window.budget_edit.setText("14.5MiB")  # the embedded model's weights are 13.07 MiB
+    window.controls.budget_edit.setText("14.5MiB")  # the embedded model's weights are 13.07 MiB
     request = window.build_request()
     assert request.memory_budget == int(14.5 * MiB)
     request = RunRequest(source="embedded", max_new_tokens=400, memory_budget=request.memory_budget)
@@ -158,7 +160,7 @@ def test_memory_budget_stops_the_run_with_forecast_and_start_works_again(qtbot, 
     assert "forecast" in kinds and "budget reached" in kinds
     assert "memory budget" in window.last_error and window.alert_label.isVisible()
     assert window.plots.markers[-1].kind == "budget"
-    assert window.state == "idle" and window.start_button.isEnabled()
+    assert window.state == "idle" and window.controls.start_button.isEnabled()
     tokens = window.decode_tokens
     assert 0 < tokens < 400
     # The window is usable again: the next run starts, and the alert is gone.
@@ -167,22 +169,22 @@ def test_memory_budget_stops_the_run_with_forecast_and_start_works_again(qtbot, 
 
 
 def test_a_bad_budget_is_a_clear_message(qtbot, window):
-    window.budget_edit.setText("lots")
+    window.controls.budget_edit.setText("lots")
     assert not window.start_run()
-    assert window.error_label.text().startswith("memory budget: cannot read size 'lots'")
+    assert window.controls.error_label.text().startswith("memory budget: cannot read size 'lots'")
 
 
 def test_sampling_rate_menu_changes_the_sampler_and_is_remembered(qtbot, window, settings):
     window.rate_actions[50.0].trigger()
-    assert window.sampler.rate_hz == 50.0
+    assert window.sampling.sampler.rate_hz == 50.0
     window.save_settings()
     assert float(settings.value("diagnose/sampler_hz")) == 50.0
 
 
 def test_snapshot_button_is_disabled_without_cuda_and_says_why(window):
     assert not window._cuda_available()  # this machine: CPU torch
-    assert not window.snapshot_button.isEnabled()
-    assert "no CUDA GPU" in window.snapshot_button.toolTip()
+    assert not window.controls.snapshot_button.isEnabled()
+    assert "no CUDA GPU" in window.controls.snapshot_button.toolTip()
 
 
 def test_gpu_processes_panel_lists_every_process_and_highlights_this_app(qtbot):
@@ -240,7 +242,7 @@ def test_closing_the_window_stops_every_thread(qtbot, settings):
     qtbot.waitUntil(lambda: w.decode_tokens >= 2, timeout=120_000)
     w.close()
     assert not w.controller.is_running()
-    assert not w.sampler.is_running() and not w.gpu_poller.is_running()
+    assert not w.sampling.sampler.is_running() and not w.gpu_poller.is_running()
     assert not w.replay.is_running()
     if os.path.isdir("/proc/self/task"):
         # The OS's own list: the sampler, GPU-process and replay threads are named kvscope-*.
@@ -333,7 +335,7 @@ def test_repeated_growth_spikes_are_one_row_that_counts_them(qtbot):
 def test_the_context_end_is_named_when_it_comes_before_the_memory(qtbot):
     """Issue 12, item 6: "Out of memory: token 2.6M (about 3 days)" on a 4,096-token model; the
     context's end is the limit that comes first, and it says so (and no warning for the far one)."""
-    from ui.diagnose import oom_forecast
+    from core.forecast import oom_forecast
     from ui.stats import StatsPanel
 
     # As the engine counts: token = generated so far, context_tokens = the 16-token prompt + those.

@@ -37,7 +37,7 @@ def test_a_real_run_reaches_the_plots_and_a_switch_adds_a_marker(qtbot, window):
     assert [m.label for m in window.plots.markers] == ["mqa"]
     assert y[-1] < y[len(y) // 2]  # MHA -> MQA: 8 KV heads -> 1, the cache steps down
     assert window.badges["attention"].text() == "MQA"
-    assert window.attention_combo.currentData() == "mqa"
+    assert window.controls.attention_combo.currentData() == "mqa"
     window.refresh_stats()
     assert window.stats_panel.tiles["kv_now"].value.text() != "n/a"
     assert window.stats_panel.stats.kv_now == int(y[-1])
@@ -55,7 +55,7 @@ def test_stop_leaves_no_thread_running(qtbot, thread_window):
     request = RunRequest(source="embedded", max_new_tokens=100_000)
     window.start_run(request)
     qtbot.waitUntil(lambda: window.decode_tokens >= 3, timeout=120_000)
-    thread = window.controller._thread
+    thread = window.controller._runner.thread
     assert thread is not None and thread.isRunning()
     started = time.perf_counter()
     with qtbot.waitSignal(window.run_finished, timeout=10_000):
@@ -66,7 +66,7 @@ def test_stop_leaves_no_thread_running(qtbot, thread_window):
     # The worker's QThread has returned from run(). (The window's own sampler and process-table threads
     # keep running while it is open, and torch's pool threads outlive any one run, so we do not count
     # OS threads here; tests/test_hardening.py checks closing the window leaves none of ours.)
-    assert window.controller._thread is None
+    assert thread.isFinished()
     assert window.decode_tokens < 100_000
 
 
@@ -97,7 +97,7 @@ def test_keys_switch_live_during_arun_in_window(qtbot, window):
     window.start_run(request)
     qtbot.waitUntil(lambda: window.decode_tokens >= 2, timeout=120_000)
     qtbot.keyClick(window, Qt.Key.Key_2)  # the middle GQA choice
-    qtbot.waitUntil(lambda: window.switch_events >= 1, timeout=30_000)
+    qtbot.waitUntil(lambda: window.session.switch_events >= 1, timeout=30_000)
     assert window.plots.markers[-1].label.startswith("gqa:")
     qtbot.keyClick(window, Qt.Key.Key_Space)
     qtbot.waitUntil(lambda: window.state == "paused", timeout=10_000)
@@ -114,9 +114,9 @@ def test_a_refused_switch_puts_the_controls_back_to_what_runs(qtbot, window):
     window.start_run(request)
     qtbot.waitUntil(lambda: window.decode_tokens >= 2, timeout=120_000)
     qtbot.keyClick(window, Qt.Key.Key_5)  # a sliding window
-    assert window.attention_combo.currentData().startswith("window")  # asked for, not yet applied
-    qtbot.waitUntil(lambda: window.attention_combo.currentData() == "mha", timeout=30_000)
-    assert window.badges["attention"].text() == "MHA" and window.cache_combo.currentData() == "quantized:4"
+    assert window.controls.attention_combo.currentData().startswith("window")  # asked for, not yet applied
+    qtbot.waitUntil(lambda: window.controls.attention_combo.currentData() == "mha", timeout=30_000)
+    assert window.badges["attention"].text() == "MHA" and window.controls.cache_combo.currentData() == "quantized:4"
     assert any("quantized cache needs full-attention layers" in r.detail for r in window.events_table.rows)
     tokens = window.decode_tokens
     qtbot.waitUntil(lambda: window.decode_tokens > tokens + 2, timeout=30_000)  # still generating
@@ -145,7 +145,7 @@ def test_a_long_conversion_says_so_and_keys_meanwhile_show_as_queued(qtbot, wind
 def test_an_error_is_shown_and_the_run_ends(qtbot, window):
     run_in_window(qtbot, window, RunRequest(source="/no/such/model/folder", max_new_tokens=4))
     assert window.last_error
-    assert window.error_label.text() == window.last_error
+    assert window.controls.error_label.text() == window.last_error
     assert window.state == "idle"
 
 
@@ -163,16 +163,16 @@ def test_presenter_mode_and_theme_are_remembered(qtbot, settings):
     qtbot.addWidget(w)
     w.set_theme("light")
     w.set_presenter(True, fullscreen=False)
-    assert w.theme.presenter and w.theme.line_width > 3 and not w.controls_scroll.isVisibleTo(w)
+    assert w.theme.presenter and w.theme.line_width > 3 and not w.controls.isVisibleTo(w)
     w.set_presenter(False, fullscreen=False)
-    w.max_tokens_spin.setValue(77)
+    w.controls.max_tokens_spin.setValue(77)
     size = (701, 503)  # within the offscreen screen (800x600), which restoreGeometry clamps to
     w.resize(*size)
     w.close()
     again = MainWindow(settings=settings)
     qtbot.addWidget(again)
     assert again.theme_name == "light"
-    assert again.max_tokens_spin.value() == 77
+    assert again.controls.max_tokens_spin.value() == 77
     assert (again.width(), again.height()) == size
     again.shutdown()
 
@@ -190,7 +190,7 @@ def test_presenter_mode_round_trip_gives_the_window_back_as_it_was(qtbot, settin
     for _ in range(3):
         w.set_presenter(True, fullscreen=False)
         qtbot.wait(20)
-        assert not w.controls_scroll.isVisibleTo(w) and w.stats_panel.grid.columnCount() == 1  # 800 px: narrow
+        assert not w.controls.isVisibleTo(w) and w.stats_panel.grid.columnCount() == 1  # 800 px: narrow
         w.set_presenter(False, fullscreen=False)
         qtbot.wait(20)
         after.append((w.width(), w.height()))
@@ -207,12 +207,12 @@ def test_a_launch_without_tokens_runs_the_remembered_new_tokens(qtbot, settings)
     """Issue 12, item 7: the launch's run used to be 128 tokens (over before anyone looked) and reset
     New tokens every time; now it is the window's own setting, 3,000 at first start."""
     from ui.app import startup_request
-    from ui.main_window import FIRST_START_TOKENS
+    from ui.controls import FIRST_START_TOKENS
 
     w = MainWindow(settings=settings)
     qtbot.addWidget(w)
     assert startup_request(w, RunRequest(), None).max_new_tokens == FIRST_START_TOKENS == 3000
-    w.max_tokens_spin.setValue(640)
+    w.controls.max_tokens_spin.setValue(640)
     w.close()
     again = MainWindow(settings=settings)
     qtbot.addWidget(again)

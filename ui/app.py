@@ -99,7 +99,7 @@ def _settle(app, window, rounds: int = 6) -> None:
 def startup_request(window, request, tokens: int | None):
     """The run a launch starts: without ``--tokens``, as many tokens as the window's New tokens (the
     user's last choice, remembered; ``FIRST_START_TOKENS`` at first), not the terminal run's 128."""
-    return request if tokens is not None else replace(request, max_new_tokens=window.max_tokens_spin.value())
+    return request if tokens is not None else replace(request, max_new_tokens=window.controls.max_tokens_spin.value())
 
 
 def run_window(request=None, screenshot: str | None = None, tokens: int | None = None, *,
@@ -146,7 +146,7 @@ def run_window(request=None, screenshot: str | None = None, tokens: int | None =
     outcome = {"timeout": False}
 
     def check(_n: int = 0) -> None:
-        if window.decode_tokens >= request.max_new_tokens and window.switch_events >= wanted_switches:
+        if window.decode_tokens >= request.max_new_tokens and window.session.switch_events >= wanted_switches:
             loop.quit()
 
     window.samples_added.connect(check)
@@ -191,12 +191,12 @@ def _finish_screenshot(app, window, screenshot, code: int, timed_out: bool, extr
         if throwaway is not None:
             _discard_settings(throwaway)
     if path is None:
-        print(f"kvscope: could not save {display_path(str(screenshot))}: {window.error_label.text()}",
+        print(f"kvscope: could not save {display_path(str(screenshot))}: {window.controls.error_label.text()}",
               file=sys.stderr)
         return 1
     to_stdout = str(path) == "-"
     shown = "the PNG to standard output" if to_stdout else display_path(path)
-    print(f"saved {shown} ({window.decode_tokens} tokens, {window.switch_events} switches{extra()})",
+    print(f"saved {shown} ({window.decode_tokens} tokens, {window.session.switch_events} switches{extra()})",
           file=sys.stderr if to_stdout else sys.stdout)
     return code
 
@@ -326,7 +326,7 @@ def run_replay(path: str, speed: float = 1.0, screenshot: str | None = None, *, 
             loop.exec()
         timer.stop()
         return _finish_screenshot(app, window, screenshot, code, outcome["timeout"],
-                                  lambda: f", {window.spike_count} spikes", throwaway=throwaway)
+                                  lambda: f", {window.session.spike_count} spikes", throwaway=throwaway)
     finally:
         watchdog.cancel()
 

@@ -209,7 +209,7 @@ class StatsPanel(QWidget):
         if forecast is None:
             tile.set("n/a", "memory not growing" if self.stats.kv_now is not None else "")
         else:
-            from ui.diagnose import format_duration
+            from core.forecast import format_duration
 
             when = f"about {format_duration(forecast.seconds)} · " if forecast.seconds is not None else ""
             if forecast.context_first is not None:  # the context ends first: that is the limit to show

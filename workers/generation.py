@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from PySide6.QtCore import QObject, Signal, Slot
 
-from core.generate import limit_cpu_threads
+from core.run import limit_cpu_threads
 from core.request import ModelInfo, RunRequest
 from core.engine_process import RunDriver
-from workers.threaded import ThreadedController
+from workers.threaded import RunSignals, WorkerThread
 
 
 class _Worker(QObject):
@@ -45,29 +45,30 @@ class _Worker(QObject):
             self.done.emit()
 
 
-class GenerationController(ThreadedController):
+class GenerationController(RunSignals):
     """Owns one run at a time: its thread and worker. Lives on the GUI thread."""
 
     def __init__(self, parent: QObject | None = None) -> None:
         super().__init__(parent)
         self.info: ModelInfo | None = None
+        self._runner = WorkerThread("kvscope-generation", lambda worker: worker.driver.stop())
         # Size torch's CPU pool here, on the GUI thread: done later on the worker thread, its pool
         # threads would be named after (and outlive) the worker thread.
         limit_cpu_threads("cpu")
 
     def start(self, request: RunRequest) -> None:
         """Start a run; a run already going is stopped first."""
-        self._launch(_Worker(request), "kvscope-generation", {
+        self._runner.launch(_Worker(request), {
             "samples": self.samples, "loaded": self._on_loaded, "progress": self.progress,
-            "errored": self.errored, "paused_changed": self.paused_changed})
+            "errored": self.errored, "paused_changed": self.paused_changed}, done=self.finished)
 
     def _on_loaded(self, info: ModelInfo) -> None:
         self.info = info
         self.loaded.emit(info)
 
     def _send(self, *command: str) -> None:
-        if self._worker is not None:
-            self._worker.driver.command(*command)
+        if self._runner.is_running():
+            self._runner.worker.driver.command(*command)
 
     def switch(self, key: str, value: str) -> None:
         """Queue a switch (``attention``/``attn-impl``/``cache``, value as on the CLI) for between tokens."""
@@ -79,5 +80,9 @@ class GenerationController(ThreadedController):
     def resume(self) -> None:
         self._send("resume")
 
-    def _request_stop(self, worker: _Worker) -> None:
-        worker.driver.stop()
+    def is_running(self) -> bool:
+        return self._runner.is_running()
+
+    def stop(self, timeout_s: float = 1.0) -> bool:
+        """Stop after the current token and wait up to ``timeout_s``; True when the run has ended."""
+        return self._runner.stop(timeout_s)

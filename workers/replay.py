@@ -22,7 +22,7 @@ from PySide6.QtCore import QObject, Signal, Slot
 
 from core.request import ModelInfo
 from core.recording import MAX_TEXT_CHARS, RecordingError, RecordingReader, spec_from_header
-from workers.threaded import ThreadedController
+from workers.threaded import RunSignals, WorkerThread
 
 BATCH_MAX = 32
 FLUSH_S = 0.05
@@ -129,14 +129,18 @@ class _ReplayWorker(QObject):
             self.done.emit()
 
 
-class ReplayController(ThreadedController):
+class ReplayController(RunSignals):
     """Plays one recording at a time; same signals as the generation controller."""
+
+    def __init__(self, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self._runner = WorkerThread("kvscope-replay", _stop_worker)
 
     def start(self, path: str, speed: float = 1.0) -> None:
         """Play ``path`` at ``speed`` x its recorded pace (``math.inf``: as fast as the window takes it)."""
-        self._launch(_ReplayWorker(path, speed), "kvscope-replay", {
+        self._runner.launch(_ReplayWorker(path, speed), {
             "samples": self._take, "loaded": self.loaded, "errored": self.errored,
-            "paused_changed": self.paused_changed})
+            "paused_changed": self.paused_changed}, done=self.finished)
 
     @Slot(list)
     def _take(self, batch: list) -> None:
@@ -152,15 +156,23 @@ class ReplayController(ThreadedController):
         self.progress.emit("a replay shows what was recorded; switches apply to live runs")
 
     def pause(self) -> None:
-        if self._worker is not None:
-            self._worker.resume_event.clear()
+        if self._runner.is_running():
+            self._runner.worker.resume_event.clear()
             self.paused_changed.emit(True)
 
     def resume(self) -> None:
-        if self._worker is not None:
-            self._worker.resume_event.set()
+        if self._runner.is_running():
+            self._runner.worker.resume_event.set()
             self.paused_changed.emit(False)
 
-    def _request_stop(self, worker: _ReplayWorker) -> None:
-        worker.abort.set()
-        worker.resume_event.set()
+    def is_running(self) -> bool:
+        return self._runner.is_running()
+
+    def stop(self, timeout_s: float = 1.0) -> bool:
+        """End the replay and wait up to ``timeout_s``; True when it has ended."""
+        return self._runner.stop(timeout_s)
+
+
+def _stop_worker(worker: _ReplayWorker) -> None:
+    worker.abort.set()
+    worker.resume_event.set()

@@ -4,10 +4,9 @@ GPU monitors sample once a second and know nothing of tokens; the generation loo
 per token and sees nothing between them. This sampler fills the gap: 20 readings a second by
 default, on a named QThread, delivered to the GUI thread in small batches.
 
-Threading follows superqt's worker pattern and Qt's mandelbrot example: a parentless QObject
-worker is moved to a QThread, ``thread.started -> worker.run``; the loop checks an abort flag
-between readings and sleeps on a ``threading.Event`` so that ``stop()`` wakes it at once; ``stop()``
-then ``wait()``s with a timeout. An exception in the loop becomes ``errored``, never a silent
+Threading is the window's one worker lifecycle (``workers.threaded.WorkerThread``): the loop checks
+an abort flag between readings and sleeps on a ``threading.Event`` so that ``stop()`` wakes it at
+once, then ``wait()``s with a timeout. An exception in the loop becomes ``errored``, never a silent
 dead thread.
 """
 
@@ -16,11 +15,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from PySide6.QtCore import QObject, QThread, Signal, Slot
+from PySide6.QtCore import QObject, Signal, Slot
 
 from core.engine_process import sample_memory
 from core.probes import MemoryProbe
-from workers.threaded import return_to_main_thread
+from workers.threaded import WorkerThread
 
 THREAD_NAME = "kvscope-memory-sampler"
 DEFAULT_RATE_HZ = 20.0
@@ -34,7 +33,7 @@ class _SamplerLoop(QObject):
     rate_measured = Signal(float)
     note = Signal(str)
     errored = Signal(str)
-    finished = Signal()
+    done = Signal()
 
     def __init__(self, make_probe: Callable[[], MemoryProbe], rate_hz: float, batch_s: float,
                  rate_window_s: float) -> None:
@@ -54,15 +53,14 @@ class _SamplerLoop(QObject):
         self._period = 1.0 / rate_hz
 
     @Slot()
-    def run(self) -> None:
+    def work(self) -> None:
         signals = {"readings": self.readings, "rate": self.rate_measured, "note": self.note,
                    "sampler_errored": self.errored}
         try:
             sample_memory(self._make_probe, lambda: self._period, lambda kind, payload: signals[kind].emit(payload),
                           self._abort, self._batch_s, self._rate_window_s)
         finally:
-            return_to_main_thread(self)
-            self.finished.emit()
+            self.done.emit()
 
 
 class MemorySampler(QObject):
@@ -95,8 +93,7 @@ class MemorySampler(QObject):
         self._probe_factory = probe_factory or (lambda: MemoryProbe(device))
         self._batch_s = batch_s
         self._rate_window_s = rate_window_s
-        self._thread: QThread | None = None
-        self._loop: _SamplerLoop | None = None
+        self._runner = WorkerThread(THREAD_NAME, lambda loop: loop.abort())
 
     @staticmethod
     def _check_rate(rate_hz: float) -> None:
@@ -112,31 +109,19 @@ class MemorySampler(QObject):
         """Change the rate, live if running."""
         self._check_rate(rate_hz)
         self._rate_hz = float(rate_hz)
-        if self._loop is not None:
-            self._loop.set_rate(self._rate_hz)
+        if self._runner.is_running():
+            self._runner.worker.set_rate(self._rate_hz)
 
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.isRunning()
+        return self._runner.is_running()
 
     def start(self) -> None:
         """Start sampling. Does nothing if already running."""
         if self.is_running():
             return
-        self._release()
         loop = _SamplerLoop(self._probe_factory, self._rate_hz, self._batch_s, self._rate_window_s)
-        thread = QThread()
-        thread.setObjectName(THREAD_NAME)  # the OS thread name too: visible in py-spy, gdb, top -H
-        loop.moveToThread(thread)
-        # Signal to signal: queued across the thread boundary, re-emitted in our own thread.
-        loop.readings.connect(self.readings)
-        loop.rate_measured.connect(self.rate_measured)
-        loop.note.connect(self.note)
-        loop.errored.connect(self.errored)
-        loop.finished.connect(thread.quit)
-        thread.started.connect(loop.run)
-        thread.finished.connect(self.finished)
-        self._loop, self._thread = loop, thread
-        thread.start()
+        self._runner.launch(loop, {"readings": self.readings, "rate_measured": self.rate_measured,
+                                   "note": self.note, "errored": self.errored}, done=self.finished)
 
     def stop(self, timeout_s: float = 1.0) -> bool:
         """Stop and wait up to ``timeout_s`` for the thread to end. True when it has ended.
@@ -144,18 +129,76 @@ class MemorySampler(QObject):
         Never terminates the thread: if it does not end in time (a probe call stuck in a driver),
         it is left to finish on its own and False is returned.
         """
-        if self._loop is None or self._thread is None:
-            return True
-        self._loop.abort()
-        self._thread.quit()
-        return self._thread.wait(max(int(timeout_s * 1000), 1))
+        return self._runner.stop(timeout_s)
 
-    def _release(self) -> None:
-        """Forget a finished thread and worker before starting anew.
 
-        Kept until then rather than dropped in ``stop()``: readings the loop queued just before it
-        ended are still to be delivered from it, and a sender must outlive its queued signals.
-        """
-        if self._thread is not None and self._thread.isRunning():
-            return
-        self._loop, self._thread = None, None
+class SamplerControl(QObject):
+    """The window's memory sampler, whichever kind: started, restarted for another device, re-rated,
+    stopped, with what it has said so far (achieved rate, notes) for the window to show.
+
+    With an engine process (``host``) the readings come from inside it (the model's process);
+    otherwise a ``MemorySampler`` thread here reads this process.
+    """
+
+    readings = Signal(list)
+    status_changed = Signal()
+
+    def __init__(self, host: object | None = None, rate_hz: float = DEFAULT_RATE_HZ,
+                 parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.host = host
+        self.sampler: QObject | None = None
+        self.device = "cpu"
+        self.rate_hz = float(rate_hz)
+        self.achieved_hz: float | None = None
+        self.notes: list[str] = []
+
+    def start(self, device: str) -> None:
+        """(Re)start sampling ``device`` at the chosen rate."""
+        if self.sampler is not None:
+            self.sampler.stop(timeout_s=1.0)
+        self.device = device
+        self.notes = []
+        self.achieved_hz = None
+        if self.host is not None:
+            from workers.engine_link import HostedSampler
+
+            sampler = HostedSampler(device, self.rate_hz, parent=self, host=self.host)
+        else:
+            sampler = MemorySampler(device, self.rate_hz, parent=self)
+        sampler.readings.connect(self.readings)
+        sampler.rate_measured.connect(self._on_rate)
+        sampler.note.connect(self._on_note)
+        sampler.errored.connect(self._on_note)
+        self.sampler = sampler
+        sampler.start()
+        self.status_changed.emit()
+
+    def set_rate(self, hz: float) -> None:
+        self.rate_hz = float(hz)
+        if self.sampler is not None:
+            self.sampler.set_rate(self.rate_hz)
+        self.achieved_hz = None
+        self.status_changed.emit()
+
+    def device_resolved(self, device: str) -> None:
+        """The engine said what 'auto' is: a sampler started for 'auto' reads that device."""
+        if self.device == "auto":
+            self.device = device
+            self.status_changed.emit()
+
+    def _on_rate(self, hz: float) -> None:
+        self.achieved_hz = hz
+        self.status_changed.emit()
+
+    def _on_note(self, line: str) -> None:
+        if line not in self.notes:
+            self.notes.append(line)
+        self.status_changed.emit()
+
+    def rate_text(self) -> str:
+        return ("off" if self.sampler is None else "measuring\u2026" if self.achieved_hz is None
+                else f"{self.achieved_hz:.1f} Hz")
+
+    def stop(self, timeout_s: float = 2.0) -> bool:
+        return self.sampler is None or self.sampler.stop(timeout_s=timeout_s)

@@ -1,0 +1,405 @@
+"""The controls panel: model source, run settings (switch live), prompt, Start / Pause / Stop.
+
+It turns what the user chose into a ``RunRequest`` (``build_request``) and shows a request's or a
+running engine's settings (``apply_request``, ``show_settings``). It decides nothing about a run:
+the window forwards a combo the user changed (``switch_asked``) and the buttons; the combos then
+follow what the engine reports, never what was asked for.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import QSettings, Qt, Signal
+from PySide6.QtWidgets import (QComboBox, QFileDialog, QFormLayout, QGroupBox, QHBoxLayout, QLabel, QLineEdit,
+                               QPlainTextEdit, QPushButton, QScrollArea, QSpinBox, QStackedWidget, QVBoxLayout,
+                               QWidget)
+
+from core.attention import parse_attention
+from core.caches import parse_cache
+from core.request import DEFAULT_PROMPT, RunRequest
+from core.sample import Sample
+from core.settings import ATTN_IMPLS, RunSettings, attention_choices, cache_choices, parse_attn_impl
+from core.spec import SpecError, human_bytes, load_spec, parse_size
+
+SOURCES = ("embedded", "folder", "hub")
+#: New tokens at first start: a run long enough to watch and to press every key in (the embedded model's
+#: context is 4,096 tokens); the window remembers the user's own choice after that.
+FIRST_START_TOKENS = 3000
+CONTROLS_MIN_W = 300
+KEYS_HELP = "1\u20135 attention \u00b7 F flash \u00b7 C cache \u00b7 Space pause \u00b7 F11 presenter \u00b7 Ctrl+S screenshot"
+#: The axes a live switch changes, in the command line's spelling.
+SWITCH_KEYS = ("attention", "attn-impl", "cache")
+
+
+def _default_attention_choices() -> tuple[str, ...]:
+    try:
+        return attention_choices(load_spec("embedded"))
+    except SpecError:  # a damaged install: the keys still offer the plain modes
+        return ("mha", "mqa")
+
+
+class ControlsPanel(QScrollArea):
+    """The left column. ``switch_asked(key)``: the user picked another attention / kernel / cache."""
+
+    switch_asked = Signal(str)
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self._updating = False  # True while the panel sets combos itself (not a user's choice)
+        # Before a model loads: the embedded model's choices (its spec comes from its preset, no torch).
+        self.attention_choices = _default_attention_choices()
+        self.cache_choices = cache_choices()
+        self.impl_choices = ATTN_IMPLS
+        self.last_non_flash = "sdpa"
+        self._build()
+
+    def _build(self) -> None:
+        self.source_combo = QComboBox()
+        self.source_combo.addItem("Embedded demo model", "embedded")
+        self.source_combo.addItem("Local folder", "folder")
+        self.source_combo.addItem("Hugging Face hub id", "hub")
+        self.source_combo.setToolTip("Embedded: a tiny Llama-shaped model built offline, always available.\n"
+                                     "Local folder: a saved transformers model.\nHub id: org/name, downloaded "
+                                     "(or from the local Hugging Face cache).")
+        self.folder_edit = QLineEdit()
+        self.folder_edit.setPlaceholderText("/path/to/model folder")
+        browse = QPushButton("\u2026")
+        browse.setToolTip("Choose a model folder")
+        browse.clicked.connect(self._browse_folder)
+        folder_row = QWidget()
+        fr = QHBoxLayout(folder_row)
+        fr.setContentsMargins(0, 0, 0, 0)
+        fr.addWidget(self.folder_edit, 1)
+        fr.addWidget(browse)
+        self.hub_edit = QLineEdit()
+        self.hub_edit.setPlaceholderText("org/name, e.g. HuggingFaceTB/SmolLM2-135M")
+        self.source_stack = QStackedWidget()
+        self.source_stack.addWidget(QWidget())
+        self.source_stack.addWidget(folder_row)
+        self.source_stack.addWidget(self.hub_edit)
+        self.source_combo.currentIndexChanged.connect(self.source_stack.setCurrentIndex)
+        self.source_combo.currentIndexChanged.connect(lambda i: self.source_stack.setVisible(i != 0))
+        self.source_stack.setFixedHeight(self.hub_edit.sizeHint().height())
+
+        self.device_combo = QComboBox()
+        self.device_combo.addItems(["auto", "cpu", "cuda", "mps"])
+        self.device_combo.setToolTip("Where the model runs. auto: CUDA if present, then MPS, else CPU.")
+        self.dtype_combo = QComboBox()
+        self.dtype_combo.addItems(["auto", "float32", "bfloat16", "float16"])
+        self.dtype_combo.setToolTip("Element type of the weights (and of the KV cache, as transformers stores it).")
+        self.attention_combo = QComboBox()
+        self.attention_combo.setToolTip("Attention mode. Changing it during a run converts the model and the live "
+                                        "cache between two tokens (keys 1\u20135).")
+        self.impl_combo = QComboBox()
+        self.impl_combo.setToolTip("Attention kernel: eager materialises the scores matrix, sdpa and flash never "
+                                   "do (key F toggles flash).")
+        self.cache_combo = QComboBox()
+        self.cache_combo.setToolTip("Cache strategy: dynamic grows per token, static preallocates the max context, "
+                                    "quantized stores 4/2-bit or fp8 codes, offloaded keeps layers in CPU memory "
+                                    "(key C: next).")
+        self.max_context_spin = QSpinBox()
+        self.max_context_spin.setRange(0, 1 << 24)
+        self.max_context_spin.setSingleStep(256)
+        self.max_context_spin.setSpecialValueText("model max")
+        self.max_context_spin.setToolTip("What a static cache preallocates, and the context the stats panel "
+                                         "forecasts to. 0: the model's maximum.")
+        self.max_tokens_spin = QSpinBox()
+        self.max_tokens_spin.setRange(1, 1 << 20)
+        self.max_tokens_spin.setValue(FIRST_START_TOKENS)
+        self.max_tokens_spin.setToolTip("How many tokens to generate.")
+        self.budget_edit = QLineEdit()
+        self.budget_edit.setPlaceholderText("none \u00b7 e.g. 1.5GiB")
+        self.budget_edit.setToolTip("Limit the model's memory (weights + KV cache + activations) to this size, to show "
+                                    "a smaller card's fate on a bigger machine.\nSizes like 64MiB, 1.5GiB or plain "
+                                    "bytes. The run stops with a message at the token where it is reached;\nthe events "
+                                    "table shows the forecast and where it was reached. Empty: no budget.")
+        self.snapshot_button = QPushButton("Allocator snapshot\u2026")
+        self.snapshot_button.setCheckable(True)
+        self.prompt_edit = QPlainTextEdit()
+        self.prompt_edit.setPlaceholderText("Prompt")
+        self.prompt_edit.setMaximumHeight(110)
+        self.prompt_edit.setTabChangesFocus(True)
+
+        self.start_button = QPushButton("Start")
+        self.start_button.setObjectName("primary")
+        self.start_button.setToolTip("Load the model (in the background) and generate")
+        self.pause_button = QPushButton("Pause")
+        self.pause_button.setToolTip("Pause or resume between two tokens (Space)")
+        self.stop_button = QPushButton("Stop")
+        self.stop_button.setToolTip("Stop after the current token")
+        self.error_label = QLabel("")
+        self.error_label.setObjectName("error")
+        self.error_label.setWordWrap(True)
+
+        model_box = QGroupBox("Model")
+        mf = QFormLayout(model_box)
+        mf.addRow("Source", self.source_combo)
+        mf.addRow("", self.source_stack)
+        mf.addRow("Device", self.device_combo)
+        mf.addRow("dtype", self.dtype_combo)
+        run_box = QGroupBox("Settings (switch live)")
+        rf = QFormLayout(run_box)
+        rf.addRow("Attention", self.attention_combo)
+        rf.addRow("Kernel", self.impl_combo)
+        rf.addRow("Cache", self.cache_combo)
+        rf.addRow("Max context", self.max_context_spin)
+        rf.addRow("New tokens", self.max_tokens_spin)
+        rf.addRow("Memory budget", self.budget_edit)
+        rf.addRow(self.snapshot_button)  # both columns: the panel stays narrow enough for 1280x720
+        prompt_box = QGroupBox("Prompt")
+        pl = QVBoxLayout(prompt_box)
+        pl.addWidget(self.prompt_edit)
+        buttons = QHBoxLayout()
+        buttons.addWidget(self.start_button, 2)
+        buttons.addWidget(self.pause_button, 1)
+        buttons.addWidget(self.stop_button, 1)
+        keys = QLabel(KEYS_HELP.replace(" \u00b7 ", "\n"))
+        keys.setObjectName("statNote")
+
+        controls = QWidget()
+        cl = QVBoxLayout(controls)
+        cl.setContentsMargins(6, 6, 6, 6)
+        for w in (model_box, run_box, prompt_box):
+            cl.addWidget(w)
+        cl.addLayout(buttons)
+        cl.addWidget(self.error_label)
+        cl.addStretch(1)
+        cl.addWidget(keys)
+        self.setWidget(controls)
+        self.setWidgetResizable(True)
+        self.setFrameShape(QScrollArea.Shape.NoFrame)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.setMinimumWidth(CONTROLS_MIN_W)
+        self.setMaximumWidth(420)
+        for combo in (self.source_combo, self.device_combo, self.dtype_combo, self.attention_combo, self.impl_combo,
+                      self.cache_combo):
+            # Long entries ("offloaded (needs CUDA)") must not widen the panel; the popup shows them whole.
+            combo.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+            combo.setMinimumContentsLength(8)
+        for key in SWITCH_KEYS:
+            self.combo(key).activated.connect(lambda _i, k=key: self._activated(k))
+        self.fill_choices()
+
+    # ---- choices
+
+    def combo(self, key: str) -> QComboBox:
+        """The combo of a switch axis (attention / attn-impl / cache)."""
+        return {"attention": self.attention_combo, "attn-impl": self.impl_combo, "cache": self.cache_combo}[key]
+
+    def set_choices(self, attention: tuple[str, ...], cache: tuple, impl: tuple[str, ...]) -> None:
+        """What the loaded model (and device) can switch to; the combos are refilled."""
+        self.attention_choices, self.cache_choices, self.impl_choices = attention, cache, impl
+        self.fill_choices()
+
+    def fill_choices(self) -> None:
+        """Fill the attention / kernel / cache combos from the choices, keeping the current selection."""
+        self._updating = True
+        try:
+            current = self.attention_combo.currentData()
+            self.attention_combo.clear()
+            self.attention_combo.addItem("as built", "")
+            for key in self.attention_choices:
+                self.attention_combo.addItem(key, key)
+            self.select(self.attention_combo, current or "")
+
+            current = self.impl_combo.currentData() or "sdpa"
+            self.impl_combo.clear()
+            for key in ATTN_IMPLS:
+                self.impl_combo.addItem(key, key)
+                if key not in self.impl_choices:
+                    self._disable_item(self.impl_combo, key, "not available here")
+            self.select(self.impl_combo, current)
+
+            current = self.cache_combo.currentData() or "dynamic"
+            self.cache_combo.clear()
+            for key, reason in self.cache_choices:
+                self.cache_combo.addItem(key if reason is None else f"{key} ({reason})", key)
+                if reason:
+                    self._disable_item(self.cache_combo, key, reason)
+            self.select(self.cache_combo, current)
+        finally:
+            self._updating = False
+
+    @staticmethod
+    def _disable_item(combo: QComboBox, key: str, reason: str) -> None:
+        item = combo.model().item(combo.findData(key))
+        if item is not None:
+            item.setEnabled(False)
+            item.setToolTip(reason)
+
+    def select(self, combo: QComboBox, key: str) -> bool:
+        """Show ``key`` in ``combo`` (not a user's choice: no switch follows). False if it has no such entry."""
+        i = combo.findData(key)
+        if i < 0:
+            return False
+        was, self._updating = self._updating, True
+        combo.setCurrentIndex(i)
+        self._updating = was
+        return True
+
+    def _activated(self, key: str) -> None:
+        if not self._updating and self.combo(key).currentData():
+            self.switch_asked.emit(key)
+
+    def show_settings(self, s: Sample) -> None:
+        """The combos follow the settings a sample carries (the truth, after a switch or a refusal)."""
+        self.select(self.attention_combo, s.attention)
+        self.select(self.impl_combo, s.attn_impl)
+        self.select(self.cache_combo, s.cache)
+
+    # ---- what the keys mean for this model
+
+    def attention_for_key(self, n: int) -> str | None:
+        """Keys 1-5: mha, the middle GQA choice, mqa, mla, the smallest window (its plateau shows soonest)."""
+        choices = list(self.attention_choices)
+        gqa = [c for c in choices if c.startswith("gqa:")]
+        return {
+            1: "mha" if "mha" in choices else None,
+            2: gqa[len(gqa) // 2] if gqa else None,
+            3: "mqa" if "mqa" in choices else None,
+            4: "mla" if "mla" in choices else None,
+            5: next((c for c in reversed(choices) if c.startswith("window")), None),
+        }.get(n)
+
+    def flash_toggled(self) -> str | None:
+        """Key F: the kernel to switch to (flash, or back to the last other one); None if flash is not here."""
+        if (self.impl_combo.currentData() or "sdpa") == "flash":
+            return self.last_non_flash or "sdpa"
+        return "flash" if "flash" in self.impl_choices else None
+
+    def next_cache(self) -> str | None:
+        """Key C: the next cache strategy available here."""
+        available = [k for k, reason in self.cache_choices if reason is None]
+        if not available:
+            return None
+        current = self.cache_combo.currentData() or "dynamic"
+        return available[(available.index(current) + 1) % len(available)] if current in available else available[0]
+
+    # ---- requests
+
+    def build_request(self) -> RunRequest:
+        """The RunRequest the controls describe. Raises SpecError (SettingsError) with a user message."""
+        kind = self.source_combo.currentData()
+        if kind == "folder":
+            source = self.folder_edit.text().strip()
+            if not source:
+                raise SpecError("choose a model folder (or pick the embedded demo model)")
+        elif kind == "hub":
+            source = self.hub_edit.text().strip()
+            if source.count("/") != 1:
+                raise SpecError("a hub id looks like org/name")
+        else:
+            source = "embedded"
+        attention = self.attention_combo.currentData() or ""
+        settings = RunSettings(
+            attention=parse_attention(attention) if attention else None,
+            cache=parse_cache(self.cache_combo.currentData() or "dynamic"),
+            attn_impl=parse_attn_impl(self.impl_combo.currentData() or "sdpa"),
+            max_context=self.max_context_spin.value() or None,
+        )
+        prompt = self.prompt_edit.toPlainText().strip()
+        budget_text = self.budget_edit.text().strip()
+        budget = None
+        if budget_text and budget_text.lower() not in ("none", "off", "0"):
+            try:
+                budget = parse_size(budget_text)
+            except SpecError as exc:
+                raise SpecError(f"memory budget: {exc}") from exc
+        kwargs = dict(source=source, device=self.device_combo.currentText(), dtype=self.dtype_combo.currentText(),
+                      max_new_tokens=self.max_tokens_spin.value(), settings=settings, memory_budget=budget)
+        if prompt:
+            kwargs["prompt"] = prompt
+        return RunRequest(**kwargs)
+
+    def apply_request(self, request: RunRequest) -> None:
+        """Show a RunRequest's choices in the controls (from the command line)."""
+        if request.source == "embedded":
+            self.source_combo.setCurrentIndex(0)
+        elif Path(request.source).expanduser().exists():
+            self.source_combo.setCurrentIndex(1)
+            self.folder_edit.setText(request.source)
+        else:
+            self.source_combo.setCurrentIndex(2)
+            self.hub_edit.setText(request.source)
+        self.device_combo.setCurrentText(request.device)
+        if self.dtype_combo.findText(request.dtype) < 0:
+            self.dtype_combo.addItem(request.dtype)
+        self.dtype_combo.setCurrentText(request.dtype)
+        s = request.settings
+        self.select(self.attention_combo, s.attention.key if s.attention else "")
+        self.select(self.impl_combo, s.attn_impl)
+        if not self.select(self.cache_combo, s.cache.key):
+            self.cache_combo.addItem(s.cache.key, s.cache.key)
+            self.select(self.cache_combo, s.cache.key)
+        self.max_context_spin.setValue(s.max_context or 0)
+        self.max_tokens_spin.setValue(request.max_new_tokens)
+        self.prompt_edit.setPlainText(request.prompt)
+        self.budget_edit.setText(human_bytes(request.memory_budget).replace(" ", "")
+                                 if request.memory_budget else "")
+
+    # ---- state
+
+    def show_state(self, state: str, can_start: bool, cuda: bool) -> None:
+        """Enable what the run state allows: settings that need a new load are locked while a run is on."""
+        running = state in ("loading", "running", "paused", "stopping")
+        self.start_button.setEnabled(not running and can_start)
+        self.pause_button.setEnabled(state in ("running", "paused"))
+        self.pause_button.setText("Resume" if state == "paused" else "Pause")
+        self.stop_button.setEnabled(running and state != "stopping")
+        self.snapshot_button.setEnabled(not running and cuda)
+        self.snapshot_button.setToolTip(
+            "Record the CUDA allocator's history (every allocation with its Python stack) for the whole next run\n"
+            "and save it as a .pickle that https://pytorch.org/memory_viz opens."
+            if cuda else
+            "Allocator snapshots record the CUDA caching allocator: this machine has no CUDA GPU torch can use.")
+        for w in (self.source_combo, self.source_stack, self.device_combo, self.dtype_combo, self.max_context_spin,
+                  self.max_tokens_spin, self.prompt_edit, self.budget_edit):
+            w.setEnabled(not running)
+
+    def _browse_folder(self) -> None:
+        folder = QFileDialog.getExistingDirectory(self, "Model folder", self.folder_edit.text() or str(Path.home()))
+        if folder:
+            self.folder_edit.setText(folder)
+
+    # ---- settings (QSettings group "run")
+
+    def restore(self, s: QSettings) -> None:
+        s.beginGroup("run")
+        try:
+            kind = str(s.value("source_kind", "embedded"))
+            self.source_combo.setCurrentIndex(SOURCES.index(kind) if kind in SOURCES else 0)
+            self.source_stack.setVisible(self.source_combo.currentIndex() != 0)
+            self.folder_edit.setText(str(s.value("folder", "") or ""))
+            self.hub_edit.setText(str(s.value("hub_id", "") or ""))
+            for combo, key in ((self.device_combo, "device"), (self.dtype_combo, "dtype")):
+                value = s.value(key)
+                if value and combo.findText(str(value)) >= 0:
+                    combo.setCurrentText(str(value))
+            for key, name in zip(SWITCH_KEYS, ("attention", "attn_impl", "cache")):
+                value = s.value(name)
+                if value is not None:
+                    self.select(self.combo(key), str(value))
+            try:
+                self.max_context_spin.setValue(int(s.value("max_context", 0) or 0))
+                self.max_tokens_spin.setValue(int(s.value("max_new_tokens", FIRST_START_TOKENS) or FIRST_START_TOKENS))
+            except (TypeError, ValueError):
+                pass
+            self.prompt_edit.setPlainText(str(s.value("prompt") or DEFAULT_PROMPT))
+        finally:
+            s.endGroup()
+
+    def save(self, s: QSettings) -> None:
+        s.beginGroup("run")
+        s.setValue("source_kind", self.source_combo.currentData())
+        s.setValue("folder", self.folder_edit.text())
+        s.setValue("hub_id", self.hub_edit.text())
+        s.setValue("device", self.device_combo.currentText())
+        s.setValue("dtype", self.dtype_combo.currentText())
+        s.setValue("attention", self.attention_combo.currentData() or "")
+        s.setValue("attn_impl", self.impl_combo.currentData() or "sdpa")
+        s.setValue("cache", self.cache_combo.currentData() or "dynamic")
+        s.setValue("max_context", self.max_context_spin.value())
+        s.setValue("max_new_tokens", self.max_tokens_spin.value())
+        s.setValue("prompt", self.prompt_edit.toPlainText())
+        s.endGroup()

@@ -55,7 +55,7 @@ def one_line(exc: BaseException) -> str:
 
 
 class RunDriver:
-    """One run of ``core.generate.run_generation``, reporting through ``send``.
+    """One run of ``core.run.run_generation``, reporting through ``send``.
 
     ``command``/``stop`` are thread-safe; ``run`` blocks until the run ends and never raises.
     """
@@ -118,7 +118,7 @@ class RunDriver:
         return switches
 
     def run(self) -> None:
-        from core.generate import RunHooks, run_generation
+        from core.run import RunHooks, run_generation
 
         try:
             run_generation(self.request, RunHooks(
@@ -244,7 +244,7 @@ def serve(conn: Any) -> None:
             except (OSError, EOFError, ValueError):  # the window has gone: nothing to tell
                 gone.set()
 
-    from core.generate import limit_cpu_threads
+    from core.run import limit_cpu_threads
     from core.hf import ensure_transformers
 
     limit_cpu_threads("cpu")  # on this main thread, before any run: one core stays with the window

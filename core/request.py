@@ -1,7 +1,7 @@
 """What a run is asked to do and what it reports about its model: plain data, no torch.
 
 The window, the replay and the command line build ``RunRequest``s and read ``ModelInfo``s without
-loading the ML stack; only the engine (``core.generate``, in the engine process) imports torch.
+loading the ML stack; only the engine (``core.engine`` and ``core.run``, in the engine process) imports torch.
 """
 
 from __future__ import annotations

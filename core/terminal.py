@@ -6,7 +6,8 @@ import signal
 import sys
 from typing import TextIO
 
-from core.generate import GenerationError, RunHooks, run_generation
+from core.engine import GenerationError
+from core.run import RunHooks, run_generation
 from core.outputs import display_path
 from core.recording import RecordingError
 from core.request import ModelInfo, RunRequest

@@ -102,7 +102,7 @@ def _switch(engine, key, value, outcomes):
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", _model_types())
 def test_every_switch_applies_exactly_or_is_refused_cleanly(model_type, arch_root):
-    from core.generate import Engine
+    from core.engine import Engine
     from core.request import DEFAULT_PROMPT
     from core.loading import load_model
     from core.measure import cache_bytes, model_weight_bytes

@@ -13,7 +13,8 @@ import torch
 
 from core.attention import parse_attention
 from core.caches import parse_cache
-from core.generate import BudgetExceeded, Engine, GenerationError, RunHooks, run_generation
+from core.engine import Engine, GenerationError
+from core.run import BudgetExceeded, RunHooks, run_generation
 from core.loading import load_model
 from core.recording import RecordingReader
 from core.request import RunRequest, parse_switch
@@ -203,10 +204,10 @@ def test_out_of_memory_in_decode_is_recovered(tmp_path, monkeypatch):
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(engine.model, "forward", failing)
-    from core import generate
+    from core import run
 
     with pytest.raises(GenerationError, match="out of memory in decode at token 5"):
-        generate._loop(RunRequest(max_new_tokens=20), engine, RunHooks(), seen.append, None)
+        run._loop(RunRequest(max_new_tokens=20), engine, RunHooks(), seen.append, None)
     assert seen[-1].event == "oom" and "predictor had said" in seen[-1].text
     assert engine.cache is None  # freed
 

@@ -350,7 +350,7 @@ def test_run_outputs_refused_before_loading(tmp_path, capsys, no_loading, case):
 def test_run_generation_refuses_record_before_loading(tmp_path, no_loading):
     """The window's runs go through run_generation, which checks before loading as well."""
     from core.attention import SettingsError
-    from core.generate import RunHooks, run_generation
+    from core.run import RunHooks, run_generation
     from core.request import RunRequest
 
     existing = tmp_path / "old.jsonl"
@@ -439,7 +439,7 @@ def test_embedded_stale_build_folders_removed(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("case", ["below-weights", "room-for-some"])
 def test_budget_messages_name_the_refused_token(case):
-    from core.generate import BudgetExceeded, RunHooks, run_generation
+    from core.run import BudgetExceeded, RunHooks, run_generation
     from core.request import RunRequest
 
     weights = 13_706_368  # the embedded model's fp32 weights (checked below against the load event)

@@ -9,7 +9,8 @@ import torch
 
 from core import convert
 from core.attention import SettingsError
-from core.generate import Engine, RunHooks, run_generation
+from core.engine import Engine
+from core.run import RunHooks, run_generation
 from core.request import RunRequest
 from core.loading import load_model
 from core.measure import cache_bytes

@@ -806,8 +806,8 @@ def test_text_view_paragraphs_stay_bounded(replay_window):
     w.reset_view()
     started = time.monotonic()
     for _ in range(50):
-        w._pending_text.extend([("token", "z" * 4000), ("token", " word" * 300), ("marker", " \u27e8mqa\u27e9 ")])
-        w._flush_text()
+        w.text_view.pending.extend([("token", "z" * 4000), ("token", " word" * 300), ("marker", " \u27e8mqa\u27e9 ")])
+        w.text_view.flush(w.theme)
     assert time.monotonic() - started < 20
     doc = w.text_view.document()
     lengths = [doc.findBlockByNumber(i).length() - 1 for i in range(doc.blockCount())]

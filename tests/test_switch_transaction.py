@@ -140,7 +140,7 @@ def test_switches_travel_as_data_and_old_recordings_read_alike(tmp_path):
     (the text is their prose); the window reads the fields, never the text. Recordings made before
     (the shipped demo) get the same fields from the reader."""
     from core.recording import RecordingReader, sample_from_json
-    from ui.main_window import demo_recording_path
+    from ui.file_actions import demo_recording_path
 
     record = tmp_path / "r.jsonl"
     request = RunRequest(max_new_tokens=12, record_path=str(record), settings=RunSettings(),

@@ -12,7 +12,8 @@ from PySide6.QtWidgets import QFileDialog
 
 from core.recording import RecordingReader
 from ui.app import run_replay
-from ui.main_window import MainWindow, demo_recording_path
+from ui.file_actions import demo_recording_path
+from ui.main_window import MainWindow
 from ui.screenshot import image_stats
 
 DEMO = demo_recording_path()

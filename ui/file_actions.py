@@ -1,4 +1,4 @@
-"""The File menu's actions: record the next run, export CSV / plots / a summary image, screenshots,
+"""The File menu's actions: open and replay a recording (the demo too), record the next run, export CSV / plots / a summary image, screenshots,
 the allocator snapshot's file. A mixin of ``MainWindow`` (it uses the window's plots, stats panel,
 status bar and session), kept apart so the window's file reads as the window.
 
@@ -8,13 +8,21 @@ every dialog is ``ask_save_path``.
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
+from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QFileDialog, QWidget
 
 from ui.screenshot import ScreenshotError, default_path, save_widget
 from ui.theme import theme as make_theme
+
+
+def demo_recording_path() -> Path:
+    """The demo recording shipped in assets/ (next to the sources, or inside a PyInstaller bundle)."""
+    base = Path(getattr(sys, "_MEIPASS", Path(__file__).resolve().parent.parent))
+    return base / "assets" / "demo" / "demo.jsonl"
 
 
 def ask_save_path(parent: QWidget, title: str, default: str | Path, filter_: str) -> str | None:
@@ -156,3 +164,61 @@ class FileActions:
             self.snapshot_path = chosen
         self.statusBar().showMessage(f"the next run records the CUDA allocator's history to {self.snapshot_path}",
                                      5000)
+
+    # ---- recordings
+
+    def open_recording(self, path: str | None = None, speed: float = 1.0, ask: bool = False) -> bool:
+        """Play a recording through this window (plots, markers, text, stats) at ``speed`` x its pace."""
+        if ask:
+            chosen, _ = QFileDialog.getOpenFileName(self, "Open recording", str(Path.home()),
+                                                    "KV Scope recordings (*.jsonl);;All files (*)")
+            if not chosen:
+                return False
+            path = chosen
+        if self.replay is None:
+            self._show_error("replay is not available in this build")
+            return False
+        if self.state != "idle":
+            self._show_error("stop the current run first (a recording replays into the same plots)")
+            return False
+        if not path:
+            return False
+        self.session.mode = "replay"
+        self._replay_args = (str(path), float(speed))
+        self.last_recording = str(path)
+        if not self.calculator.warm:
+            # Same reason as start_run: the stats use the predictor, which must not import
+            # transformers while the calculator's thread does.
+            self.calculator.warm_up()
+            self.session.set_state("loading")
+            self.calculator.warmed.connect(self._start_when_warm, Qt.ConnectionType.SingleShotConnection)
+            return True
+        self._start_replay_now(str(path), float(speed))
+        return True
+
+    def _start_replay_now(self, path: str, speed: float) -> None:
+        self._clear_view()
+        self.controls.error_label.setText("")
+        self.session.begin_replay()
+        self._show_sampler_status()
+        self.statusBar().showMessage(f"replaying {Path(path).name}" + (
+            "" if speed == 1 else f" at {speed:g}x" if speed < float("inf") else " unpaced"))
+        self.replay.start(path, speed)
+
+    def play_demo(self) -> bool:
+        """Replay the demo recording from assets/ (first start offers it)."""
+        self.demo_banner.setVisible(False)
+        path = demo_recording_path()
+        if not path.is_file():
+            self._show_error(f"the demo recording is missing ({path})")
+            return False
+        return self.open_recording(str(path))
+
+    def _maybe_offer_demo(self) -> None:
+        """First start only: a banner offering the demo (non-modal: screenshots and tests never wait on it)."""
+        if self.qsettings.value("app/first_start_done", False, type=bool):
+            return
+        self.qsettings.setValue("app/first_start_done", True)
+        self.qsettings.sync()
+        if demo_recording_path().is_file():
+            self.demo_banner.setVisible(True)

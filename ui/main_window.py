@@ -7,20 +7,23 @@ the controllers deliver (samples, readings, progress, errors, the end) and what 
 (keys, combos, buttons) to it, and renders what it announces. Everything heavy happens elsewhere:
 the model loads and generates in the engine process; samples arrive in small batches and are only
 appended to ring buffers here. Two timers draw: a fast one (~30 Hz) for curves and text, a slow one
-(1 Hz) for numbers. The File menu's actions are ``ui.file_actions``.
+(1 Hz) for numbers.
+
+Its parts live in their own files: the session (``core.session``), the controls (``ui.controls``),
+the badge row (``ui.badges``), the streamed text (``ui.text_view``), the menus (``ui.menus``), the
+File actions and replays (``ui.file_actions``). What stays here (about 750 lines) is the shell:
+the layout, the wiring between controllers, session and widgets, the run's buttons and keys,
+presenter mode, themes, the window's settings and shutdown — one job, the window's own.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 from PySide6.QtCore import QSettings, Qt, QTimer, Signal
-from PySide6.QtGui import QAction, QActionGroup, QColor, QGuiApplication, QKeySequence, QShortcut, QTextCharFormat, QTextCursor
-from PySide6.QtWidgets import (QFileDialog, QFrame, QGroupBox, QHBoxLayout, QLabel, QMainWindow, QMessageBox, QPlainTextEdit,
-                               QProgressBar, QPushButton, QScrollArea, QSizePolicy, QSplitter, QTabWidget, QVBoxLayout,
+from PySide6.QtGui import QGuiApplication, QKeySequence, QShortcut
+from PySide6.QtWidgets import (QFrame, QGroupBox, QHBoxLayout, QLabel, QMainWindow, QPushButton, QScrollArea, QSizePolicy, QSplitter, QTabWidget, QVBoxLayout,
                                QWidget)
 
 from core.sample import Sample
@@ -30,9 +33,12 @@ from core.spec import SpecError, human_bytes
 from ui.calculator import CalculatorTab
 from ui.controls import FIRST_START_TOKENS, KEYS_HELP, ControlsPanel  # noqa: F401 - FIRST_START_TOKENS: tests, docs
 from ui.diagnose import EventsTable, GpuProcessesPanel
+from ui.badges import STATE_TEXT, BadgeRow
 from ui.file_actions import FileActions
+from ui.menus import ATTENTION_KEYS, KEY_MAP, SAMPLER_RATES, build_menus  # noqa: F401 - the names the keys use
 from ui.plots import LivePlots
 from ui.stats import StatsPanel, compute_stats
+from ui.text_view import TEXT_BLOCK_CHARS, StreamView  # noqa: F401 - TEXT_BLOCK_CHARS: tests
 from ui.theme import Theme, stylesheet, theme as make_theme
 from workers.gpu_poller import GpuProcessPoller
 from workers.sampler import SamplerControl
@@ -44,51 +50,7 @@ REDRAW_HZ = 30
 STATS_MS = 1000
 #: Column widths (logical px) that let the window fit 1280x720 with every control reachable.
 RIGHT_MIN_W, RIGHT_MAX_W = 200, 420
-SAMPLER_RATES = (5.0, 10.0, 20.0, 50.0, 100.0)
 DEFAULT_SAMPLER_HZ = 20.0
-#: The longest paragraph the text view is given (characters); longer streams are cut into paragraphs.
-TEXT_BLOCK_CHARS = 2048
-ATTENTION_KEYS = {1: "MHA", 2: "GQA", 3: "MQA", 4: "MLA", 5: "Sliding window"}
-KEY_MAP = (("1", "MHA: every query head has its own K/V head"),
-           ("2", "GQA: the middle group count the model allows"),
-           ("3", "MQA: one K/V head"), ("4", "MLA: a compressed latent (re-runs the tokens so far)"),
-           ("5", "sliding window: the smallest offered (its plateau shows soonest)"),
-           ("F", "flash attention on / off"), ("C", "next cache strategy"), ("Space", "pause / resume"),
-           ("F11", "presenter mode (Esc leaves it)"), ("Ctrl+S", "screenshot to your Pictures folder"),
-           ("Ctrl+O", "open a recording"), ("Ctrl+Q", "quit"), ("F1", "this list"))
-STATE_TEXT = {"idle": "idle", "loading": "\u23f3 loading", "running": "\u25cf running",
-              "paused": "\u275a\u275a paused", "stopping": "stopping\u2026"}
-
-
-def _insert_bounded(cursor: QTextCursor, text: str, fmt: QTextCharFormat, block_len: int) -> int:
-    """Insert ``text`` at ``cursor`` (the end of the text view), starting a new paragraph whenever the
-    current one (``block_len`` characters so far) would pass TEXT_BLOCK_CHARS: at the last space in
-    reach if there is one near the limit, else at the limit. Returns the last paragraph's length."""
-    pos = 0
-    while pos < len(text):
-        if block_len >= TEXT_BLOCK_CHARS:
-            cursor.insertBlock()
-            block_len = 0
-        room = TEXT_BLOCK_CHARS - block_len
-        piece = text[pos:pos + room]
-        cut = len(piece) == room and pos + room < len(text) and "\n" not in piece
-        if cut:
-            space = piece.rfind(" ", room * 3 // 4)
-            if space > 0:
-                piece = piece[:space + 1]
-        cursor.insertText(piece, fmt)
-        newline = piece.rfind("\n")
-        block_len = len(piece) - newline - 1 if newline >= 0 else block_len + len(piece)
-        if cut:
-            block_len = TEXT_BLOCK_CHARS  # this paragraph is full: the rest starts the next one
-        pos += len(piece)
-    return block_len
-
-
-def demo_recording_path() -> Path:
-    """The demo recording shipped in assets/ (next to the sources, or inside a PyInstaller bundle)."""
-    base = Path(getattr(sys, "_MEIPASS", Path(__file__).resolve().parent.parent))
-    return base / "assets" / "demo" / "demo.jsonl"
 
 
 def _make_controller(parent: QWidget, warm: bool):
@@ -99,35 +61,6 @@ def _make_controller(parent: QWidget, warm: bool):
 
     cls = controller_class()
     return cls(parent, warm=warm) if cls is HostedGenerationController else cls(parent)
-
-
-class ElidedLabel(QLabel):
-    """One line of text, cut with an ellipsis where it does not fit; ``text()`` stays the whole text."""
-
-    def __init__(self, text: str = "", parent: QWidget | None = None) -> None:
-        super().__init__(parent)
-        self._full = ""
-        self.setText(text)
-
-    def setText(self, text: str) -> None:  # noqa: N802 - Qt's name
-        self._full = str(text)
-        self._elide()
-
-    def text(self) -> str:
-        return self._full
-
-    def resizeEvent(self, event) -> None:  # noqa: N802 - Qt's name
-        super().resizeEvent(event)
-        self._elide()
-
-    def changeEvent(self, event) -> None:  # noqa: N802 - a new font (presenter mode, theme) re-elides
-        super().changeEvent(event)
-        self._elide()
-
-    def _elide(self) -> None:
-        shown = self.fontMetrics().elidedText(self._full, Qt.TextElideMode.ElideRight, max(self.width(), 1))
-        if shown != super().text():
-            super().setText(shown)
 
 
 class MainWindow(FileActions, QMainWindow):
@@ -147,7 +80,6 @@ class MainWindow(FileActions, QMainWindow):
         self.presenter = False
         self.theme: Theme = make_theme("dark")
         self.session = Session()
-        self._pending_text: list[tuple[str, str]] = []  # (kind, text) waiting for the next redraw
         self._engine_device = "auto"  # what 'auto' is in the engine process, once it has said
         self._cuda: bool | None = None
         self._replay_args: tuple[str, float] | None = None
@@ -174,7 +106,7 @@ class MainWindow(FileActions, QMainWindow):
         self.sampling.status_changed.connect(self._show_sampler_status)
 
         self._build_ui()
-        self._build_menus()
+        build_menus(self)
         self._build_shortcuts()
         self._connect_session()
 
@@ -237,51 +169,8 @@ class MainWindow(FileActions, QMainWindow):
         self.controls.switch_asked.connect(lambda key: self.request_switch(key, self.controls.combo(key).currentData()))
 
         # ---- centre: badges over the plots
-        self.badges: dict[str, QLabel] = {}
-        badge_row = QHBoxLayout()
-        badge_row.setSpacing(10)
-        for key, name, tip in (
-            ("model", "", "The model generating"),
-            ("attention", "attention", "Attention mode in force"),
-            ("kernel", "kernel", "The attention kernel that actually ran (e.g. sdpa-math when flash is "
-                                 "unavailable)"),
-            ("cache", "cache", "Cache strategy in force"),
-            ("state", "", "Run state"),
-        ):
-            box = QHBoxLayout()
-            box.setSpacing(4)
-            box.setContentsMargins(0, 0, 0, 0)
-            if name:
-                label = QLabel(name)
-                label.setObjectName("badgeName")
-                box.addWidget(label)
-            value = ElidedLabel("\u2014") if key == "model" else QLabel("\u2014")
-            value.setObjectName("modelName" if key == "model" else "badge")
-            if key == "model":
-                # A long model name yields its width to the plots: one line, elided (the tooltip has it
-                # whole), so the badge row keeps its height at 1280x720 and in presenter mode.
-                value.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
-                value.setMinimumWidth(80)
-            value.setToolTip(tip)
-            box.addWidget(value)
-            self.badges[key] = value
-            if key == "model":
-                box.setStretch(box.count() - 1, 1)
-            badge_row.addLayout(box, 1 if key == "model" else 0)
-        # Loading takes seconds (importing torch, the weights): a busy bar says so where people look.
-        self.loading_bar = QProgressBar()
-        self.loading_bar.setRange(0, 0)
-        self.loading_bar.setTextVisible(False)
-        self.loading_bar.setFixedWidth(90)
-        self.loading_bar.setMaximumHeight(10)
-        self.loading_bar.setToolTip("Loading the model in the engine process")
-        self.loading_bar.setVisible(False)
-        badge_row.addWidget(self.loading_bar)
-        # Recording: a lasting badge while the next run is armed to record, and while it records.
-        self.recording_badge = QLabel("\u25cf REC")
-        self.recording_badge.setObjectName("recording")
-        self.recording_badge.setVisible(False)
-        badge_row.addWidget(self.recording_badge)
+        self.badge_row = BadgeRow()
+        self.badges = self.badge_row.badges
         self.plots = LivePlots(self.theme)
         # ---- first start: the demo recording, offered without blocking anything
         self.demo_banner = QFrame()
@@ -332,17 +221,13 @@ class MainWindow(FileActions, QMainWindow):
         cv = QVBoxLayout(centre)
         cv.setContentsMargins(4, 4, 4, 0)
         cv.addWidget(self.demo_banner)
-        cv.addLayout(badge_row)
+        cv.addWidget(self.badge_row)
         cv.addWidget(self.alert_label)
         cv.addWidget(self.centre_splitter, 1)
 
         # ---- right: numbers and the generated text
         self.stats_panel = StatsPanel()
-        self.text_view = QPlainTextEdit()
-        self.text_view.setReadOnly(True)
-        self.text_view.setToolTip("The prompt (dim) and the generated text as it streams. Markers show where a "
-                                  "switch took effect.")
-        self.text_view.setMaximumBlockCount(2000)
+        self.text_view = StreamView()
         text_box = QGroupBox("Generated text")
         tl = QVBoxLayout(text_box)
         tl.setContentsMargins(4, 4, 4, 4)
@@ -400,114 +285,6 @@ class MainWindow(FileActions, QMainWindow):
         sb.addPermanentWidget(self.status_memory)
         sb.addPermanentWidget(self.status_state)
 
-    def _build_menus(self) -> None:
-        bar = self.menuBar()
-        file_menu = bar.addMenu("&File")
-        self.record_action = QAction("Record the next run\u2026", self, checkable=True)
-        self.record_action.setToolTip("Write every sample of the next run to a .jsonl recording (flushed per sample)")
-        self.record_action.triggered.connect(self._record_triggered)
-        file_menu.addAction(self.record_action)
-        open_action = QAction("Open recording\u2026", self)
-        open_action.setShortcut(QKeySequence.StandardKey.Open)
-        open_action.triggered.connect(lambda: self.open_recording(ask=True))
-        file_menu.addAction(open_action)
-        demo_action = QAction("Play the demo recording", self)
-        demo_action.triggered.connect(self.play_demo)
-        file_menu.addAction(demo_action)
-        file_menu.addSeparator()
-        self.export_csv_action = QAction("Export CSV\u2026", self)
-        self.export_csv_action.triggered.connect(lambda: self.export_csv(ask=True))
-        file_menu.addAction(self.export_csv_action)
-        for fmt in ("PNG", "SVG"):
-            action = QAction(f"Export plots as {fmt}\u2026", self)
-            action.triggered.connect(lambda _c=False, f=fmt.lower(): self.export_plots(fmt=f, ask=True))
-            file_menu.addAction(action)
-        summary = QAction("Export summary image\u2026", self)
-        summary.triggered.connect(lambda: self.export_summary(ask=True))
-        file_menu.addAction(summary)
-        file_menu.addSeparator()
-        shot = QAction("Save screenshot", self)
-        shot.setShortcut(QKeySequence("Ctrl+S"))
-        shot.setToolTip("A PNG of the window in your Pictures folder (the status bar says where)")
-        shot.triggered.connect(lambda: self.save_screenshot())
-        file_menu.addAction(shot)
-        shot_as = QAction("Save screenshot as\u2026", self)
-        shot_as.triggered.connect(lambda: self.save_screenshot(ask=True))
-        file_menu.addAction(shot_as)
-        file_menu.addSeparator()
-        quit_action = QAction("Quit", self)
-        quit_action.setShortcut(QKeySequence.StandardKey.Quit)
-        quit_action.triggered.connect(self.close)
-        file_menu.addAction(quit_action)
-        self.file_menu = file_menu
-
-        run_menu = bar.addMenu("&Run")
-        for text, slot, shortcut in (("Start", self.start_run, None), ("Pause / resume", self.toggle_pause, "Space"),
-                                     ("Stop", self.stop_run, None)):
-            action = QAction(text, self)
-            action.triggered.connect(slot)
-            if shortcut:
-                action.setShortcut(QKeySequence(shortcut))
-                self.addAction(action)  # the key works wherever the focus is in the window
-            run_menu.addAction(action)
-        run_menu.addSeparator()
-        # The keys a speaker presses, as menu entries: the menu shows which number is which mode.
-        switch_keys = [(f"{name} attention", lambda _c=False, n=n: self.attention_key(n), str(n))
-                       for n, name in ATTENTION_KEYS.items()]
-        switch_keys += [("Flash attention on / off", self.toggle_flash, "F"), ("Next cache strategy", self.next_cache, "C")]
-        for text, slot, shortcut in switch_keys:
-            action = QAction(text, self)
-            action.setShortcut(QKeySequence(shortcut))
-            action.triggered.connect(slot)
-            self.addAction(action)
-            run_menu.addAction(action)
-
-        view = bar.addMenu("&View")
-        group = QActionGroup(self)
-        self.theme_actions = {}
-        for name in ("dark", "light"):
-            action = QAction(f"{name.capitalize()} theme", self, checkable=True)
-            action.triggered.connect(lambda _c=False, n=name: self.set_theme(n))
-            group.addAction(action)
-            view.addAction(action)
-            self.theme_actions[name] = action
-        view.addSeparator()
-        self.presenter_action = QAction("Presenter mode", self, checkable=True)
-        self.presenter_action.setShortcut(QKeySequence("F11"))
-        self.presenter_action.triggered.connect(lambda checked: self.set_presenter(checked))
-        view.addAction(self.presenter_action)
-        view.addSeparator()
-        rate_menu = view.addMenu("Memory sampling rate")
-        rate_group = QActionGroup(self)
-        self.rate_actions = {}
-        for hz in SAMPLER_RATES:
-            action = QAction(f"{hz:g} Hz", self, checkable=True)
-            action.triggered.connect(lambda _c=False, r=hz: self.set_sampler_rate(r))
-            rate_group.addAction(action)
-            rate_menu.addAction(action)
-            self.rate_actions[hz] = action
-        help_menu = bar.addMenu("&Help")
-        keys = QAction("Keys\u2026", self)
-        keys.setShortcut(QKeySequence("F1"))
-        keys.triggered.connect(self.show_keys)
-        help_menu.addAction(keys)
-        about = QAction("About KV Scope\u2026", self)
-        about.triggered.connect(self.show_about)
-        help_menu.addAction(about)
-
-    def show_keys(self) -> None:
-        rows = "".join(f"<tr><td><b>{k}</b></td><td>{what}</td></tr>" for k, what in KEY_MAP)
-        QMessageBox.information(self, "KV Scope keys", f"<table cellspacing='6'>{rows}</table>")
-
-    def show_about(self) -> None:
-        from core import __version__
-
-        QMessageBox.about(self, "About KV Scope",
-                          f"<b>KV Scope {__version__}</b><p>See the KV cache grow token by token, and predict "
-                          "what a context will cost before anything is loaded.</p><p>Bytes = 2 \u00d7 layers "
-                          "\u00d7 KV heads \u00d7 head_dim \u00d7 tokens \u00d7 batch \u00d7 bytes per "
-                          "element.</p><p>Memory in binary units: 1 GiB = 1,073,741,824 bytes.</p>")
-
     def _build_shortcuts(self) -> None:
         def key(seq: str, slot) -> None:
             sc = QShortcut(QKeySequence(seq), self)
@@ -531,7 +308,7 @@ class MainWindow(FileActions, QMainWindow):
         ev = self.session.events
         ev.state.connect(self._show_state)
         ev.settings.connect(self._show_settings)
-        ev.text.connect(lambda kind, text: self._pending_text.append((kind, text)))
+        ev.text.connect(lambda kind, text: self.text_view.pending.append((kind, text)))
         ev.row.connect(self.events_table.add_event)
         ev.spike.connect(self._show_spike)
         ev.origin.connect(lambda origin: setattr(self.plots, "time_origin", origin))
@@ -630,77 +407,11 @@ class MainWindow(FileActions, QMainWindow):
         elif self.state == "paused":
             controller.resume()
 
-    # ---- recordings
-
-    def open_recording(self, path: str | None = None, speed: float = 1.0, ask: bool = False) -> bool:
-        """Play a recording through this window (plots, markers, text, stats) at ``speed`` x its pace."""
-        if ask:
-            chosen, _ = QFileDialog.getOpenFileName(self, "Open recording", str(Path.home()),
-                                                    "KV Scope recordings (*.jsonl);;All files (*)")
-            if not chosen:
-                return False
-            path = chosen
-        if self.replay is None:
-            self._show_error("replay is not available in this build")
-            return False
-        if self.state != "idle":
-            self._show_error("stop the current run first (a recording replays into the same plots)")
-            return False
-        if not path:
-            return False
-        self.session.mode = "replay"
-        self._replay_args = (str(path), float(speed))
-        self.last_recording = str(path)
-        if not self.calculator.warm:
-            # Same reason as start_run: the stats use the predictor, which must not import
-            # transformers while the calculator's thread does.
-            self.calculator.warm_up()
-            self.session.set_state("loading")
-            self.calculator.warmed.connect(self._start_when_warm, Qt.ConnectionType.SingleShotConnection)
-            return True
-        self._start_replay_now(str(path), float(speed))
-        return True
-
-    def _start_replay_now(self, path: str, speed: float) -> None:
-        self._clear_view()
-        self.controls.error_label.setText("")
-        self.session.begin_replay()
-        self._show_sampler_status()
-        self.statusBar().showMessage(f"replaying {Path(path).name}" + (
-            "" if speed == 1 else f" at {speed:g}x" if speed < float("inf") else " unpaced"))
-        self.replay.start(path, speed)
-
-    def play_demo(self) -> bool:
-        """Replay the demo recording from assets/ (first start offers it)."""
-        self.demo_banner.setVisible(False)
-        path = demo_recording_path()
-        if not path.is_file():
-            self._show_error(f"the demo recording is missing ({path})")
-            return False
-        return self.open_recording(str(path))
-
-    def _maybe_offer_demo(self) -> None:
-        """First start only: a banner offering the demo (non-modal: screenshots and tests never wait on it)."""
-        if self.qsettings.value("app/first_start_done", False, type=bool):
-            return
-        self.qsettings.setValue("app/first_start_done", True)
-        self.qsettings.sync()
-        if demo_recording_path().is_file():
-            self.demo_banner.setVisible(True)
-
     recording_now: str | None = None  # the live run being recorded (the REC badge names it)
 
     def show_recording_badge(self) -> None:
-        """'● REC' while a live run records, '○ REC next run' while File › Record is armed."""
         recording = self.recording_now if self.session.busy and self.mode == "live" else None
-        armed = self.record_path if self.record_action.isChecked() else None
-        self.recording_badge.setVisible(bool(recording or armed))
-        if recording:
-            self.recording_badge.setText("\u25cf REC")
-            self.recording_badge.setToolTip(f"recording this run to {recording}")
-        elif armed:
-            self.recording_badge.setText("\u25cb REC next run")
-            self.recording_badge.setToolTip(f"the next run will be recorded to {armed}")
+        self.badge_row.show_recording(recording, self.record_path if self.record_action.isChecked() else None)
 
     # ---- the engine and the memory sampler
 
@@ -765,20 +476,14 @@ class MainWindow(FileActions, QMainWindow):
 
     def _show_settings(self, s: Sample) -> None:
         """Badges and combos follow the settings a sample carries (the truth, after a switch)."""
-        self.badges["attention"].setText(s.attention.upper())
-        self.badges["kernel"].setText(s.kernel or s.attn_impl)
-        self.badges["cache"].setText(s.cache)
+        self.badge_row.show_settings(s)
         self.controls.show_settings(s)
 
     def _show_state(self, state: str) -> None:
         self.controls.show_state(state, self.controller is not None, self._cuda_available())
-        self.loading_bar.setVisible(state == "loading")
-        text = STATE_TEXT[state]
-        self.badges["state"].setText(text)
-        self.status_state.setText(text)
-        color = {"running": self.theme.curves["allocated"], "paused": self.theme.warning,
-                 "loading": self.theme.warning}.get(state, self.theme.muted)
-        self.badges["state"].setStyleSheet(f"color: {color};")
+        self.badge_row.show_state(state, {"running": self.theme.curves["allocated"], "paused": self.theme.warning,
+                                          "loading": self.theme.warning}.get(state, self.theme.muted))
+        self.status_state.setText(STATE_TEXT[state])
         if state == "idle":
             self.recording_now = None
         self.show_recording_badge()
@@ -786,8 +491,7 @@ class MainWindow(FileActions, QMainWindow):
     def _clear_view(self) -> None:
         """Clear plots, text and numbers (a new run or a new recording)."""
         self.plots.reset()
-        self.text_view.clear()
-        self._pending_text.clear()
+        self.text_view.reset()
         self.stats_panel.show_stats(compute_stats(None, None, None))
         self.stats_panel.show_forecast(None)
         self.events_table.clear_rows()
@@ -812,10 +516,7 @@ class MainWindow(FileActions, QMainWindow):
         self.controls.set_choices(tuple(info.attention_choices) or attention_choices(info.spec),
                                   tuple(info.cache_choices) or cache_choices(info.device),
                                   tuple(info.attn_impl_choices) or ATTN_IMPLS)
-        self.badges["model"].setText(info.label)
-        self.badges["model"].setToolTip(f"{info.label}\nsource: {info.source}\n{info.spec.num_layers} layers, "
-                                        f"{info.spec.num_query_heads} query / {info.spec.num_kv_heads} KV heads of "
-                                        f"{info.spec.head_dim}, {info.dtype}")
+        self.badge_row.show_model(info)
         memory = f" \u00b7 {human_bytes(info.total_memory)}" if info.total_memory else ""
         self.status_device.setText(f"{info.device_name}{memory}")
         self.statusBar().showMessage(f"loaded {info.label} on {info.device_name} ({info.dtype})", 5000)
@@ -885,61 +586,9 @@ class MainWindow(FileActions, QMainWindow):
         try:
             self.session.tick()
             self.plots.redraw(settle=settle)
-            if self._pending_text:
-                self._flush_text()
+            self.text_view.flush(self.theme)
         except Exception:  # a drawing bug must not kill the timer (and the demo)
             log.exception("redraw failed")
-
-    def _recolor_text(self, old: Theme, new: Theme) -> None:
-        """Text already streamed takes the new theme's colours (prompt, tokens, markers): light text
-        from the dark theme would be unreadable on the light background."""
-        mapping = {QColor(old.muted).rgb(): QColor(new.muted), QColor(old.text).rgb(): QColor(new.text),
-                   QColor(old.curves["marker"]).rgb(): QColor(new.curves["marker"])}
-        if all(QColor(c).rgb() == k for k, c in mapping.items()):
-            return
-        cursor = QTextCursor(self.text_view.document())
-        block = self.text_view.document().begin()
-        while block.isValid():
-            it = block.begin()
-            while not it.atEnd():
-                fragment = it.fragment()
-                colour = mapping.get(fragment.charFormat().foreground().color().rgb())
-                if fragment.isValid() and colour is not None:
-                    cursor.setPosition(fragment.position())
-                    cursor.setPosition(fragment.position() + fragment.length(), QTextCursor.MoveMode.KeepAnchor)
-                    f = QTextCharFormat()
-                    f.setForeground(colour)
-                    cursor.mergeCharFormat(f)
-                it += 1
-            block = block.next()
-
-    def _flush_text(self) -> None:
-        t = self.theme
-        cursor = self.text_view.textCursor()
-        cursor.movePosition(QTextCursor.MoveOperation.End)
-        formats = {}
-        for kind, color, bold in (("prompt", t.muted, False), ("token", t.text, False),
-                                  ("marker", t.curves["marker"], True)):
-            f = QTextCharFormat()
-            f.setForeground(QColor(color))
-            if bold:
-                f.setFontWeight(700)
-            formats[kind] = f
-        # Consecutive pieces of the same kind go in as one insertion, cut into paragraphs of at most
-        # TEXT_BLOCK_CHARS: Qt lays out a whole paragraph on every insertion into it, and a stream of
-        # tokens without newlines would otherwise grow one paragraph forever (quadratic: 200 KB without
-        # a space took minutes). setMaximumBlockCount then bounds what is kept.
-        block_len = cursor.block().length() - 1
-        run_kind, run_text = None, []
-        for kind, text in self._pending_text + [(None, "")]:
-            if kind != run_kind and run_text:
-                block_len = _insert_bounded(cursor, "".join(run_text), formats[run_kind], block_len)
-                run_text = []
-            run_kind = kind
-            run_text.append(text)
-        self._pending_text.clear()
-        bar = self.text_view.verticalScrollBar()
-        bar.setValue(bar.maximum())
 
     def refresh_stats(self) -> None:
         """The slow timer: numbers panel, forecast and status bar memory."""
@@ -1014,7 +663,7 @@ class MainWindow(FileActions, QMainWindow):
     def apply_theme(self) -> None:
         old = self.theme
         self.theme = make_theme(self.theme_name, self.presenter)
-        self._recolor_text(old, self.theme)
+        self.text_view.recolor(old, self.theme)
         self.setStyleSheet(stylesheet(self.theme))
         self.plots.apply_theme(self.theme)
         self.calculator.apply_theme(self.theme)

@@ -1,0 +1,119 @@
+"""The badge row over the plots: the model (elided to one line), attention, kernel and cache in force,
+the run state, a busy bar while loading and a lasting REC badge while a run records."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QProgressBar, QSizePolicy, QWidget
+
+from core.sample import Sample
+
+#: What the state badge says.
+STATE_TEXT = {"idle": "idle", "loading": "\u23f3 loading", "running": "\u25cf running",
+              "paused": "\u275a\u275a paused", "stopping": "stopping\u2026"}
+
+
+class ElidedLabel(QLabel):
+    """One line of text, cut with an ellipsis where it does not fit; ``text()`` stays the whole text."""
+
+    def __init__(self, text: str = "", parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self._full = ""
+        self.setText(text)
+
+    def setText(self, text: str) -> None:  # noqa: N802 - Qt's name
+        self._full = str(text)
+        self._elide()
+
+    def text(self) -> str:
+        return self._full
+
+    def resizeEvent(self, event) -> None:  # noqa: N802 - Qt's name
+        super().resizeEvent(event)
+        self._elide()
+
+    def changeEvent(self, event) -> None:  # noqa: N802 - a new font (presenter mode, theme) re-elides
+        super().changeEvent(event)
+        self._elide()
+
+    def _elide(self) -> None:
+        shown = self.fontMetrics().elidedText(self._full, Qt.TextElideMode.ElideRight, max(self.width(), 1))
+        if shown != super().text():
+            super().setText(shown)
+
+
+class BadgeRow(QWidget):
+    """``badges[key]`` for model, attention, kernel, cache and state; ``loading_bar``; ``recording``."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.badges: dict[str, QLabel] = {}
+        row = QHBoxLayout(self)
+        row.setContentsMargins(0, 0, 0, 0)
+        row.setSpacing(10)
+        for key, name, tip in (
+            ("model", "", "The model generating"),
+            ("attention", "attention", "Attention mode in force"),
+            ("kernel", "kernel", "The attention kernel that actually ran (e.g. sdpa-math when flash is "
+                                 "unavailable)"),
+            ("cache", "cache", "Cache strategy in force"),
+            ("state", "", "Run state"),
+        ):
+            box = QHBoxLayout()
+            box.setSpacing(4)
+            box.setContentsMargins(0, 0, 0, 0)
+            if name:
+                label = QLabel(name)
+                label.setObjectName("badgeName")
+                box.addWidget(label)
+            value = ElidedLabel("\u2014") if key == "model" else QLabel("\u2014")
+            value.setObjectName("modelName" if key == "model" else "badge")
+            if key == "model":
+                # A long model name yields its width to the plots: one line, elided (the tooltip has it
+                # whole), so the badge row keeps its height at 1280x720 and in presenter mode.
+                value.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+                value.setMinimumWidth(80)
+            value.setToolTip(tip)
+            box.addWidget(value)
+            self.badges[key] = value
+            if key == "model":
+                box.setStretch(box.count() - 1, 1)
+            row.addLayout(box, 1 if key == "model" else 0)
+        # Loading takes seconds (importing torch, the weights): a busy bar says so where people look.
+        self.loading_bar = QProgressBar()
+        self.loading_bar.setRange(0, 0)
+        self.loading_bar.setTextVisible(False)
+        self.loading_bar.setFixedSize(90, 10)
+        self.loading_bar.setToolTip("Loading the model in the engine process")
+        self.loading_bar.setVisible(False)
+        row.addWidget(self.loading_bar, 0, Qt.AlignmentFlag.AlignVCenter)
+        self.recording = QLabel("\u25cf REC")
+        self.recording.setObjectName("recording")
+        self.recording.setVisible(False)
+        row.addWidget(self.recording)
+
+    def show_settings(self, s: Sample) -> None:
+        self.badges["attention"].setText(s.attention.upper())
+        self.badges["kernel"].setText(s.kernel or s.attn_impl)
+        self.badges["cache"].setText(s.cache)
+
+    def show_state(self, state: str, color: str) -> None:
+        self.badges["state"].setText(STATE_TEXT[state])
+        self.badges["state"].setStyleSheet(f"color: {color};")
+        self.loading_bar.setVisible(state == "loading")
+
+    def show_model(self, info) -> None:
+        self.badges["model"].setText(info.label)
+        self.badges["model"].setToolTip(f"{info.label}\nsource: {info.source}\n{info.spec.num_layers} layers, "
+                                        f"{info.spec.num_query_heads} query / {info.spec.num_kv_heads} KV heads of "
+                                        f"{info.spec.head_dim}, {info.dtype}")
+
+    def show_recording(self, recording: str | None, armed: str | None) -> None:
+        """'● REC' while a live run records to ``recording``; '○ REC next run' while File › Record is armed."""
+        self.recording.setVisible(bool(recording or armed))
+        if recording:
+            self.recording.setText("\u25cf REC")
+            self.recording.setToolTip(f"recording this run to {recording}")
+        elif armed:
+            self.recording.setText("\u25cb REC next run")
+            self.recording.setToolTip(f"the next run will be recorded to {armed}")

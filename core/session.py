@@ -132,6 +132,8 @@ class Session:
         self._early.clear()
         self._spike_queue.clear()
         self._slope_points.clear()
+        self._last_decode: Sample | None = None  # the newest decode token since the last event
+        self.predicted_slope: float | None = None  # the engine's predicted KV growth per token, newest
         del self._times[:], self._tokens[:]
 
     # ---- state
@@ -272,6 +274,10 @@ class Session:
                 self.events.text.emit("token", s.text)
                 if s.kv_bytes_observed is not None:
                     self._slope_points.append((s.token, s.kv_bytes_observed))
+                p = self._last_decode
+                if p is not None and s.token > p.token and None not in (s.kv_bytes_predicted, p.kv_bytes_predicted):
+                    self.predicted_slope = (s.kv_bytes_predicted - p.kv_bytes_predicted) / (s.token - p.token)
+                self._last_decode = s
             if self.last_sample is None:
                 self.events.settings.emit(s)
             self.last_sample = s
@@ -281,12 +287,14 @@ class Session:
 
     def _take_event(self, s: Sample) -> None:
         self.events.row.emit(s)
+        self._last_decode = None  # a slope does not span a switch (or any event)
         if s.switch_key is not None and self.switches_pending:
             self.switches_pending -= 1  # a key's switch has been applied, refused or found a no-op
             if not self.switches_pending and s.event == "switch":
                 self.events.status.emit(s.text, 4000)
         if s.event == "switch":
             self.switch_events += 1
+            self.predicted_slope = None  # the old settings' growth says nothing of the new ones
             self._slope_points.clear()  # a step is not a slope: the forecast starts afresh
             self.events.text.emit("marker", f" \u27e8{marker_label(s)}\u27e9 ")
             self.events.settings.emit(s)

@@ -243,3 +243,19 @@ def test_the_session_imports_no_qt_and_no_torch():
             "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_predicted_growth_is_the_engines_own_and_starts_afresh_at_a_switch():
+    session = Session(Clock())
+    session.begin_replay()
+    samples = synthetic_samples(12, prompt_tokens=4, switches={6: "mqa"})
+    before = [s for s in samples if s.phase == "decode" and s.attention == "mha"]
+    session.take_samples(samples[:samples.index(before[-1]) + 1])
+    assert session.predicted_slope == before[-1].kv_bytes_predicted - before[-2].kv_bytes_predicted > 0
+    switch = next(s for s in samples if s.event == "switch")
+    session.take_samples([switch])
+    assert session.predicted_slope is None
+    after = [s for s in samples if s.phase == "decode" and s.attention == "mqa"]
+    session.take_samples(after[:2])
+    assert session.predicted_slope == after[1].kv_bytes_predicted - after[0].kv_bytes_predicted
+    assert session.predicted_slope < before[-1].kv_bytes_predicted - before[-2].kv_bytes_predicted  # MQA: less

@@ -113,3 +113,27 @@ def test_model_loads_in_the_background(qtbot):
     tab.load_model("no-such-model-here")
     qtbot.waitUntil(lambda: "unknown model" in tab.error_label.text(), timeout=30_000)
     tab.shutdown()
+
+
+def test_context_slider_arrow_keys_step_between_powers_of_two(calc):
+    from PySide6.QtCore import Qt
+    from PySide6.QtTest import QTest
+
+    slider = calc.context.slider
+    calc.set_context(4096)
+    seen = []
+    for key in (Qt.Key.Key_Right, Qt.Key.Key_Right, Qt.Key.Key_Left, Qt.Key.Key_PageUp, Qt.Key.Key_PageDown):
+        QTest.keyClick(slider, key)
+        seen.append(calc.state.context)
+    assert seen == [8192, 16384, 8192, 32768, 8192]
+    calc.set_context(5000)  # between two stops: the next one up, or down
+    start = calc.state.context
+    assert 4096 < start < 8192
+    QTest.keyClick(slider, Qt.Key.Key_Right)
+    assert calc.state.context == 8192
+    calc.set_context(5000)
+    QTest.keyClick(slider, Qt.Key.Key_Left)
+    assert calc.state.context == 4096
+    calc.set_context(1)
+    QTest.keyClick(slider, Qt.Key.Key_Left)  # the first stop stays
+    assert calc.state.context == 1

@@ -56,7 +56,7 @@ def test_not_available_is_a_hidden_curve_and_a_label_never_zero(plots):
     assert not plots.curve_visible("device_used")
     assert not plots.curve_visible("allocated")
     assert plots.curve_visible("process_rss")
-    assert "no GPU: host memory" in plots.mem_plot.titleLabel.text
+    assert "no GPU" in plots.mem_plot.titleLabel.text
     # Observed total falls back to measured weights + KV, compared with predicted weights + KV.
     _, err = plots.curve_data("error_total")
     assert np.all(err == 0.0)
@@ -201,3 +201,38 @@ def test_spike_labels_never_overlap_and_the_largest_keep_theirs(plots, qtbot):
     plots.mem_plot.getViewBox().setXRange(2.0, 3.0, padding=0)
     zoomed = plots.declutter_spike_labels()
     assert zoomed > sum(1 for m in shown if 2.0 <= m.time_s <= 3.0)
+
+
+def test_the_kv_cache_on_the_memory_plot_has_its_own_scale_next_to_hundreds_of_mib(plots, qtbot):
+    """CPU demo: ~400 MiB of process RSS and a KV cache of a few hundred KiB. On one axis the KV area
+    would be a hairline at the bottom; on its own (right) axis it fills most of the height."""
+    samples = synthetic_samples(200, prompt_tokens=10)
+    plots.add_samples(samples)
+    plots.redraw()
+    qtbot.wait(50)
+    kv_top = max(s.kv_bytes_observed for s in samples if not s.is_event)
+    rss_top = max(s.process_rss for s in samples if not s.is_event)
+    assert rss_top > 200 * kv_top  # the case the right axis is for
+    lo, hi = plots.kv_view.viewRange()[1]
+    assert lo == 0 and kv_top <= hi <= 2 * kv_top  # the KV fills at least half its scale
+    mem_lo, mem_hi = plots.mem_plot.getViewBox().viewRange()[1]
+    assert mem_hi >= rss_top  # the left axis still holds the process memory
+    assert plots.curve_visible("kv_share")
+    assert plots._curves["kv_share"].item.getViewBox() is plots.kv_view
+    # The right axis draws the KV scale; the two views cover the same rectangle and time range.
+    assert plots.mem_plot.getAxis("right").linkedView() is plots.kv_view
+    a, b = plots.kv_view.sceneBoundingRect(), plots.mem_plot.getViewBox().sceneBoundingRect()
+    assert all(abs(u - v) <= 1.0 for u, v in zip(a.getRect(), b.getRect()))  # (within a pen's width)
+    assert plots.kv_view.viewRange()[0] == pytest.approx(plots.mem_plot.getViewBox().viewRange()[0], rel=0.01)
+
+
+def test_the_slope_label_names_a_quantized_residual_flush_instead_of_a_negative_slope(plots):
+    samples = [s.replace(cache="quantized:4") for s in synthetic_samples(40, prompt_tokens=10)]
+    # The flush at the last token: the cache drops to a third.
+    last = samples[-1]
+    samples[-1] = last.replace(kv_bytes_observed=last.kv_bytes_observed // 3)
+    plots.add_samples(samples)
+    plots.redraw()
+    assert plots.slope_bytes_per_token < 0
+    assert "residual quantized" in plots.slope_label.text
+    assert "-" not in plots.slope_label.text and "\u2212" not in plots.slope_label.text

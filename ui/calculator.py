@@ -170,6 +170,35 @@ class CalcState:
     max_fit: int | None
 
 
+class _StopSlider(QSlider):
+    """A slider whose arrow keys go from stop to stop (the context slider's powers of two: 4K, 8K, 16K...),
+    not one of its thousand fine steps; Page Up/Down go two stops. Without stops, Qt's own keys."""
+
+    def __init__(self) -> None:
+        super().__init__(Qt.Orientation.Horizontal)
+        self.stops: list[int] = []  # slider positions, ascending
+
+    def keyPressEvent(self, event) -> None:  # noqa: N802 - Qt's name
+        keys = {Qt.Key.Key_Right: 1, Qt.Key.Key_Up: 1, Qt.Key.Key_Left: -1, Qt.Key.Key_Down: -1,
+                Qt.Key.Key_PageUp: 2, Qt.Key.Key_PageDown: -2}
+        move = keys.get(Qt.Key(event.key()))
+        if not self.stops or move is None:
+            super().keyPressEvent(event)
+            return
+        self.setValue(self.stop_from(self.value(), move))
+        event.accept()
+
+    def stop_from(self, position: int, move: int) -> int:
+        """The position ``move`` stops away from ``position`` (which need not be a stop)."""
+        import bisect
+
+        if move > 0:
+            i = bisect.bisect_right(self.stops, position) + move - 1
+        else:
+            i = bisect.bisect_left(self.stops, position) + move
+        return self.stops[min(max(i, 0), len(self.stops) - 1)]
+
+
 class _Slider(QWidget):
     """A labelled discrete slider over ``values`` with a text for the current one."""
 
@@ -181,7 +210,7 @@ class _Slider(QWidget):
         self.fmt = str
         layout = QHBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
-        self.slider = QSlider(Qt.Orientation.Horizontal)
+        self.slider = _StopSlider()
         self.slider.setMinimumWidth(160)
         self.value_label = QLabel()
         self.value_label.setMinimumWidth(110)
@@ -192,8 +221,10 @@ class _Slider(QWidget):
         self.setToolTip(tooltip)
         self.slider.valueChanged.connect(self._moved)
 
-    def set_values(self, values: list, fmt=str, current=None) -> None:
+    def set_values(self, values: list, fmt=str, current=None, stops: list | None = None) -> None:
+        """The values in order; ``stops``: the values the arrow keys go between (default: every one)."""
         self.values, self.fmt = list(values), fmt
+        self.slider.stops = [self.values.index(v) for v in stops if v in self.values] if stops else []
         self.slider.blockSignals(True)
         self.slider.setRange(0, len(self.values) - 1)
         index = self.values.index(current) if current in self.values else 0
@@ -451,7 +482,8 @@ class CalculatorTab(QWidget):
                                        for i in range(SLIDER_STEPS + 1)} | {2 ** k for k in range(int(math.log2(ceiling)) + 1)})
         current = self.context.value() if self.context.values != [None] else 4096
         current = min(self._context_values, key=lambda v: abs(v - (current or 4096)))
-        self.context.set_values(self._context_values, lambda v: f"{format_tokens(v)} tokens", current)
+        self.context.set_values(self._context_values, lambda v: f"{format_tokens(v)} tokens", current,
+                                stops=[2 ** k for k in range(int(math.log2(ceiling)) + 1)])
         self.dtype.set_values(list(WEIGHT_DTYPES), str, spec.dtype if spec.dtype in WEIGHT_DTYPES else "bfloat16")
         choices = list(attention_choices(spec))
         self.attention.set_values(choices, str, native_attention(spec).key)

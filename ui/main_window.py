@@ -605,7 +605,8 @@ class MainWindow(FileActions, QMainWindow):
                 s, self.plots.slope_bytes_per_token, info.spec if info else None,
                 batch=req.settings.batch if req else 1, kv_dtype=req.settings.kv_dtype if req else None,
                 max_context=(req.settings.max_context if req and req.settings.max_context else
-                             (info.max_context if info else None)), host_available=host)
+                             (info.max_context if info else None)), host_available=host,
+                predicted_slope=session.predicted_slope)
             self.stats_panel.show_stats(stats)
             session.refresh_forecast(self.sampling.device, host)
             if s is not None:

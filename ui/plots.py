@@ -270,7 +270,8 @@ class LivePlots(QWidget):
 
         pg.setConfigOptions(antialias=False)  # antialiasing costs more than it buys at 30 Hz
         self.kv_widget = pg.PlotWidget(axisItems={"left": BytesAxis(orientation="left")})
-        self.mem_widget = pg.PlotWidget(axisItems={"left": BytesAxis(orientation="left")})
+        self.mem_widget = pg.PlotWidget(axisItems={"left": BytesAxis(orientation="left"),
+                                                   "right": BytesAxis(orientation="right")})
         self.cmp_widget = pg.GraphicsLayoutWidget()
         self.kv_plot: pg.PlotItem = self.kv_widget.getPlotItem()
         self.mem_plot: pg.PlotItem = self.mem_widget.getPlotItem()
@@ -288,8 +289,21 @@ class LivePlots(QWidget):
             plot.getAxis("bottom").enableAutoSIPrefix(False)
         self._empty_ranges()
         # Which of the three views (scenes Qt repaints separately) draws each plot; see redraw.
+        # The KV cache on the memory plot has its own scale, on the right axis: a few MiB of cache are
+        # invisible under hundreds of MiB of process memory on one axis (the CPU demo: ~450 MiB RSS).
+        self.kv_view = pg.ViewBox(enableMouse=False)
+        self.kv_view.setMenuEnabled(False)
+        self.mem_plot.showAxis("right")
+        self.mem_plot.scene().addItem(self.kv_view)
+        self.mem_plot.getAxis("right").linkToView(self.kv_view)
+        self.kv_view.setXLink(self.mem_plot)
+        self.kv_view.setZValue(-1)
+        self.mem_plot.getViewBox().sigResized.connect(
+            lambda vb: self.kv_view.setGeometry(vb.sceneBoundingRect()))
+        self.mem_plot.getAxis("right").enableAutoSIPrefix(False)
+        self.kv_view.setYRange(0, 2**20, padding=0.0)
         self._view_of = {id(self.kv_plot): "kv", id(self.mem_plot): "mem", id(self.total_plot): "cmp",
-                         id(self.error_plot): "cmp"}
+                         id(self.error_plot): "cmp", id(self.kv_view): "mem"}
         self._fresh: set[tuple[int, str]] = set()
         for plot in self.all_plots:
             # Ranges are set in steps by _fit_ranges (cheap frames); a live view is not panned by mouse.
@@ -312,7 +326,7 @@ class LivePlots(QWidget):
         mem_legend = pg.LegendItem(colCount=4)
         self.mem_plot.layout.addItem(mem_legend, 4, 1)
         self._legends = {id(self.kv_plot): self.kv_plot.addLegend(offset=(-8, -4), colCount=3),
-                         id(self.mem_plot): mem_legend}
+                         id(self.mem_plot): mem_legend, id(self.kv_view): mem_legend}
         self._build_curves()
 
         # The current slope, large, in the KV plot's corner: the number a speaker points at.
@@ -331,6 +345,7 @@ class LivePlots(QWidget):
         self.zero_line = pg.InfiniteLine(movable=False, pos=0, angle=0)
         self.error_plot.addItem(self.zero_line, ignoreBounds=True)
         self.slope_bytes_per_token: float | None = None
+        self.tokens_cache = ""  # the cache strategy of the newest token (the slope label explains a quantized drop)
 
         self.kv_widget.setToolTip(
             "KV cache bytes after each token.\nSolid: measured, the bytes of the cache's K/V tensors "
@@ -393,7 +408,7 @@ class LivePlots(QWidget):
         self._add_curve("reserved", self.mem_plot, m, "time", "reserved", "allocator reserved")
         self._add_curve("allocated", self.mem_plot, m, "time", "allocated", "allocator allocated")
         self._add_curve("weights", self.mem_plot, m, "time", "weights", "weights", "dot")
-        self._add_curve("kv_share", self.mem_plot, m, "time", "kv_share", "KV cache", fill=True, z=-1)
+        self._add_curve("kv_share", self.kv_view, m, "time", "kv_share", "KV cache (right axis)", fill=True, z=-1)
         for key in SAMPLED:
             name = self._curves[key].name
             self._add_curve(f"sampled_{key}", self.mem_plot, self.readings, "time", key, name, color=key)
@@ -443,6 +458,12 @@ class LivePlots(QWidget):
             legend.setLabelTextSize(f"{max(theme.font_pt - 1, 8)}pt")
             legend.setBrush(pg.mkBrush(QColor(theme.background).lighter(115 if theme.name == "dark" else 97)))
             legend.setPen(pg.mkPen(theme.border))
+        right = self.mem_plot.getAxis("right")  # the KV cache's own scale, in the KV colour
+        right.setTickFont(axis_font)
+        right.setTextPen(theme.curves.get("kv_share", theme.text))
+        right.setPen(_mix(theme.background, theme.curves.get("kv_share", theme.text), 0.6))
+        right.setStyle(tickTextOffset=6, tickLength=-6)
+        right.setWidth(int(theme.axis_pt * 8))
         label_style = {"color": theme.muted, "font-size": f"{theme.axis_pt}pt"}
         self.kv_plot.setLabel("bottom", "token", **label_style)
         self.mem_plot.setLabel("bottom", "time (s)", **label_style)
@@ -480,7 +501,7 @@ class LivePlots(QWidget):
 
     def _memory_title(self) -> str:
         if self.host_only:
-            return f"Memory vs time <span style='color:{self.theme.warning}'>\u00b7 no GPU: host memory</span>"
+            return f"Memory vs time <span style='color:{self.theme.warning}'>\u00b7 no GPU</span>"
         return "Memory vs time"
 
     # ---------------------------------------------------------------------------------------------
@@ -523,6 +544,8 @@ class LivePlots(QWidget):
             plot.setXRange(0, x, padding=0.0)
             if y is not None:
                 plot.setYRange(0, y, padding=0.0)
+        if hasattr(self, "kv_view"):
+            self.kv_view.setYRange(0, 2**20, padding=0.0)
 
     def add_samples(self, samples: list[Sample]) -> None:
         """Append a batch of samples (any rate; drawing happens in ``redraw``)."""
@@ -534,6 +557,7 @@ class LivePlots(QWidget):
                     self._add_marker(s)
                 continue
             total_obs, total_pred = observed_and_predicted_total(s)
+            self.tokens_cache = s.cache
             token_rows.append({
                 "token": s.token,
                 "kv_observed": s.kv_bytes_observed,
@@ -794,10 +818,13 @@ class LivePlots(QWidget):
         kv_top = self._top(("kv_observed", "kv_predicted"))
         if kv_top is not None:
             self._set_y(self.kv_plot, 0.0, kv_top, 1.15)
-        mem_top = self._top(("device_used", "process_gpu", "process_rss", "reserved", "allocated", "weights",
-                             "kv_share") + tuple(f"sampled_{key}" for key in SAMPLED))
+        mem_top = self._top(("device_used", "process_gpu", "process_rss", "reserved", "allocated", "weights")
+                            + tuple(f"sampled_{key}" for key in SAMPLED))
         if mem_top is not None:
             self._set_y(self.mem_plot, 0.0, mem_top, 1.2)  # room for the spike labels above the peaks
+        kv_share_top = self._top(("kv_share",))
+        if kv_share_top is not None:
+            self._set_y(self.kv_view, 0.0, kv_share_top, 1.2)
         hi = self._top(("total_observed", "total_predicted"))
         lo = self._bottom(("total_observed", "total_predicted"))
         if hi is not None and lo is not None:
@@ -832,7 +859,7 @@ class LivePlots(QWidget):
         return True
 
     def _set_x(self, plot: pg.PlotItem, first: float, last: float) -> None:
-        lo, hi = plot.getViewBox().viewRange()[0]
+        lo, hi = _view(plot).viewRange()[0]
         if last > hi or first < lo or (hi - first) > 4 * max(last - first, 1.0) or self._stale(plot, "x"):
             if not self._may_change_range(plot):
                 self._fresh.discard((id(plot), "x"))  # (if it was stale, it still is: ask again next frame)
@@ -843,7 +870,7 @@ class LivePlots(QWidget):
     def _set_y(self, plot: pg.PlotItem, bottom: float | None, top: float, headroom: float,
                base: float | None = None) -> None:
         """y range [bottom, top x headroom] (symmetric around 0 when bottom is None), with hysteresis."""
-        lo, hi = plot.getViewBox().viewRange()[1]
+        lo, hi = _view(plot).viewRange()[1]
         origin = base if base is not None else (bottom or 0.0)
         want_hi = origin + (top - origin) * headroom
         if bottom is None:
@@ -885,6 +912,9 @@ class LivePlots(QWidget):
         if item is None:
             raise ValueError(f"unknown plot {which!r}; choose one of {', '.join(self.EXPORTABLE)}")
         if str(path).lower().endswith(".svg"):
+            if which == "memory":  # its KV scale is a view box of its own in the scene: render the scene
+                self._svg_with_qt(item, str(path))
+                return str(path)
             try:
                 exporters.SVGExporter(item).export(str(path))
             except (ValueError, IndexError):
@@ -944,6 +974,8 @@ class LivePlots(QWidget):
         t = self.theme
         size = f"{t.title_pt + 2}pt"
         slope = "" if self.slope_bytes_per_token is None else format_slope(self.slope_bytes_per_token)
+        if (self.slope_bytes_per_token or 0) < 0 and self.tokens_cache.startswith("quantized"):
+            slope = "\u2193 residual quantized"  # the flush, not a shrinking cache: said in words
         err = self.tokens.last("error_kv")
         tot = self.tokens.last("error_total")
         parts = []  # coloured like their curves: this label is the error plot's legend
@@ -959,6 +991,11 @@ class LivePlots(QWidget):
         self._labels_key = key
         self.slope_label.setText(slope, color=t.curves["kv_observed"], size=size, bold=True)
         self.error_label.setText(errors, color=t.text, size=f"{t.font_pt}pt", bold=True)
+
+
+def _view(plot: pg.PlotItem | pg.ViewBox) -> pg.ViewBox:
+    """The view box of a plot (a bare view box, such as the memory plot's KV scale, is its own)."""
+    return plot if isinstance(plot, pg.ViewBox) else plot.getViewBox()
 
 
 def observed_and_predicted_total(s: Sample) -> tuple[int | None, int | None]:

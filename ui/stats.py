@@ -2,11 +2,14 @@
 
 ``compute_stats`` is a pure function of the newest sample, the measured slope and the model; the
 panel shows its result and is refreshed by a slow (about 1 Hz) timer, so text never competes with
-the curves for the UI thread.
+the curves for the UI thread. The growth per token it falls back on is the engine's own prediction
+(the session's ``predicted_slope``); the one number the engine does not send, the KV at max
+context, is predicted once per settings in force (``kv_at_max_context``, memoised), not every second.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from PySide6.QtCore import Qt
@@ -35,42 +38,47 @@ class LiveStats:
     kv_error_pct: float | None = None
 
 
-def run_settings_of(sample: Sample, batch: int = 1, kv_dtype: str | None = None, max_context: int | None = None):
-    """The RunSettings a sample was produced with (its own attention/cache/kernel spellings)."""
+@functools.lru_cache(maxsize=256)
+def kv_at_max_context(spec: ModelSpec, attention: str, cache: str, attn_impl: str, dtype: str, batch: int,
+                      kv_dtype: str | None, max_context: int) -> int | None:
+    """The predictor's KV bytes at ``max_context`` for the settings a sample carries (its own
+    spellings), or None for a spelling the predictor does not know (a newer recording's).
+    Memoised: the settings change at a switch, not at every refresh."""
     from core.attention import parse_attention
     from core.caches import parse_cache
+    from core.predict import kv_bytes
     from core.settings import RunSettings, parse_attn_impl
 
-    return RunSettings(batch=batch, weight_dtype=sample.dtype, kv_dtype=kv_dtype,
-                       attention=parse_attention(sample.attention), cache=parse_cache(sample.cache),
-                       attn_impl=parse_attn_impl(sample.attn_impl), max_context=max_context)
+    try:
+        settings = RunSettings(batch=batch, weight_dtype=dtype, kv_dtype=kv_dtype,
+                               attention=parse_attention(attention), cache=parse_cache(cache),
+                               attn_impl=parse_attn_impl(attn_impl), max_context=max_context)
+        return kv_bytes(spec, settings, max_context)
+    except (SpecError, ValueError):
+        return None
 
 
 def compute_stats(last: Sample | None, slope: float | None, spec: ModelSpec | None, *, batch: int = 1,
                   kv_dtype: str | None = None, max_context: int | None = None,
-                  host_available: int | None = None) -> LiveStats:
+                  host_available: int | None = None, predicted_slope: float | None = None) -> LiveStats:
     """The panel's numbers for the newest token sample ``last``.
 
     ``slope`` is the measured KV growth (bytes/token over the last tokens, None if too few);
-    without it the predictor's growth is used. ``host_available`` is the host's available memory,
-    used for "free" when no GPU reports its memory.
+    without it ``predicted_slope`` (the engine's predicted growth over its last tokens) is used.
+    ``host_available`` is the host's available memory, used for "free" when no GPU reports its memory.
     """
     if last is None:
         return LiveStats()
     max_ctx = max_context or (spec.max_position_embeddings if spec else None)
     kv_at_max = None
-    predicted_slope = None
     if spec is not None and max_ctx:
-        try:
-            from core.predict import kv_bytes
-
-            settings = run_settings_of(last, batch, kv_dtype, max_ctx)
-            kv_at_max = kv_bytes(spec, settings, max_ctx)
-            n = max(last.token + 1, 1)
-            predicted_slope = float(kv_bytes(spec, settings, n + 1) - kv_bytes(spec, settings, n))
-        except (SpecError, ValueError):
-            pass  # a spelling the predictor does not know (e.g. from a newer recording): show n/a
+        kv_at_max = kv_at_max_context(spec, last.attention, last.cache, last.attn_impl, last.dtype, batch, kv_dtype,
+                                      max_ctx)
     bpt, bpt_source = (slope, "measured") if slope is not None else (predicted_slope, "predicted")
+    if bpt is not None and bpt < 0 and last.cache.startswith("quantized"):
+        # Not a shrinking cache: the full-precision residual was just quantized (a drop every
+        # residual-length tokens). Between two drops the cache grows by the full-precision size.
+        bpt_source = "residual just quantized"
 
     if last.device_total is not None and last.device_used is not None:
         free, free_source = last.device_total - last.device_used, "GPU (NVML)"
@@ -191,7 +199,10 @@ class StatsPanel(QWidget):
         self.stats = s
         t = self.tiles
         t["kv_now"].set(human_bytes(s.kv_now), "measured" if s.kv_now is not None else "not available")
-        bpt = None if s.bytes_per_token is None else human_bytes(s.bytes_per_token)
+        if s.bytes_per_token is not None and s.bytes_per_token < 0 and s.bytes_per_token_source == "residual just quantized":
+            bpt = "\u2193 quantized"  # the drop, said in words: never a negative size per token
+        else:
+            bpt = None if s.bytes_per_token is None else human_bytes(s.bytes_per_token)
         t["bytes_per_token"].set(bpt or "n/a", s.bytes_per_token_source)
         t["kv_at_max"].set(human_bytes(s.kv_at_max),
                            f"predicted, {format_tokens(s.max_context)} tokens" if s.max_context else "")

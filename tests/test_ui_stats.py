@@ -1,0 +1,44 @@
+"""The numbers panel: what compute_stats derives from a sample, and how the tiles say it."""
+
+from __future__ import annotations
+
+from core.predict import kv_bytes
+from core.settings import RunSettings
+from core.spec import load_spec
+from tests.synthetic import synthetic_samples
+from ui.stats import StatsPanel, compute_stats, kv_at_max_context
+
+
+def test_kv_at_max_context_is_the_predictors_and_is_computed_once_per_settings():
+    spec = load_spec("embedded")
+    last = synthetic_samples(5, prompt_tokens=4)[-1]
+    kv_at_max_context.cache_clear()
+    for _ in range(10):  # ten refreshes of the panel
+        stats = compute_stats(last, None, spec, max_context=4096, predicted_slope=4096.0)
+    assert stats.kv_at_max == kv_bytes(spec, RunSettings(weight_dtype=last.dtype), 4096)
+    info = kv_at_max_context.cache_info()
+    assert info.misses == 1 and info.hits == 9
+    assert stats.bytes_per_token == 4096.0 and stats.bytes_per_token_source == "predicted"
+    measured = compute_stats(last, 1234.0, spec, max_context=4096, predicted_slope=4096.0)
+    assert measured.bytes_per_token == 1234.0 and measured.bytes_per_token_source == "measured"
+
+
+def test_a_spelling_the_predictor_does_not_know_is_not_available_not_an_error():
+    spec = load_spec("embedded")
+    last = synthetic_samples(3, prompt_tokens=4)[-1].replace(cache="from-the-future")
+    assert compute_stats(last, None, spec, max_context=4096).kv_at_max is None
+
+
+def test_the_quantized_caches_drop_is_said_in_words_not_as_a_negative_size(qtbot):
+    spec = load_spec("embedded")
+    last = synthetic_samples(3, prompt_tokens=4)[-1].replace(cache="quantized:4")
+    panel = StatsPanel()
+    qtbot.addWidget(panel)
+    stats = compute_stats(last, -20_000.0, spec, max_context=4096)
+    panel.show_stats(stats)
+    tile = panel.tiles["bytes_per_token"]
+    assert tile.value.text() == "\u2193 quantized" and tile.note.text() == "residual just quantized"
+    panel.show_stats(compute_stats(last, 8192.0, spec, max_context=4096))  # between two drops
+    assert tile.value.text() == "8.0 KiB" and tile.note.text() == "measured"
+    dynamic = compute_stats(last.replace(cache="dynamic"), -1.0, spec, max_context=4096)
+    assert dynamic.bytes_per_token_source == "measured"  # only the quantized cache has a residual to explain

@@ -55,11 +55,9 @@ def calculate(spec: ModelSpec, settings: RunSettings, contexts: list[int], gpu_m
 
 
 def _gb(n: int) -> str:
-    """Decimal units, as model cards and the README speak of "16 GB of weights"."""
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
+    """Binary units (1 GiB = 1,073,741,824 B), the window's convention, so a figure reads the same
+    in the terminal and on screen; the exact bytes stand beside it in the table."""
+    return human_bytes(n)
 
 
 def _cell(n: int) -> str:

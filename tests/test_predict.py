@@ -131,7 +131,7 @@ def _calc_inproc(capsys, *args: str) -> tuple[int, str, str]:
 def test_calc_prints_worked_example():
     out = _calc("--model", "llama-3-8b", "--context", "4k,32k,128k", "--dtype", "fp16")
     assert out.returncode == 0, out.stderr
-    for figure in ("536,870,912 B", "4,294,967,296 B", "17,179,869,184 B", "16,060,523,008 B (16.06 GB)",
+    for figure in ("536,870,912 B", "4,294,967,296 B", "17,179,869,184 B", "16,060,523,008 B (15.0 GiB)", "4,294,967,296 B (4.0 GiB)",
                    "overtakes the weights at 122,533 tokens"):
         assert figure in out.stdout
 

@@ -139,16 +139,7 @@ def max_context_that_fits(spec: ModelSpec, settings: RunSettings, memory_bytes: 
 
     if not fits(1):
         return None
-    lo, hi = 1, hi_limit
-    if fits(hi):
-        return hi
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return _last_true(fits, 1, hi_limit)
 
 
 def kv_overtakes_weights_at(spec: ModelSpec, settings: RunSettings, limit: int = 1 << 24) -> int | None:
@@ -161,11 +152,18 @@ def kv_overtakes_weights_at(spec: ModelSpec, settings: RunSettings, limit: int =
 
     if not over(limit):
         return None
-    lo, hi = 0, limit
-    while hi - lo > 1:
+    return _last_true(lambda n: not over(n), 0, limit) + 1
+
+
+def _last_true(holds, lo: int, hi: int) -> int:
+    """The largest n in [lo, hi] for which ``holds(n)``, given that it holds at ``lo`` and, once it
+    fails, fails for every larger n (memory grows with the context). Bisection: log2(hi - lo) calls."""
+    if holds(hi):
+        return hi
+    while hi - lo > 1:  # holds(lo), not holds(hi)
         mid = (lo + hi) // 2
-        if over(mid):
-            hi = mid
-        else:
+        if holds(mid):
             lo = mid
-    return hi
+        else:
+            hi = mid
+    return lo

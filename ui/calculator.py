@@ -18,7 +18,6 @@ from PySide6.QtGui import QColor, QFont
 from PySide6.QtWidgets import (
     QComboBox,
     QFileDialog,
-    QFormLayout,
     QGridLayout,
     QGroupBox,
     QHBoxLayout,
@@ -36,6 +35,7 @@ from core.predict import kv_bytes, kv_elem_bytes, max_context_that_fits, predict
 from core.settings import RunSettings, attention_choices, effective_spec
 from core.longlived import freeze_long_lived
 from core.spec import ModelSpec, SpecError, human_bytes, load_spec, parse_size, preset_names
+from ui.forms import form_box
 from ui.plots import BytesAxis, format_count, format_tokens
 from ui.theme import Theme, theme as make_theme
 
@@ -310,20 +310,13 @@ class CalculatorTab(QWidget):
         for s in (self.batch, self.dtype, self.kv_dtype, self.attention):
             s.changed.connect(self._settings_changed)
 
-        inputs = QGroupBox("Model and settings")
-        form = QFormLayout(inputs)
         model_row = QHBoxLayout()
         model_row.addWidget(self.model_combo, 1)
         model_row.addWidget(browse)
-        form.addRow("Model", model_row)
-        form.addRow("", self.model_status)
-        form.addRow("Context", self.context)
-        form.addRow("Batch", self.batch)
-        form.addRow("Weights", self.dtype)
-        form.addRow("KV dtype", self.kv_dtype)
-        form.addRow("Attention", self.attention)
-        form.addRow("Cache", self.cache_combo)
-        form.addRow("GPU memory", self.memory_combo)
+        inputs = form_box("Model and settings", [
+            ("Model", model_row), ("", self.model_status), ("Context", self.context), ("Batch", self.batch),
+            ("Weights", self.dtype), ("KV dtype", self.kv_dtype), ("Attention", self.attention),
+            ("Cache", self.cache_combo), ("GPU memory", self.memory_combo)])
 
         # ---- outputs
         self.headline = QLabel("Loading\u2026")

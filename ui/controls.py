@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from PySide6.QtCore import QSettings, Qt, Signal
-from PySide6.QtWidgets import (QComboBox, QFileDialog, QFormLayout, QGroupBox, QHBoxLayout, QLabel, QLineEdit,
+from PySide6.QtWidgets import (QComboBox, QFileDialog, QGroupBox, QHBoxLayout, QLabel, QLineEdit,
                                QPlainTextEdit, QPushButton, QScrollArea, QSpinBox, QStackedWidget, QVBoxLayout,
                                QWidget)
 
@@ -21,6 +21,7 @@ from core.request import DEFAULT_PROMPT, RunRequest
 from core.sample import Sample
 from core.settings import ATTN_IMPLS, RunSettings, attention_choices, cache_choices, parse_attn_impl
 from core.spec import SpecError, human_bytes, load_spec, parse_size
+from ui.forms import form_box
 
 SOURCES = ("embedded", "folder", "hub")
 #: New tokens at first start: a run long enough to watch and to press every key in (the embedded model's
@@ -132,21 +133,13 @@ class ControlsPanel(QScrollArea):
         self.error_label.setObjectName("error")
         self.error_label.setWordWrap(True)
 
-        model_box = QGroupBox("Model")
-        mf = QFormLayout(model_box)
-        mf.addRow("Source", self.source_combo)
-        mf.addRow("", self.source_stack)
-        mf.addRow("Device", self.device_combo)
-        mf.addRow("dtype", self.dtype_combo)
-        run_box = QGroupBox("Settings (switch live)")
-        rf = QFormLayout(run_box)
-        rf.addRow("Attention", self.attention_combo)
-        rf.addRow("Kernel", self.impl_combo)
-        rf.addRow("Cache", self.cache_combo)
-        rf.addRow("Max context", self.max_context_spin)
-        rf.addRow("New tokens", self.max_tokens_spin)
-        rf.addRow("Memory budget", self.budget_edit)
-        rf.addRow(self.snapshot_button)  # both columns: the panel stays narrow enough for 1280x720
+        model_box = form_box("Model", [("Source", self.source_combo), ("", self.source_stack),
+                                       ("Device", self.device_combo), ("dtype", self.dtype_combo)])
+        run_box = form_box("Settings (switch live)", [
+            ("Attention", self.attention_combo), ("Kernel", self.impl_combo), ("Cache", self.cache_combo),
+            ("Max context", self.max_context_spin), ("New tokens", self.max_tokens_spin),
+            ("Memory budget", self.budget_edit),
+            self.snapshot_button])  # both columns: the panel stays narrow enough for 1280x720
         prompt_box = QGroupBox("Prompt")
         pl = QVBoxLayout(prompt_box)
         pl.addWidget(self.prompt_edit)

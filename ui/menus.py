@@ -17,101 +17,70 @@ KEY_MAP = (("1", "MHA: every query head has its own K/V head"),
 SAMPLER_RATES = (5.0, 10.0, 20.0, 50.0, 100.0)
 
 
+def _add(window: QMainWindow, menu, text: str, slot, shortcut=None, tip: str = "", checkable: bool = False,
+         everywhere: bool = False, group: QActionGroup | None = None) -> QAction:
+    """One menu entry. ``everywhere``: its key works wherever the focus is in the window."""
+    action = QAction(text, window, checkable=checkable)
+    if shortcut is not None:
+        action.setShortcut(QKeySequence(shortcut))
+    if tip:
+        action.setToolTip(tip)
+    action.triggered.connect(slot)
+    if everywhere:
+        window.addAction(action)
+    if group is not None:
+        group.addAction(action)
+    menu.addAction(action)
+    return action
+
+
 def build_menus(self: QMainWindow) -> None:
     """The menu bar of ``self`` (the MainWindow: its slots are the actions' targets)."""
     bar = self.menuBar()
-    file_menu = bar.addMenu("&File")
-    self.record_action = QAction("Record the next run\u2026", self, checkable=True)
-    self.record_action.setToolTip("Write every sample of the next run to a .jsonl recording (flushed per sample)")
-    self.record_action.triggered.connect(self._record_triggered)
-    file_menu.addAction(self.record_action)
-    open_action = QAction("Open recording\u2026", self)
-    open_action.setShortcut(QKeySequence.StandardKey.Open)
-    open_action.triggered.connect(lambda: self.open_recording(ask=True))
-    file_menu.addAction(open_action)
-    demo_action = QAction("Play the demo recording", self)
-    demo_action.triggered.connect(self.play_demo)
-    file_menu.addAction(demo_action)
+    file_menu = self.file_menu = bar.addMenu("&File")
+    self.record_action = _add(self, file_menu, "Record the next run\u2026", self._record_triggered, checkable=True,
+                              tip="Write every sample of the next run to a .jsonl recording (flushed per sample)")
+    _add(self, file_menu, "Open recording\u2026", lambda: self.open_recording(ask=True), QKeySequence.StandardKey.Open)
+    _add(self, file_menu, "Play the demo recording", self.play_demo)
     file_menu.addSeparator()
-    self.export_csv_action = QAction("Export CSV\u2026", self)
-    self.export_csv_action.triggered.connect(lambda: self.export_csv(ask=True))
-    file_menu.addAction(self.export_csv_action)
+    self.export_csv_action = _add(self, file_menu, "Export CSV\u2026", lambda: self.export_csv(ask=True))
     for fmt in ("PNG", "SVG"):
-        action = QAction(f"Export plots as {fmt}\u2026", self)
-        action.triggered.connect(lambda _c=False, f=fmt.lower(): self.export_plots(fmt=f, ask=True))
-        file_menu.addAction(action)
-    summary = QAction("Export summary image\u2026", self)
-    summary.triggered.connect(lambda: self.export_summary(ask=True))
-    file_menu.addAction(summary)
+        _add(self, file_menu, f"Export plots as {fmt}\u2026",
+             lambda _c=False, f=fmt.lower(): self.export_plots(fmt=f, ask=True))
+    _add(self, file_menu, "Export summary image\u2026", lambda: self.export_summary(ask=True))
     file_menu.addSeparator()
-    shot = QAction("Save screenshot", self)
-    shot.setShortcut(QKeySequence("Ctrl+S"))
-    shot.setToolTip("A PNG of the window in your Pictures folder (the status bar says where)")
-    shot.triggered.connect(lambda: self.save_screenshot())
-    file_menu.addAction(shot)
-    shot_as = QAction("Save screenshot as\u2026", self)
-    shot_as.triggered.connect(lambda: self.save_screenshot(ask=True))
-    file_menu.addAction(shot_as)
+    _add(self, file_menu, "Save screenshot", lambda: self.save_screenshot(), "Ctrl+S",
+         tip="A PNG of the window in your Pictures folder (the status bar says where)")
+    _add(self, file_menu, "Save screenshot as\u2026", lambda: self.save_screenshot(ask=True))
     file_menu.addSeparator()
-    quit_action = QAction("Quit", self)
-    quit_action.setShortcut(QKeySequence.StandardKey.Quit)
-    quit_action.triggered.connect(self.close)
-    file_menu.addAction(quit_action)
-    self.file_menu = file_menu
+    _add(self, file_menu, "Quit", self.close, QKeySequence.StandardKey.Quit)
 
     run_menu = bar.addMenu("&Run")
-    for text, slot, shortcut in (("Start", self.start_run, None), ("Pause / resume", self.toggle_pause, "Space"),
-                                 ("Stop", self.stop_run, None)):
-        action = QAction(text, self)
-        action.triggered.connect(slot)
-        if shortcut:
-            action.setShortcut(QKeySequence(shortcut))
-            self.addAction(action)  # the key works wherever the focus is in the window
-        run_menu.addAction(action)
+    _add(self, run_menu, "Start", self.start_run)
+    _add(self, run_menu, "Pause / resume", self.toggle_pause, "Space", everywhere=True)
+    _add(self, run_menu, "Stop", self.stop_run)
     run_menu.addSeparator()
     # The keys a speaker presses, as menu entries: the menu shows which number is which mode.
-    switch_keys = [(f"{name} attention", lambda _c=False, n=n: self.attention_key(n), str(n))
-                   for n, name in ATTENTION_KEYS.items()]
-    switch_keys += [("Flash attention on / off", self.toggle_flash, "F"), ("Next cache strategy", self.next_cache, "C")]
-    for text, slot, shortcut in switch_keys:
-        action = QAction(text, self)
-        action.setShortcut(QKeySequence(shortcut))
-        action.triggered.connect(slot)
-        self.addAction(action)
-        run_menu.addAction(action)
+    for n, name in ATTENTION_KEYS.items():
+        _add(self, run_menu, f"{name} attention", lambda _c=False, n=n: self.attention_key(n), str(n), everywhere=True)
+    _add(self, run_menu, "Flash attention on / off", self.toggle_flash, "F", everywhere=True)
+    _add(self, run_menu, "Next cache strategy", self.next_cache, "C", everywhere=True)
 
     view = bar.addMenu("&View")
-    group = QActionGroup(self)
-    self.theme_actions = {}
-    for name in ("dark", "light"):
-        action = QAction(f"{name.capitalize()} theme", self, checkable=True)
-        action.triggered.connect(lambda _c=False, n=name: self.set_theme(n))
-        group.addAction(action)
-        view.addAction(action)
-        self.theme_actions[name] = action
+    themes = QActionGroup(self)
+    self.theme_actions = {name: _add(self, view, f"{name.capitalize()} theme", lambda _c=False, n=name: self.set_theme(n),
+                                     checkable=True, group=themes) for name in ("dark", "light")}
     view.addSeparator()
-    self.presenter_action = QAction("Presenter mode", self, checkable=True)
-    self.presenter_action.setShortcut(QKeySequence("F11"))
-    self.presenter_action.triggered.connect(lambda checked: self.set_presenter(checked))
-    view.addAction(self.presenter_action)
+    self.presenter_action = _add(self, view, "Presenter mode", lambda checked: self.set_presenter(checked), "F11",
+                                 checkable=True)
     view.addSeparator()
     rate_menu = view.addMenu("Memory sampling rate")
-    rate_group = QActionGroup(self)
-    self.rate_actions = {}
-    for hz in SAMPLER_RATES:
-        action = QAction(f"{hz:g} Hz", self, checkable=True)
-        action.triggered.connect(lambda _c=False, r=hz: self.set_sampler_rate(r))
-        rate_group.addAction(action)
-        rate_menu.addAction(action)
-        self.rate_actions[hz] = action
+    rates = QActionGroup(self)
+    self.rate_actions = {hz: _add(self, rate_menu, f"{hz:g} Hz", lambda _c=False, r=hz: self.set_sampler_rate(r),
+                                  checkable=True, group=rates) for hz in SAMPLER_RATES}
     help_menu = bar.addMenu("&Help")
-    keys = QAction("Keys\u2026", self)
-    keys.setShortcut(QKeySequence("F1"))
-    keys.triggered.connect(lambda: show_keys(self))
-    help_menu.addAction(keys)
-    about = QAction("About KV Scope\u2026", self)
-    about.triggered.connect(lambda: show_about(self))
-    help_menu.addAction(about)
+    _add(self, help_menu, "Keys\u2026", lambda: show_keys(self), "F1")
+    _add(self, help_menu, "About KV Scope\u2026", lambda: show_about(self))
 
 
 def show_keys(self: QMainWindow) -> None:

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from core.sample import Sample
-from ui.plots import BytesAxis, LivePlots, error_percent, format_count, format_slope
+from core.compare import error_percent
+from ui.axes import BytesAxis, format_count, format_slope
+from ui.plots import LivePlots
 from ui.ringbuffer import RingBuffer
 from tests.synthetic import synthetic_samples
 
@@ -139,7 +141,7 @@ def test_device_curve_draws_what_pyqtgraph_draws(qtbot, style):
     from PySide6.QtCore import Qt
     from PySide6.QtGui import QImage
 
-    from ui.plots import DeviceCurve
+    from ui.curves import DeviceCurve
 
     rng = np.random.default_rng(3)
     x = np.arange(600.0) * 200.0  # plot-like scales: tokens and bytes, far from pixels

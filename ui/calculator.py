@@ -36,7 +36,7 @@ from core.settings import RunSettings, attention_choices, effective_spec
 from core.longlived import freeze_long_lived
 from core.spec import ModelSpec, SpecError, human_bytes, load_spec, parse_size, preset_names
 from ui.forms import form_box
-from ui.plots import BytesAxis, format_count, format_tokens
+from ui.axes import BytesAxis, format_count, format_tokens
 from ui.theme import Theme, theme as make_theme
 
 log = logging.getLogger(__name__)

@@ -5,6 +5,12 @@ timer in the window calls ``LivePlots.redraw`` (about 30 Hz), which hands each c
 column decimated to one min/max pair per pixel column (``ui.decimate``, incremental: a frame costs
 the new points, not the whole column), so a 100,000-point curve is as cheap to draw as the plot is
 wide. The view ranges always hold all the data, so there is nothing to clip.
+
+Its helpers have their own files: axes and number formats (``ui.axes``), the device-pixel curve
+(``ui.curves``), the decimator (``ui.decimate``), the ring buffers (``ui.ringbuffer``), and the
+observed-vs-predicted arithmetic (``core.compare``). What stays (about 850 lines) is one widget:
+the three plots, their curves, markers, spike marks and stepped ranges, which share one frame
+budget (``redraw``) and so one class.
 """
 
 from __future__ import annotations
@@ -15,13 +21,14 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyqtgraph as pg
-from pyqtgraph.graphicsItems.PlotCurveItem import arrayToLineSegments as _line_segments
 from PySide6.QtCore import Qt
-from PySide6.QtGui import QColor, QFont, QFontMetrics, QPainter, QPen, QTransform
+from PySide6.QtGui import QColor, QFont
 from PySide6.QtWidgets import QGraphicsItem, QSplitter, QVBoxLayout, QWidget
 
 from core.sample import PHASE_EVENT, Sample
-from core.spec import human_bytes
+from core.compare import error_percent, observed_and_predicted_total
+from ui.axes import BytesAxis, SparseAxis, format_bytes, format_slope
+from ui.curves import DeviceCurve
 from ui.decimate import PeakDecimator
 from ui.ringbuffer import RingBuffer
 from ui.theme import Theme, theme as make_theme
@@ -46,169 +53,9 @@ READING_COLUMNS = ("time", "device_total", "device_used", "process_gpu", "proces
 #: second instead of once per token (a replay has no readings and keeps the per-token ones).
 SAMPLED = ("device_used", "process_gpu", "process_rss", "reserved", "allocated")
 
-_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
-
 #: A view range that the data outgrows grows by this factor: each change re-renders the axes (the
 #: costliest frames), so few big steps beat many small ones. The data then fills 2/3 to all of it.
 GROW = 1.5
-
-
-def format_bytes(n: float | None) -> str:
-    """Human bytes for labels; None (not available) -> 'n/a'."""
-    return human_bytes(n)
-
-
-def format_slope(bytes_per_token: float) -> str:
-    """'+128.0 KiB / token', '\u221219.9 KiB / token' (a cache that shrinks: a quantized cache's
-    residual flush, a window filling up), '+0 B / token'."""
-    sign = "\u2212" if bytes_per_token < 0 else "+"
-    return f"{sign}{format_bytes(abs(bytes_per_token))} / token"
-
-
-def format_count(n: float) -> str:
-    """Parameter counts for people: 8_030_261_248 -> '8.03 B', 3_426_560 -> '3.43 M', 950 -> '950'."""
-    for size, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)}"
-
-
-def format_tokens(n: float | None) -> str:
-    """Token counts for people: 4096 -> '4K', 131072 -> '128K', 1500 -> '1,500'."""
-    if n is None:
-        return "n/a"
-    n = int(n)
-    if n >= 1024 * 1024 and n % (1024 * 1024) == 0:
-        return f"{n // (1024 * 1024)}M"
-    if n >= 1024 and n % 1024 == 0:
-        return f"{n // 1024}K"
-    return f"{n:,}"
-
-
-def _places(step: float) -> int:
-    """Decimals that print every multiple of ``step`` exactly (2.5 -> 1, 0.25 -> 2, 20 -> 0), at most 3:
-    a tick at 7.5 MiB must not read "8 MiB" (where an 8 MiB plateau would then sit above it)."""
-    if not math.isfinite(step) or step <= 0:
-        return 0
-    for places in range(4):
-        scaled = step * 10 ** places
-        if abs(scaled - round(scaled)) < 1e-6 * max(1.0, scaled):
-            return places
-    return 3
-
-
-class BytesAxis(pg.AxisItem):
-    """A y axis in KiB/MiB/GiB: ticks at round multiples of a binary unit, labelled with the unit."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.enableAutoSIPrefix(False)
-
-    @staticmethod
-    def _unit(value: float) -> tuple[float, str]:
-        value = abs(value)
-        for i, name in enumerate(_UNITS):
-            if value < 1024 ** (i + 1) or i == len(_UNITS) - 1:
-                return float(1024 ** i), name
-        return 1.0, "B"  # pragma: no cover
-
-    def tickSpacing(self, minVal, maxVal, size):  # noqa: N802 (pyqtgraph API)
-        span = abs(maxVal - minVal)
-        if not math.isfinite(span) or span <= 0:
-            return super().tickSpacing(minVal, maxVal, size)
-        unit, _ = self._unit(max(abs(minVal), abs(maxVal)))
-        wanted = max(2.0, size / 70.0)  # about one label per 70 px
-        raw = span / unit / wanted
-        power = 10.0 ** math.floor(math.log10(raw)) if raw > 0 else 1.0
-        for step in (1, 2, 2.5, 5, 10):
-            if step * power >= raw:
-                break
-        major = step * power * unit
-        return [(major, 0.0), (major / 5.0, 0.0)]
-
-    def tickStrings(self, values, scale, spacing):  # noqa: N802 (pyqtgraph API)
-        if not values:
-            return []
-        unit, name = self._unit(max(abs(v) for v in values))
-        places = _places(spacing / unit if unit else spacing)
-        out = []
-        for v in values:
-            if v == 0:
-                out.append("0")
-            elif v < 0:
-                out.append("")  # memory is never negative; keep the axis clean
-            else:
-                out.append(f"{v / unit:.{places}f} {name}")
-        return out
-
-
-class DeviceCurve(pg.PlotCurveItem):
-    """A curve that maps its points to device pixels itself (numpy) and strokes them untransformed.
-
-    Qt's raster engine strokes a pen wider than 1 px three times slower under the plot's data-to-pixel
-    scale than in plain pixels (and a dashed path far slower still), so ``paint`` transforms the
-    (already decimated) points once with numpy and draws with the identity transform: the same
-    picture, cheaper. Rotated or sheared transforms (none in these plots) take pyqtgraph's path.
-    """
-
-    _LIMIT = 1e7  # device coordinates are clipped here; Qt's rasteriser misbehaves far outside int range
-
-    def paint(self, p, opt, widget):
-        x, y = self.getData()
-        tr = p.transform()
-        if x is None or len(x) < 2 or tr.type().value > QTransform.TransformationType.TxScale.value:
-            return super().paint(p, opt, widget)
-        dx = np.clip(x * tr.m11() + tr.dx(), -self._LIMIT, self._LIMIT)
-        dy = np.clip(y * tr.m22() + tr.dy(), -self._LIMIT, self._LIMIT)
-        connect, check = self.opts["connect"], not self.opts["skipFiniteCheck"]
-        p.save()
-        try:
-            p.resetTransform()
-            p.setRenderHint(QPainter.RenderHint.Antialiasing, bool(self.opts["antialias"]))
-            brush = self.opts["brush"]
-            if self.opts["fillLevel"] is not None and brush is not None and brush.style() != Qt.BrushStyle.NoBrush:
-                base = float(np.clip(self.opts["fillLevel"] * tr.m22() + tr.dy(), -self._LIMIT, self._LIMIT))
-                keep = np.isfinite(dx) & np.isfinite(dy)
-                if keep.sum() >= 2:
-                    fx, fy = dx[keep], dy[keep]
-                    fill = pg.functions.arrayToQPath(np.r_[fx[0], fx, fx[-1]], np.r_[base, fy, base], "all",
-                                                     finiteCheck=False)
-                    fill.closeSubpath()
-                    p.fillPath(fill, brush)
-            pen = self.opts["pen"]
-            if pen is not None and pen.style() != Qt.PenStyle.NoPen:
-                # Widths are logical pixels: on a scaled display (4K at 200%) these device coordinates
-                # hold devicePixelRatio pixels per logical one, so the pen grows with it.
-                ratio = p.device().devicePixelRatioF() if p.device() is not None else 1.0
-                if ratio != 1.0:
-                    pen = QPen(pen)
-                    pen.setWidthF(max(pen.widthF(), 1.0) * ratio)
-                p.setPen(pen)
-                if self._shouldUseDrawLineSegments(pen):
-                    self._device_lines = _line_segments(dx, dy, connect, check, getattr(self, "_device_lines", None))
-                    p.drawLines(*self._device_lines.drawargs())
-                else:
-                    p.drawPath(pg.functions.arrayToQPath(dx, dy, connect, finiteCheck=check))
-        finally:
-            p.restore()
-
-
-class SparseAxis(pg.AxisItem):
-    """A value axis whose labels stay two text lines apart, however large the type (a short plot in
-    presenter mode otherwise prints its labels over each other)."""
-
-    def tickSpacing(self, minVal, maxVal, size):  # noqa: N802 (pyqtgraph API)
-        span = abs(maxVal - minVal)
-        if not math.isfinite(span) or span <= 0 or size <= 0:
-            return super().tickSpacing(minVal, maxVal, size)
-        font = self.style.get("tickFont") or QFont()
-        wanted = max(1.0, size / (2.2 * QFontMetrics(font).height()))
-        raw = span / wanted
-        power = 10.0 ** math.floor(math.log10(raw))
-        for step in (1, 2, 2.5, 5, 10):
-            if step * power >= raw:
-                break
-        return [(step * power, 0.0)]
 
 
 @dataclass
@@ -998,33 +845,8 @@ def _view(plot: pg.PlotItem | pg.ViewBox) -> pg.ViewBox:
     return plot if isinstance(plot, pg.ViewBox) else plot.getViewBox()
 
 
-def observed_and_predicted_total(s: Sample) -> tuple[int | None, int | None]:
-    """Observed total and the prediction of the same quantity (like with like).
-
-    With a device allocator (CUDA/MPS) the observed total is what it has allocated, compared with the
-    predicted weights + KV + activations. Without one, it is the measured weights + KV tensors,
-    compared with the predicted weights + KV.
-    """
-    if s.allocator_allocated is not None:
-        return s.allocator_allocated, s.total_predicted
-    observed = None
-    if s.weights_bytes is not None and s.kv_bytes_observed is not None:
-        observed = s.weights_bytes + s.kv_bytes_observed
-    predicted = None
-    if s.weights_predicted is not None and s.kv_bytes_predicted is not None:
-        predicted = s.weights_predicted + s.kv_bytes_predicted
-    return observed, predicted
-
-
 def _mix(a: str, b: str, t: float) -> QColor:
     """Colour t of the way from a to b (opaque)."""
     ca, cb = QColor(a), QColor(b)
     return QColor(round(ca.red() + (cb.red() - ca.red()) * t), round(ca.green() + (cb.green() - ca.green()) * t),
                   round(ca.blue() + (cb.blue() - ca.blue()) * t))
-
-
-def error_percent(observed: int | None, predicted: int | None) -> float | None:
-    """(observed - predicted) / predicted in %, or None when either is not available or predicted is 0."""
-    if observed is None or predicted is None or predicted == 0:
-        return None
-    return 100.0 * (observed - predicted) / predicted

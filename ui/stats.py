@@ -17,7 +17,7 @@ from PySide6.QtWidgets import QFrame, QGridLayout, QLabel, QSizePolicy, QVBoxLay
 
 from core.sample import Sample
 from core.spec import ModelSpec, SpecError, human_bytes
-from ui.plots import format_tokens
+from ui.axes import format_tokens
 
 
 @dataclass(frozen=True)
@@ -214,7 +214,7 @@ class StatsPanel(QWidget):
         t["speed"].set(speed, f"token {s.tokens:,}" if s.tokens is not None else "")
 
     def show_forecast(self, forecast, warning_color: str | None = None) -> None:
-        """The OOM forecast tile (``ui.diagnose.OomForecast`` or None); ``warning_color`` when it is near."""
+        """The OOM forecast tile (``core.forecast.OomForecast`` or None); ``warning_color`` when it is near."""
         tile = self.tiles["oom"]
         self.forecast = forecast
         if forecast is None:

@@ -28,7 +28,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
     p.add_argument("--dtype", default=None, help="weights dtype: fp32, fp16, bf16 (default: the model's)")
     p.add_argument("--attention", default=None, help="mha | gqa:N | mqa | mla | window:W (default: as the model is built)")
-    p.add_argument("--cache", default="dynamic", help="dynamic | static | quantized[:4|:2|:hqq:4|:fp8] | offloaded")
+    p.add_argument("--cache", default="dynamic",
+                   help="dynamic | static | quantized[:4|:2|:hqq:4|:fp8] | offloaded | sink:S+W | h2o:B+W")
     p.add_argument("--attn-impl", default="sdpa", help="eager | sdpa | flash (default sdpa)")
 
 
@@ -50,6 +51,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-pickle", action="store_true",
                    help="allow pickle (.bin) weights when no safetensors exist (off by default: pickle can run code)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--quality-probe", action="store_true",
+                   help="also run every token through a full-cache twin and report top-1 agreement and KL of the "
+                        "next-token distributions (costs a second forward pass and a second cache; off by default)")
 
 
 def _add_view_options(p: argparse.ArgumentParser) -> None:
@@ -134,7 +138,7 @@ def _settings_from(args: argparse.Namespace):
 _NOT_EMPTY = {
     "model": None,  # the message of core.spec.check_model_name, as the window's calculator says it
     "dtype": "fp32, fp16 or bf16", "kv_dtype": "fp16, bf16, fp8, int8 or int4", "attention": "mha, gqa:N, mqa, mla or window:W",
-    "cache": "dynamic, static, quantized or offloaded", "attn_impl": "eager, sdpa or flash",
+    "cache": "dynamic, static, quantized, offloaded, sink:S+W or h2o:B+W", "attn_impl": "eager, sdpa or flash",
     "device": "auto, cpu, cuda, cuda:N or mps", "context": "token counts such as 4k,32k", "max_context": "a token count such as 4k",
     "gpu_memory": "a size such as 24GiB", "memory_budget": "a size such as 64MiB", "prompt_file": "a text file",
     "record": "a .jsonl file", "snapshot": "a file",
@@ -212,6 +216,7 @@ def _run_request(args: argparse.Namespace):
         memory_budget=parse_size(args.memory_budget) if args.memory_budget else None,
         snapshot_path=args.snapshot,
         seed=check_seed(args.seed),
+        quality_probe=bool(getattr(args, "quality_probe", False)),
     )
 
 

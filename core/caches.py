@@ -1,18 +1,21 @@
-"""Cache strategies (dynamic, static, quantized, offloaded) and the exact bytes each one holds.
+"""Cache strategies (dynamic, static, quantized, offloaded, sink, h2o) and the exact bytes each one holds.
 
 Every formula mirrors what the transformers 5.24 cache layer classes allocate
-(``transformers/cache_utils.py``); the comment on each names the class it copies.
-Adding a strategy is one class here plus one entry in ``CACHE_STRATEGIES``.
+(``transformers/cache_utils.py``, and ``core/sparse_caches.py`` for the token-selecting layers built
+on them); the comment on each names the class it copies. Each strategy also builds its cache
+(``build``, importing transformers only then: this module stays plain arithmetic for the window and
+``calc``). Adding a strategy is one class here plus one entry in ``CACHE_STRATEGIES``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from core.attention import SettingsError
-from core.spec import INDEXED_ATTENTION, SLIDING_ATTENTION, ModelSpec
+from core.spec import INDEXED_ATTENTION, MAX_COUNT, SLIDING_ATTENTION, ModelSpec, shown_count
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,22 @@ class CacheStrategy:
     name: ClassVar[str] = ""
     help: ClassVar[str] = ""
     needs_cuda: ClassVar[bool] = False
+    #: Scores tokens by the attention weights they receive, which only eager attention returns: the engine
+    #: runs it with eager, and fills it by running the tokens through the model (a copy has no scores).
+    needs_attention_weights: ClassVar[bool] = False
+    #: Most tokens a full-attention layer holds; None: every token (the cache grows with the context).
+    capacity: ClassVar[int | None] = None
+
+    def build(self, config: Any, max_context: int) -> Any:
+        """A fresh transformers cache of this strategy for a model of ``config`` (``max_context``: what a
+        static cache preallocates)."""
+        from transformers import DynamicCache
+
+        return DynamicCache(config=config)
+
+    def forward_context(self, model: Any, cache: Any) -> contextlib.AbstractContextManager:
+        """What a forward pass of ``model`` on ``cache`` runs inside (the heavy-hitter cache's attention hooks)."""
+        return contextlib.nullcontext()
 
     @property
     def key(self) -> str:
@@ -111,6 +130,11 @@ class Static(CacheStrategy):
     name: ClassVar[str] = "static"
     help: ClassVar[str] = "preallocated to the max context up front, like llama.cpp (transformers StaticCache)"
 
+    def build(self, config, max_context):
+        from transformers import StaticCache
+
+        return StaticCache(config=config, max_cache_len=max_context)
+
     def layer_bytes(self, layer, batch, tokens, elem_bytes, max_context, prompt_tokens):
         # StaticLayer.lazy_initialization: zeros([b, h, max_cache_len, d]) for K and for V, on first update.
         # StaticSlidingWindowLayer: max_cache_len = min(sliding_window, max_cache_len).
@@ -157,6 +181,14 @@ class Quantized(CacheStrategy):
         if nbits not in allowed:
             raise SettingsError(f"{spelled!r}: {backend} stores {', '.join(map(str, allowed))} bits, not {nbits}")
         return cls(backend=backend, nbits=nbits)
+
+    def build(self, config, max_context):
+        from transformers import QuantizedCache
+
+        if self.backend == "fp8":
+            return QuantizedCache(backend="fp8", config=config)
+        return QuantizedCache(backend=self.backend, config=config, nbits=self.nbits,
+                              q_group_size=self.q_group_size, residual_length=self.residual_length)
 
     def split(self, tokens: int, prompt_tokens: int) -> tuple[int, int]:
         """(quantized tokens, residual full-precision tokens) after ``tokens`` tokens.
@@ -256,22 +288,145 @@ class Offloaded(CacheStrategy):
     help: ClassVar[str] = "keeps all but the running layers' K/V in CPU memory (CUDA only)"
     needs_cuda: ClassVar[bool] = True
 
+    def build(self, config, max_context):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=config, offloading=True)
+
     def layer_bytes(self, layer, batch, tokens, elem_bytes, max_context, prompt_tokens):
         # DynamicCache(offloading=True): same tensors as a dynamic cache; all but the running and the
         # prefetched layer live in pinned CPU memory (see device_layers).
         return Dynamic().layer_bytes(layer, batch, tokens, elem_bytes, max_context, prompt_tokens)
 
 
-CACHE_STRATEGIES: list[type[CacheStrategy]] = [Dynamic, Static, Quantized, Offloaded]
+def _two_counts(cls: type, arg: str | None, spelled: str, first: str, second: str) -> tuple[int, int]:
+    """``A+B`` of a token-selecting strategy (``sink:4+252``), checked: A >= 0, B >= 1."""
+    usage = f"{cls.name}:{first[0].upper()}+{second[0].upper()} ({first} + {second}, e.g. {cls.name}:{cls.example})"
+    a, plus, b = (arg or "").partition("+")
+    a, b = a.strip(), b.strip()
+    if not plus or not (a.isascii() and a.isdigit() and b.isascii() and b.isdigit()):
+        raise SettingsError(f"{spelled!r}: write {usage}, two whole numbers of tokens")
+    if len(a) > 12 or len(b) > 12 or max(int(a), int(b)) > MAX_COUNT:
+        big = max(int(a[:40]), int(b[:40]))
+        raise SettingsError(f"{spelled!r}: {shown_count(big)} tokens is implausible (more than {MAX_COUNT:,})")
+    if int(b) < 1:
+        raise SettingsError(f"{spelled!r}: the {second} must hold at least 1 token (the newest)")
+    return int(a), int(b)
+
+
+@dataclass(frozen=True)
+class TokenSelecting(CacheStrategy):
+    """A cache whose full-attention layers hold at most ``capacity`` tokens and drop the others
+    (``core.sparse_caches``); sliding layers stay as the dynamic cache has them."""
+
+    example: ClassVar[str] = ""
+
+    @property
+    def capacity(self) -> int:
+        raise NotImplementedError
+
+    def held(self, layer: LayerKV, tokens: int) -> int:
+        """Tokens one layer holds after ``tokens`` tokens: evictions start at ``capacity + 1`` tokens."""
+        if layer.extra:
+            raise SettingsError(f"a {self.name} cache cannot evict a sparse-attention indexer's keys (DeepSeek-V3.2 "
+                                "DSA layers); use dynamic or static")
+        # SinkWindowLayer / HeavyHitterLayer keep min(tokens, capacity); DynamicSlidingWindowLayer W - 1.
+        return min(tokens, self.capacity) if layer.window is None else min(tokens, layer.window - 1)
+
+    def layer_bytes(self, layer, batch, tokens, elem_bytes, max_context, prompt_tokens):
+        return _dense(batch, layer.heads, self.held(layer, tokens), layer.k_dim + layer.v_dim, elem_bytes)
+
+
+@dataclass(frozen=True)
+class SinkWindow(TokenSelecting):
+    """StreamingLLM (Xiao et al. 2023, arXiv:2309.17453; kvpress ``StreamingLLMPress``): attention sinks + recent window.
+
+    Each full-attention layer keeps the first ``sinks`` tokens and the last ``window``
+    (``core.sparse_caches.SinkWindowLayer``)."""
+
+    name: ClassVar[str] = "sink"
+    help: ClassVar[str] = "keeps the first S tokens (attention sinks) and the last W, drops the rest (StreamingLLM)"
+    example: ClassVar[str] = "4+252"
+    sinks: int = 4
+    window: int = 252
+
+    @property
+    def key(self) -> str:
+        return f"sink:{self.sinks}+{self.window}"
+
+    @property
+    def capacity(self) -> int:
+        return self.sinks + self.window
+
+    @classmethod
+    def parse(cls, arg, spelled):
+        sinks, window = _two_counts(cls, arg, spelled, "sinks", "window")
+        return cls(sinks=sinks, window=window)
+
+    def build(self, config, max_context):
+        from core.sparse_caches import SinkWindowLayer, selecting_cache
+
+        return selecting_cache(config, lambda: SinkWindowLayer(self.sinks, self.window))
+
+
+@dataclass(frozen=True)
+class HeavyHitter(TokenSelecting):
+    """H2O (Zhang et al. 2023, arXiv:2306.14048; kvpress's H2O-style ``ObservedAttentionPress``): heavy hitters + recent window.
+
+    Each full-attention layer keeps the last ``window`` tokens and the ``budget`` older ones with the
+    highest accumulated attention, per KV head, plus one float32 score per held token and KV head
+    (``core.sparse_caches.HeavyHitterLayer``). The scores come from the attention weights: eager only."""
+
+    name: ClassVar[str] = "h2o"
+    help: ClassVar[str] = ("keeps the B tokens with the most attention so far and the last W (H2O; runs with eager "
+                           "attention, which returns the weights)")
+    example: ClassVar[str] = "128+128"
+    needs_attention_weights: ClassVar[bool] = True
+    budget: int = 128
+    window: int = 128
+
+    @property
+    def key(self) -> str:
+        return f"h2o:{self.budget}+{self.window}"
+
+    @property
+    def capacity(self) -> int:
+        return self.budget + self.window
+
+    @classmethod
+    def parse(cls, arg, spelled):
+        budget, window = _two_counts(cls, arg, spelled, "budget", "window")
+        return cls(budget=budget, window=window)
+
+    def build(self, config, max_context):
+        from core.sparse_caches import HeavyHitterLayer, selecting_cache
+
+        return selecting_cache(config, lambda: HeavyHitterLayer(self.budget, self.window))
+
+    def forward_context(self, model, cache):
+        from core.sparse_caches import observing_attention
+
+        return observing_attention(model, cache)
+
+    def layer_bytes(self, layer, batch, tokens, elem_bytes, max_context, prompt_tokens):
+        kv = super().layer_bytes(layer, batch, tokens, elem_bytes, max_context, prompt_tokens)
+        if layer.window is not None:
+            return kv  # a sliding layer stays DynamicSlidingWindowLayer: no scores
+        # HeavyHitterLayer.scores: [batch, kv_heads, held] float32 (MLA: the one latent "head").
+        return kv + batch * layer.heads * self.held(layer, tokens) * 4
+
+CACHE_STRATEGIES: list[type[CacheStrategy]] = [Dynamic, Static, Quantized, Offloaded, SinkWindow, HeavyHitter]
 
 
 def parse_cache(text: str) -> CacheStrategy:
-    """Parse ``dynamic``, ``static``, ``quantized[:BACKEND][:BITS]`` or ``offloaded``. Raises SettingsError."""
+    """Parse ``dynamic``, ``static``, ``quantized[:BACKEND][:BITS]``, ``offloaded``, ``sink:S+W`` or ``h2o:B+W``.
+    Raises SettingsError."""
     spelled = str(text).strip().lower()
     name, _, arg = spelled.partition(":")
     for strategy in CACHE_STRATEGIES:
         if strategy.name == name:
             return strategy.parse(arg or None, spelled)
-    raise SettingsError(f"unknown cache strategy {text!r}; use dynamic, static, quantized[:4|:2|:hqq:4|:fp8] or offloaded")
+    raise SettingsError(f"unknown cache strategy {text!r}; use dynamic, static, quantized[:4|:2|:hqq:4|:fp8], "
+                        "offloaded, sink:S+W or h2o:B+W")
 
 

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from core.attention import MLA, AttentionMode, SettingsError, Window, native_attention
-from core.caches import CacheStrategy, Offloaded, Quantized, Static
+from core.caches import CacheStrategy, Quantized, Static, TokenSelecting
 from core.measure import cache_bytes, model_weight_bytes
 from core.predict import activation_bytes, kv_bytes, predict
 from core.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
@@ -68,7 +68,7 @@ class Engine:
     """A loaded model, its live cache and the tokens so far. Not thread-safe: one thread drives it."""
 
     def __init__(self, loaded: Any, settings: RunSettings, probe: Any = None, seed: int = 0,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, quality_probe: bool = False) -> None:
         self.loaded = loaded
         self.spec: ModelSpec = loaded.spec
         self.device: str = loaded.device
@@ -105,6 +105,12 @@ class Engine:
         self._weights_observed = model_weight_bytes(self.model)
         self.budget_forecast_token: int | None = None
         self._pending_ids: list[int] = []
+        #: The quality probe (off by default: it costs a second forward pass per token and a second cache):
+        #: the same tokens through the same model with a full dynamic cache, teacher-forced.
+        self.quality_probe = quality_probe
+        self._reference_cache = None
+        self._reference_logits: torch.Tensor | None = None
+        self._reference_stale = False
         # The embedded demo model has random weights: left alone it samples lone UTF-8 continuation
         # bytes and control characters, which print as U+FFFD or nothing. Its nonsense reads better without them (real models: untouched).
         self._suppressed = self._broken_byte_tokens() if loaded.label.startswith("embedded demo model") else None
@@ -119,6 +125,11 @@ class Engine:
         if impl != "eager" and not getattr(self.base_model, "_supports_sdpa", True):
             self.notes.append(f"attn-impl {impl} is not available for {type(self.base_model).__name__} (transformers "
                               "runs it with eager attention only): using eager")
+            settings = settings.with_(attn_impl="eager")
+            impl = "eager"
+        if settings.cache.needs_attention_weights and impl != "eager":
+            self.notes.append(f"the {settings.cache.key} cache scores tokens by the attention they receive, which only "
+                              f"eager attention returns: using attn-impl eager, not {impl}")
             settings = settings.with_(attn_impl="eager")
             impl = "eager"
         self._check_target(target, impl, settings.cache)
@@ -145,6 +156,13 @@ class Engine:
         if impl != "eager" and not getattr(self.base_model, "_supports_sdpa", True):
             raise SettingsError(f"transformers runs {type(self.base_model).__name__} with eager attention only "
                                 f"(it refuses sdpa for it, e.g. sdpa cannot softcap scores): {impl} is not available")
+        if strategy.needs_attention_weights and impl != "eager":
+            raise SettingsError(f"the {strategy.key} cache scores tokens by the attention weights they receive, which "
+                                f"only eager attention returns: attn-impl {impl} cannot run while it is active "
+                                "(switch the cache first)")
+        if isinstance(strategy, TokenSelecting) and INDEXED_ATTENTION in eff.layer_types:
+            raise SettingsError(f"a {strategy.name} cache cannot evict the sparse-attention indexer keys of "
+                                f"{label}'s DSA layers; use dynamic or static")
         if strategy.needs_cuda and not self.device.startswith("cuda"):
             raise SettingsError(f"the {strategy.key} cache needs CUDA (this run is on {self.device}): "
                                 "it moves layers between GPU and CPU memory")
@@ -194,20 +212,7 @@ class Engine:
         return int(self.settings.max_context or self.spec.max_position_embeddings)
 
     def _new_cache(self, strategy: CacheStrategy | None = None):
-        from transformers import DynamicCache, QuantizedCache, StaticCache
-
-        strategy = strategy or self.settings.cache
-        config = self.model.config
-        if isinstance(strategy, Static):
-            return StaticCache(config=config, max_cache_len=self.max_context())
-        if isinstance(strategy, Quantized):
-            if strategy.backend == "fp8":
-                return QuantizedCache(backend="fp8", config=config)
-            return QuantizedCache(backend=strategy.backend, config=config, nbits=strategy.nbits,
-                                  q_group_size=strategy.q_group_size, residual_length=strategy.residual_length)
-        if isinstance(strategy, Offloaded):
-            return DynamicCache(config=config, offloading=True)
-        return DynamicCache(config=config)
+        return (strategy or self.settings.cache).build(self.model.config, self.max_context())
 
     def _set_attn_impl(self, impl: str) -> None:
         impl = parse_attn_impl(impl)
@@ -251,6 +256,15 @@ class Engine:
 
             return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
         return contextlib.nullcontext()
+
+    def _forward_context(self) -> contextlib.ExitStack:
+        """What a forward pass of the current model on the live cache runs in: the kernel's context, and
+        the cache strategy's (the h2o cache's attention hooks)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self._kernel_context())
+        if self.cache is not None:
+            stack.enter_context(self.settings.cache.forward_context(self.model, self.cache))
+        return stack
 
     def _layer_pattern_model(self, eff: ModelSpec):
         """The base model with the sliding/full layers ``eff`` describes (a Llama gets a Mistral twin for a window)."""
@@ -305,6 +319,13 @@ class Engine:
         pattern_changed = (before.layer_types, before.sliding_window) != (eff.layer_types, eff.sliding_window)
         if pattern_changed and self._tokens_lost(before, eff):
             return self._rerun(f"the {previous.key} cache no longer holds the earliest tokens")
+        strategy = self.settings.cache
+        if pattern_changed and self._tokens_dropped(before):
+            return self._rerun(f"the {strategy.key} cache no longer holds the tokens it dropped")
+        if strategy.needs_attention_weights:
+            # Each K/V head kept its own heavy hitters: slot i is a different token in each head, so heads
+            # cannot be repeated or pooled, and a refill would carry no scores.
+            return self._rerun(f"{strategy.name} keeps different tokens in each K/V head")
         notes = []
         old_heads = convert.cache_heads(self.cache)
         if old_heads is not None and old_heads != target:
@@ -327,6 +348,16 @@ class Engine:
                          f"{eff.num_layers} layers")
         return "cache converted in place" + (f": {'; '.join(notes)}" if notes else "")
 
+    def _tokens_dropped(self, eff: ModelSpec | None = None) -> int:
+        """Tokens the live cache's full-attention layers (those of ``eff``, default the current settings')
+        no longer hold: a token-selecting cache past its capacity."""
+        strategy = self.settings.cache
+        if not isinstance(strategy, TokenSelecting) or self.cache is None:
+            return 0
+        if not (eff or effective_spec(self.spec, self.settings)).num_full_layers:
+            return 0
+        return max(0, self.seq_len - strategy.capacity)
+
     def _tokens_lost(self, before: ModelSpec, after: ModelSpec) -> bool:
         """Whether some layer would need tokens that its sliding window has already dropped."""
         n = self.seq_len
@@ -343,7 +374,7 @@ class Engine:
         self.cache_base_tokens = self.seq_len
         if self.ids is not None and self.seq_len:
             self.progress(f"re-running {self.seq_len:,} tokens ({why})\u2026")
-            with torch.inference_mode(), self._kernel_context():
+            with torch.inference_mode(), self._forward_context():
                 out = self.model(input_ids=self.ids, cache=self.cache, use_cache=True, logits_to_keep=1)
             self._next_logits = out.logits[:, -1, :].float()
             self.cache = out.cache if getattr(out, "cache", None) is not None else self.cache
@@ -376,6 +407,9 @@ class Engine:
         mode = parsed if name == "attention" else self.mode
         impl = parsed if name == "attn_impl" else self.settings.attn_impl
         strategy = parsed if name == "cache" else self.settings.cache
+        eager_for = None
+        if name == "cache" and strategy.needs_attention_weights and impl != "eager":
+            eager_for, impl = impl, "eager"  # the switch takes the kernel along, and says so
         self._check_target(mode, impl, strategy)
         snapshot = Snapshot([self.base_model, self.model, self.mla_model], self.cache, self, self._SWITCH_STATE)
         try:
@@ -385,7 +419,12 @@ class Engine:
                 elif name == "attn_impl":
                     self._set_attn_impl(parsed)
                 else:
+                    if eager_for is not None:
+                        self._set_attn_impl("eager")
                     detail = self._switch_cache(parsed)
+                    if eager_for is not None:
+                        detail += (f"; attn-impl {eager_for} -> eager: {parsed.name} scores tokens by the attention "
+                                   "weights, which only eager attention returns")
                 self._trial_step()
                 if name == "attn_impl":
                     detail = f"kernel {self.kernel}"  # as measured on the trial pass
@@ -401,6 +440,8 @@ class Engine:
             raise SettingsError(f"{why}; nothing was changed") from exc
         del snapshot
         gc.collect()
+        if name == "attention":
+            self._reference_stale = True  # the quality probe's twin cache was made by the model before
         now = self._settings_now()[name]
         text = f"{label}: {was} -> {now} ({detail})"
         return self._sample(PHASE_EVENT, text, event="switch", step_s=self.clock() - t,
@@ -419,7 +460,7 @@ class Engine:
         with torch.inference_mode():  # the cache's tensors are inference tensors: undo in the same mode
             undo = CacheSnapshot(self.cache)
             try:
-                with self._kernel_context():
+                with self._forward_context():
                     measured = measure_kernel(lambda: self.model(input_ids=self.ids[:, -1:], cache=self.cache,
                                                                  use_cache=True, logits_to_keep=1))
             finally:
@@ -435,10 +476,17 @@ class Engine:
             return "takes effect at the prefill"
         if isinstance(strategy, Static) and self.seq_len >= self.max_context():
             raise SettingsError(f"a static cache of {self.max_context():,} tokens cannot hold the {self.seq_len:,} so far")
+        dropped = self._tokens_dropped()
+        old = self.settings.cache
         self.settings = self.settings.with_(cache=strategy)
         if INDEXED_ATTENTION in self.spec.layer_types:
             # A DSA layer's indexer keys cannot be carried across (dense_kv reads K/V only): recompute them.
             return self._rerun("the sparse-attention indexer keys are recomputed in the new cache")
+        if dropped:
+            return self._rerun(f"the {old.key} cache has dropped {dropped:,} of them")
+        if strategy.needs_attention_weights:
+            # Copied K/V carry no attention scores: the tokens so far go through the model to score them.
+            return self._rerun(f"{strategy.name} scores every token by the attention it receives")
         fresh = self._new_cache(strategy)
         try:
             convert.refill_cache(fresh, convert.dense_kv(self.cache), seq_length=self.seq_len)
@@ -467,13 +515,15 @@ class Engine:
         self.cache_base_tokens = self.prompt_tokens
         self._reset_peak()
         t = self.clock()
-        with torch.inference_mode(), self._kernel_context():
+        with torch.inference_mode(), self._forward_context():
             out = self.model(input_ids=self.ids, cache=self.cache, use_cache=True, logits_to_keep=1)
         _sync(self.device)
         dt = self.clock() - t
         self._next_logits = out.logits[:, -1, :].float()
         self._trial_step()  # measures the attention kernel a decode step runs (untimed, undone)
-        return self._sample(PHASE_PREFILL, text, step_s=dt)
+        if self.quality_probe:
+            self._reference_rebuild()
+        return self._sample(PHASE_PREFILL, text, step_s=dt, **self._quality_now())
 
     def _broken_byte_tokens(self) -> torch.Tensor:
         tok = self.loaded.tokenizer
@@ -502,7 +552,7 @@ class Engine:
         token = self._sample_next()
         self._reset_peak()
         t = self.clock()
-        with torch.inference_mode(), self._kernel_context():
+        with torch.inference_mode(), self._forward_context():
             out = self.model(input_ids=token, cache=self.cache, use_cache=True, logits_to_keep=1)
         _sync(self.device)
         dt = self.clock() - t
@@ -512,7 +562,42 @@ class Engine:
         rate = 1.0 / dt if dt > 0 else None
         if rate is not None:
             self.tokens_per_s = rate if self.tokens_per_s is None else 0.8 * self.tokens_per_s + 0.2 * rate
-        return self._sample(PHASE_DECODE, self._text_piece(int(token[0, 0])), step_s=dt)
+        if self.quality_probe:  # untimed: tokens/s is the cache's own
+            if self._reference_cache is None or self._reference_stale:
+                self._reference_rebuild()
+            else:
+                self._reference_logits = self._reference_forward(token)
+        return self._sample(PHASE_DECODE, self._text_piece(int(token[0, 0])), step_s=dt, **self._quality_now())
+
+    # ---------------------------------------------------------------------------------- quality probe
+
+    def _reference_forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids`` through the current model on the full-cache twin; its next-token logits [batch, vocab]."""
+        with torch.inference_mode(), self._kernel_context():
+            out = self.model(input_ids=ids, cache=self._reference_cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1, :].float()
+
+    def _reference_rebuild(self) -> None:
+        """A fresh full (dynamic) twin cache from every token so far, through the model as it is now (after the
+        prefill, and after an attention switch changed the model)."""
+        from core.caches import Dynamic
+
+        self._reference_cache = None
+        gc.collect()
+        self._reference_cache = Dynamic().build(self.model.config, self.max_context())
+        self._reference_logits = self._reference_forward(self.ids)
+        self._reference_stale = False
+
+    def _quality_now(self) -> dict[str, Any]:
+        """The quality probe's figures for sequence 0 (empty when it is off): whether this cache's most likely next
+        token is the full-cache twin's (``quality_top1`` 1 or 0), and KL(twin || this cache) of the next-token
+        distributions over the whole vocabulary, in nats (``quality_kl``)."""
+        if not self.quality_probe or self._reference_logits is None or self._next_logits is None:
+            return {}
+        ours, ref = self._next_logits[0], self._reference_logits[0].to(self._next_logits.device)
+        log_ours, log_ref = torch.log_softmax(ours, dim=-1), torch.log_softmax(ref, dim=-1)
+        kl = float((log_ref.exp() * (log_ref - log_ours)).sum())
+        return {"quality_top1": int(int(ours.argmax()) == int(ref.argmax())), "quality_kl": max(0.0, kl)}
 
     def _text_piece(self, token_id: int) -> str:
         """Text of the newest token of sequence 0. Byte-level tokens can split a UTF-8 character, so
@@ -608,6 +693,7 @@ class Engine:
         """Drop the cache (after an out-of-memory error) and return its memory to the device."""
         self.cache = None
         self._next_logits = None
+        self._reference_cache = self._reference_logits = None
         gc.collect()
         if self.device.startswith("cuda"):
             torch.cuda.empty_cache()

@@ -491,6 +491,8 @@ _REQUIRED = tuple(f.name for f in _SAMPLE_FIELDS
                   if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
 #: The upper bound of each float field (the lower bound of every number is 0).
 _FLOAT_MAX = {"time_s": MAX_TIME_S, "tokens_per_s": MAX_TOKENS_PER_S}
+#: The upper bound of each int field not bounded by ``MAX_INT``: the quality probe's top-1 agreement is 0 or 1.
+_INT_MAX = {"quality_top1": 1}
 #: The longest each str field may be (fields not named: MAX_NAME_CHARS); None: bounded by the line.
 _STR_MAX: dict[str, int | None] = {"text": None}
 #: A JSON escape of a UTF-16 surrogate: only lines with one can hold a lone surrogate.
@@ -537,7 +539,7 @@ def _tables() -> tuple[dict[str, frozenset[type]], dict[str, float | int | None]
     for name, (kind, nullable) in _KINDS.items():
         allowed = {"int": {int}, "float": {int, float}, "str": {str}}.get(kind, {int, float, str, bool})
         types[name] = frozenset(allowed | ({type(None)} if nullable else set()))
-        bounds[name] = (MAX_INT if kind == "int" else _FLOAT_MAX.get(name, float(MAX_INT)) if kind == "float"
+        bounds[name] = (_INT_MAX.get(name, MAX_INT) if kind == "int" else _FLOAT_MAX.get(name, float(MAX_INT)) if kind == "float"
                         else _STR_MAX.get(name, MAX_NAME_CHARS) if kind == "str" else MAX_INT)
     return types, bounds
 
@@ -594,8 +596,9 @@ def _explain(data: dict[str, Any], check_unicode: bool = True) -> None:
         elif kind == "int":
             if t is not int:
                 raise ValueError(f"sample field {key} must be an integer, got {_short(value)}")
-            if not 0 <= value <= MAX_INT:
-                raise ValueError(f"sample field {key} must be from 0 to 2**63-1, got {_short(value)}")
+            if not 0 <= value <= _BOUNDS[key]:
+                limit = "2**63-1" if _BOUNDS[key] == MAX_INT else str(_BOUNDS[key])
+                raise ValueError(f"sample field {key} must be from 0 to {limit}, got {_short(value)}")
         elif kind == "float":
             if t is not float and t is not int:
                 raise ValueError(f"sample field {key} must be a number, got {_short(value)}")

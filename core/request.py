@@ -34,6 +34,9 @@ class RunRequest:
     memory_budget: int | None = None  # bytes the model may use: weights + KV + activations
     snapshot_path: str | None = None
     seed: int = 0
+    #: Also run every token through a full-cache twin (teacher-forced) and report top-1 agreement and the KL
+    #: divergence of the next-token distributions; costs a second forward pass and a second cache.
+    quality_probe: bool = False
 
 
 @dataclass(frozen=True)

@@ -102,7 +102,7 @@ def run_generation(request: RunRequest, hooks: RunHooks) -> list[Sample]:
     probe = MemoryProbe(device=loaded.device)
     writer = None
     try:
-        engine = Engine(loaded, request.settings, probe=probe, seed=request.seed)
+        engine = Engine(loaded, request.settings, probe=probe, seed=request.seed, quality_probe=request.quality_probe)
         engine.progress = hooks.progress
         info = model_info(loaded, engine, probe)
         hooks.loaded(info)
@@ -120,6 +120,9 @@ def run_generation(request: RunRequest, hooks: RunHooks) -> list[Sample]:
             hooks.emit(sample)
 
         emit(engine.event("load", f"loaded {loaded.label} on {info.device_name} ({loaded.dtype})"))
+        if request.quality_probe:
+            engine.notes.append("quality probe on: every token also runs through a full-cache twin of the model "
+                                "(a second forward pass, and a second cache in memory); top-1 agreement and KL per token")
         for note in engine.notes:
             emit(engine.event("note", note))
         snapshot = _start_snapshot(request, loaded.device)

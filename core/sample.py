@@ -55,6 +55,9 @@ class Sample:
     switch_before: str | None = None  # the setting before
     switch_after: str | None = None  # the setting asked for (applied, unless the event is "refused")
     tokens_rerun: int | None = None  # tokens the switch ran through the model again (MLA, leaving a window...)
+    # The quality probe (``--quality-probe``, off by default): the same tokens through a full-cache twin.
+    quality_top1: int | None = None  # 1 when this cache's most likely next token is the twin's, else 0
+    quality_kl: float | None = None  # KL(twin || this cache) of the next-token distributions, nats
 
     @property
     def is_event(self) -> bool:

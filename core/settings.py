@@ -2,7 +2,8 @@
 
 Spellings are canonical and shared by the command line, recordings and the window: attention
 ``mha``, ``gqa:2``, ``mqa``, ``mla``, ``window:256``; cache ``dynamic``, ``static``, ``quantized:4``,
-``quantized:hqq:2``, ``quantized:fp8``, ``offloaded``; attn-impl ``eager``, ``sdpa``, ``flash``.
+``quantized:hqq:2``, ``quantized:fp8``, ``offloaded``, ``sink:4+252``, ``h2o:128+128``; attn-impl
+``eager``, ``sdpa``, ``flash``.
 """
 
 from __future__ import annotations
@@ -91,8 +92,12 @@ def parse_switch_value(key: str, value: str):
 #: few hundred tokens, one the size real sliding-window models use (Mistral 7B).
 DEMO_WINDOW, COMMON_WINDOW = 256, 4096
 
-#: Cache strategies in the order the C key cycles through them.
+#: Cache strategies in the order the C key cycles through them; the token-selecting ones follow, sized
+#: for the model (``selecting_cache_keys``).
 CACHE_KEYS = ("dynamic", "static", "quantized:4", "quantized:2", "quantized:hqq:4", "quantized:fp8", "offloaded")
+
+#: Attention sinks a sink cache keeps: StreamingLLM's paper finds 4 initial tokens enough.
+SINK_TOKENS = 4
 
 
 def window_choices(spec: ModelSpec) -> list[int]:
@@ -113,14 +118,24 @@ def attention_choices(spec: ModelSpec) -> tuple[str, ...]:
     return tuple(out if native in out else [native, *out])
 
 
-def cache_choices(device: str | None = None) -> tuple[tuple[str, str | None], ...]:
+def selecting_cache_keys(spec: ModelSpec | None = None) -> tuple[str, ...]:
+    """The sink and h2o sizes worth offering for ``spec``: per window size of ``window_choices`` (one a live
+    demo sees go flat within a few hundred tokens, one a real model's context makes sense of), a sink
+    cache of that many tokens (4 sinks + the rest recent) and an h2o cache (half heavy hitters, half
+    recent); the demo size only when the model is not known."""
+    sizes = window_choices(spec) if spec is not None else [DEMO_WINDOW]
+    return tuple([f"sink:{SINK_TOKENS}+{w - SINK_TOKENS}" for w in sizes] + [f"h2o:{w // 2}+{w - w // 2}" for w in sizes])
+
+
+def cache_choices(device: str | None = None, spec: ModelSpec | None = None) -> tuple[tuple[str, str | None], ...]:
     """Every cache strategy with None, or the reason it is not available here: a quantization backend
     that is not installed (found without importing it), or CUDA for the offloaded cache
-    (``device`` None: not known yet)."""
+    (``device`` None: not known yet); then the sink and h2o caches sized for ``spec``
+    (``selecting_cache_keys``)."""
     import importlib.util
 
     out: list[tuple[str, str | None]] = []
-    for key in CACHE_KEYS:
+    for key in CACHE_KEYS + selecting_cache_keys(spec):
         strategy, reason = parse_cache(key), None
         backend = getattr(strategy, "backend", None)
         if backend in ("quanto", "hqq"):

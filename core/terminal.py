@@ -15,6 +15,8 @@ from core.sample import PHASE_EVENT, Sample
 from core.spec import human_bytes
 
 COLUMNS = ("token", "phase", "KV observed", "KV predicted", "match", "allocator", "device used", "RSS", "tok/s")
+#: Added with --quality-probe: the cache's next token against the full-cache twin's.
+QUALITY_COLUMNS = ("top-1", "KL (nats)")
 
 
 def _fmt(n: int | None) -> str:
@@ -24,7 +26,7 @@ def _fmt(n: int | None) -> str:
 class TerminalView:
     """Prints one row per token and one line per event, then a summary."""
 
-    def __init__(self, out: TextIO | None = None, every: int = 1) -> None:
+    def __init__(self, out: TextIO | None = None, every: int = 1, quality: bool = False) -> None:
         # Looked up per call, not bound at import: sys.stdout may be replaced (pytest, an embedding app).
         self.out = out if out is not None else sys.stdout
         self.every = max(1, every)
@@ -34,6 +36,8 @@ class TerminalView:
         self.last: Sample | None = None
         self.events: list[Sample] = []
         self.max_abs_error = 0
+        self.quality = quality
+        self.quality_rows: list[tuple[int, float]] = []  # (top-1 agrees, KL) per decoded token
 
     def loaded(self, info: ModelInfo) -> None:
         spec = info.spec
@@ -42,7 +46,8 @@ class TerminalView:
               file=self.out)
         print(f"device {info.device_name} ({info.device}), dtype {info.dtype}, memory {_fmt(info.total_memory)}",
               file=self.out)
-        print("  ".join(f"{c:>13}" for c in COLUMNS), file=self.out, flush=True)
+        columns = COLUMNS + (QUALITY_COLUMNS if self.quality else ())
+        print("  ".join(f"{c:>13}" for c in columns), file=self.out, flush=True)
 
     def emit(self, s: Sample) -> None:
         if s.phase == PHASE_EVENT:
@@ -57,12 +62,17 @@ class TerminalView:
             self.mismatches += 1
             if s.kv_bytes_observed is not None and s.kv_bytes_predicted is not None:
                 self.max_abs_error = max(self.max_abs_error, abs(s.kv_bytes_observed - s.kv_bytes_predicted))
+        if s.quality_top1 is not None and s.quality_kl is not None and s.phase == "decode":
+            self.quality_rows.append((s.quality_top1, s.quality_kl))
         if s.token % self.every and s.phase != "prefill":
             return
         row = (str(s.token), s.phase, f"{s.kv_bytes_observed:,}" if s.kv_bytes_observed is not None else "n/a",
                f"{s.kv_bytes_predicted:,}" if s.kv_bytes_predicted is not None else "n/a", "yes" if match else "NO",
                _fmt(s.allocator_allocated), _fmt(s.device_used), _fmt(s.process_rss),
                f"{s.tokens_per_s:.1f}" if s.tokens_per_s else "-")
+        if self.quality:
+            row += (("same" if s.quality_top1 else "differs") if s.quality_top1 is not None else "-",
+                    f"{s.quality_kl:.4f}" if s.quality_kl is not None else "-")
         print("  ".join(f"{c:>13}" for c in row), file=self.out, flush=True)
 
     def summary(self) -> None:
@@ -79,6 +89,12 @@ class TerminalView:
         print(f"weights {_fmt(last.weights_bytes)}; predicted total {_fmt(last.total_predicted)}; "
               f"process RSS {_fmt(last.process_rss)}; switches {sum(1 for e in self.events if e.event == 'switch')}",
               file=self.out, flush=True)
+        if self.quality_rows:
+            agree = sum(a for a, _ in self.quality_rows)
+            kls = [k for _, k in self.quality_rows]
+            print(f"quality probe (full-cache twin, teacher-forced): top-1 the same at {agree} of {len(kls)} tokens "
+                  f"({100 * agree / len(kls):.1f}%); KL mean {sum(kls) / len(kls):.4f}, max {max(kls):.4f} nats",
+                  file=self.out, flush=True)
 
 
 #: Signals that stop a terminal run cleanly: Ctrl+C, and SIGTERM (``kill``, a service manager, a
@@ -93,7 +109,7 @@ def run_terminal(request: RunRequest, out: TextIO | None = None) -> int:
     recording too), the summary is printed and the exit status is 0, as for a finished run. A
     second signal of the same kind gets its default behaviour (KeyboardInterrupt; termination).
     """
-    view = TerminalView(out)
+    view = TerminalView(out, quality=request.quality_probe)
     stopping = {"flag": False}
 
     def on_signal(signum, frame):  # first signal: stop between tokens; a second one: default behaviour

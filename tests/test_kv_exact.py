@@ -415,3 +415,71 @@ def test_gemma_3_27b_local_global():
         assert kv_bytes(spec, RunSettings(), t) == 10 * layer * t + 52 * layer * min(t, 1023)
     # Static at 32K: global layers preallocate 32,768 slots, local ones 1,024.
     assert kv_bytes(spec, RunSettings(cache=Static(), max_context=32_768), 10) == (10 * 32_768 + 52 * 1024) * layer
+
+
+# ------------------------------------------------------------------------------------------------
+# Token-selecting caches (core/sparse_caches.py): attention sinks + window, heavy hitters
+
+
+def _selecting_rows(model, strategy, prompt: int, steps: int, batch: int = 1) -> list[tuple[int, int, int]]:
+    """Like ``generate_and_compare``, with the strategy's own cache and forward context (h2o's attention hooks)."""
+    spec = _spec(model)
+    settings = RunSettings(batch=batch, cache=strategy)
+    cache = strategy.build(model.config, 512)
+    rows = []
+    ids = torch.randint(0, VOCAB, (batch, prompt), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        with strategy.forward_context(model, cache):
+            out = model(ids, cache=cache, use_cache=True)
+        for step in range(steps + 1):
+            tokens = prompt + step
+            assert cache.get_seq_length() == tokens  # every token counted, held or dropped: positions go on
+            rows.append((tokens, cache_bytes(cache).logical, kv_bytes(spec, settings, tokens, prompt_tokens=prompt)))
+            if step < steps:
+                with strategy.forward_context(model, cache):
+                    out = model(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
+    assert not any(m._forward_hooks for m in model.modules()), "the h2o hooks outlive the forward pass"
+    return rows
+
+
+@pytest.mark.parametrize("key", ["sink:2+5", "h2o:3+4"])
+@pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.parametrize("prompt", [3, 12])  # eviction starts during decoding / at the prefill
+def test_token_selecting_caches_exact_every_token(kind, key, prompt):
+    model = MODELS[kind]()
+    strategy = parse_cache(key)
+    if strategy.needs_attention_weights:
+        model.set_attn_implementation("eager")
+    rows = _selecting_rows(model, strategy, prompt=prompt, steps=14, batch=2 if prompt == 3 else 1)
+    assert_exact(rows)
+    # Bounded from capacity + 1 tokens on: the full-attention layers hold S + W (B + W) tokens.
+    spec = _spec(model)
+    if spec.num_full_layers:
+        flat = [obs for t, obs, _ in rows if t >= strategy.capacity]
+        assert len(set(flat)) == 1, f"not flat beyond {strategy.capacity} tokens: {rows}"
+
+
+def test_token_selecting_cache_bytes_by_hand():
+    """sink:4+60 on Llama-3-8B (131,072 B per token): 64 tokens' worth from 64 tokens on; h2o adds one float32
+    score per held token and KV head in every layer (32 layers x 8 KV heads)."""
+    spec = load_spec("llama-3-8b")
+    sink = RunSettings(cache=parse_cache("sink:4+60"))
+    counts = (1, 63, 64, 65, 400, 4096)
+    assert [kv_bytes(spec, sink, n) for n in counts] == [131_072 * min(n, 64) for n in counts]
+    h2o = RunSettings(cache=parse_cache("h2o:32+32"))
+    assert kv_bytes(spec, h2o, 1000) == 64 * 131_072 + 32 * 8 * 64 * 4
+    # A model that mixes sliding and full layers: only the full ones are bounded by S + W.
+    gemma = load_spec("gemma-3-27b")
+    layer = 2 * 16 * 128 * 2
+    assert kv_bytes(gemma, RunSettings(cache=parse_cache("sink:4+252")), 32_768) == (10 * 256 + 52 * 1023) * layer
+
+
+def test_h2o_without_attention_weights_fails_loudly():
+    """sdpa returns no attention weights: the heavy-hitter layer says so at the next token, never silently grows."""
+    model = tiny_llama()
+    strategy = parse_cache("h2o:2+2")
+    cache = strategy.build(model.config, 512)
+    with torch.inference_mode():
+        model(torch.zeros(1, 6, dtype=torch.long), cache=cache, use_cache=True)  # sdpa, no hooks
+        with pytest.raises(RuntimeError, match="needs eager attention"):
+            model(torch.zeros(1, 1, dtype=torch.long), cache=cache, use_cache=True)

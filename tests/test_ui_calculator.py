@@ -91,7 +91,7 @@ def test_one_list_of_choices_per_axis_for_engine_window_and_calculator():
     """The window before a model loads, the engine's ModelInfo and the calculator all read these."""
     from dataclasses import replace
 
-    from core.settings import CACHE_KEYS, cache_choices, window_choices
+    from core.settings import CACHE_KEYS, cache_choices, selecting_cache_keys, window_choices
     from core.spec import load_spec
 
     embedded, mistral = load_spec("embedded"), load_spec("mistral-7b")
@@ -99,7 +99,7 @@ def test_one_list_of_choices_per_axis_for_engine_window_and_calculator():
     assert attention_choices(mistral)[-2:] == ("window:4096", "window:256")  # its own window, and the demo's
     assert window_choices(mistral) == [4096, 256]
     assert window_choices(replace(embedded, max_position_embeddings=64)) == [16]
-    assert [k for k, _ in cache_choices()] == list(CACHE_KEYS)
+    assert [k for k, _ in cache_choices()] == list(CACHE_KEYS) + list(selecting_cache_keys())
     assert dict(cache_choices())["offloaded"] == "needs CUDA" and dict(cache_choices("cuda:0"))["offloaded"] is None
     assert dict(cache_choices())["quantized:4"] is None  # optimum-quanto is installed here (make setup)
 

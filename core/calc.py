@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from core.caches import kv_layout
-from core.predict import Prediction, kv_elem_bytes, kv_overtakes_weights_at, max_context_that_fits, predict
+from core.predict import Prediction, kv_bytes, kv_elem_bytes, kv_overtakes_weights_at, max_context_that_fits, predict
 from core.settings import RunSettings, effective_spec
 from core.spec import ModelSpec, human_bytes
 
@@ -64,23 +65,49 @@ def _cell(n: int) -> str:
     return f"{n:,} B ({_gb(n)})"
 
 
-def kv_formula(spec: ModelSpec, settings: RunSettings) -> str:
-    """The per-token KV formula with this model's numbers substituted (dynamic cache, full layers)."""
+def kv_formula(spec: ModelSpec, settings: RunSettings, tokens: int | None = None, times: str = " x ") -> str:
+    """The KV formula with this model's numbers substituted: per token (``tokens`` None, the CLI's
+    line), or for ``tokens`` tokens, ending in the product's bytes and, where the cache holds other
+    than the classic product (windows, static preallocation, quantized codes), what it holds.
+
+    The classic product is exact for a dynamic cache of full-attention layers.
+    """
     eff = effective_spec(spec, settings)
     elem = kv_elem_bytes(spec, settings)
-    elem_txt = f"{elem:g} B"
+    n = 1 if tokens is None else tokens
+    token_factor = [] if tokens is None else [f"{tokens:,} tokens"]
+    layers = kv_layout(eff)
     if eff.is_mla:
         rank, rope = eff.kv_lora_rank, eff.qk_rope_head_dim
-        per = eff.num_layers * (rank + rope) * elem * settings.batch
-        return (f"{eff.num_layers} layers x ({rank} latent + {rope} rope) x {settings.batch} batch x {elem_txt}"
-                f" = {per:,.0f} B per token")
-    layer = kv_layout(eff)[0]
-    per = eff.num_layers * layer.width * elem * settings.batch
-    if layer.k_dim == layer.v_dim:
-        return (f"2 (K,V) x {eff.num_layers} layers x {layer.heads} KV heads x {layer.k_dim} head_dim x "
-                f"{settings.batch} batch x {elem_txt} = {per:,.0f} B per token")
-    return (f"{eff.num_layers} layers x {layer.heads} KV heads x ({layer.k_dim} K + {layer.v_dim} V) x "
-            f"{settings.batch} batch x {elem_txt} = {per:,.0f} B per token")
+        width = rank + rope
+        factors = [f"{eff.num_layers} layers", f"({rank} latent + {rope} rope)"]
+    else:
+        layer = layers[0]
+        width = layer.width
+        if layer.k_dim == layer.v_dim:
+            factors = ["2 (K,V)" if tokens is None else "2", f"{eff.num_layers} layers", f"{layer.heads} KV heads",
+                       f"{layer.k_dim} head_dim"]
+        else:
+            factors = [f"{eff.num_layers} layers", f"{layer.heads} KV heads", f"({layer.k_dim} K + {layer.v_dim} V)"]
+    factors += token_factor + [f"{settings.batch} batch", f"{elem:g} B"]
+    product = eff.num_layers * width * n * settings.batch * elem
+    if tokens is None:
+        return times.join(factors) + f" = {product:,.0f} B per token"
+    product = int(math.ceil(product))
+    text = times.join(factors) + f"\n= {product:,} B  ({human_bytes(product)})"
+    notes = []
+    windows = {layer.window for layer in layers if layer.window}
+    if windows:
+        n_sliding = sum(1 for layer in layers if layer.window)
+        notes.append(f"{n_sliding} of {len(layers)} layers keep only a window of {min(windows):,} tokens")
+    if settings.cache.name == "static":
+        notes.append(f"static cache preallocates {settings.max_context or tokens:,} tokens")
+    if settings.cache.name == "quantized":
+        notes.append(f"{settings.cache.key} stores packed codes + scales, residual tokens unquantized")
+    exact = kv_bytes(spec, settings, tokens)
+    if exact != product or notes:
+        text += f"\ncache holds {exact:,} B  ({human_bytes(exact)})" + (f": {'; '.join(notes)}" if notes else "")
+    return text
 
 
 def render_table(result: CalcResult) -> str:

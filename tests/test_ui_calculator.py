@@ -8,7 +8,8 @@ from core.predict import kv_bytes, max_context_that_fits, predict
 from core.settings import RunSettings
 from core.spec import human_bytes, load_spec
 from core.settings import attention_choices
-from ui.calculator import CalculatorTab, kv_formula
+from core.calc import kv_formula
+from ui.calculator import CalculatorTab
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +70,10 @@ def test_kv_dtype_and_memory_typed_in(calc):
 
 
 def test_formula_has_the_models_numbers(llama):
-    text = kv_formula(llama, RunSettings(weight_dtype="bfloat16"), 4096)
+    text = kv_formula(llama, RunSettings(weight_dtype="bfloat16"), 4096, times=" \u00d7 ")
     assert "2 \u00d7 32 layers \u00d7 8 KV heads \u00d7 128 head_dim \u00d7 4,096 tokens \u00d7 1 batch \u00d7 2 B" in text
     assert "= 536,870,912 B" in text
-    windowed = kv_formula(load_spec("mistral-7b"), RunSettings(), 8192)
+    windowed = kv_formula(load_spec("mistral-7b"), RunSettings(), 8192, times=" \u00d7 ")
     assert "cache holds" in windowed
 
 

@@ -30,11 +30,12 @@ from PySide6.QtWidgets import (
 )
 
 from core.attention import native_attention, parse_attention
-from core.caches import kv_layout, parse_cache
-from core.predict import kv_bytes, kv_elem_bytes, max_context_that_fits, predict
-from core.settings import RunSettings, attention_choices, effective_spec
+from core.caches import parse_cache
+from core.predict import kv_bytes, max_context_that_fits, predict
+from core.settings import RunSettings, attention_choices
 from core.longlived import freeze_long_lived
 from core.spec import ModelSpec, SpecError, human_bytes, load_spec, parse_size, preset_names
+from core.calc import kv_formula
 from ui.forms import form_box
 from ui.axes import BytesAxis, format_count, format_tokens
 from ui.theme import Theme, theme as make_theme
@@ -50,45 +51,6 @@ MEMORY_CHOICES = ("8 GiB  laptop GPU", "12 GiB  RTX 4070", "16 GiB  RTX 4080", "
 MIN_CONTEXT_CEILING = 128 * 1024  # the slider reaches at least 128K, beyond a shorter model's max (flagged)
 SLIDER_STEPS = 1000
 CHART_POINTS = 72
-
-
-def kv_formula(spec: ModelSpec, settings: RunSettings, tokens: int) -> str:
-    """The KV formula with this model's numbers and ``tokens`` substituted, ending in the exact bytes.
-
-    The classic product is exact for a dynamic cache of full-attention layers; windows, static
-    preallocation and quantization are spelled out on a second line with the predictor's bytes.
-    """
-    eff = effective_spec(spec, settings)
-    elem = kv_elem_bytes(spec, settings)
-    b = settings.batch
-    exact = kv_bytes(spec, settings, tokens)
-    layers = kv_layout(eff)
-    elem_txt = f"{elem:g} B"
-    x = " \u00d7 "
-    if eff.is_mla:
-        rank, rope = eff.kv_lora_rank, eff.qk_rope_head_dim
-        product = int(math.ceil(eff.num_layers * (rank + rope) * tokens * b * elem))
-        text = (f"{eff.num_layers} layers{x}({rank} latent + {rope} rope){x}{tokens:,} tokens{x}{b} batch"
-                f"{x}{elem_txt}")
-    else:
-        layer = layers[0]
-        width = f"{layer.k_dim} head_dim" if layer.k_dim == layer.v_dim else f"({layer.k_dim} K + {layer.v_dim} V)/2"
-        product = int(math.ceil(eff.num_layers * layer.width * tokens * b * elem))
-        text = f"2{x}{eff.num_layers} layers{x}{layer.heads} KV heads{x}{width}{x}{tokens:,} tokens{x}{b} batch{x}{elem_txt}"
-    text += f"\n= {product:,} B  ({human_bytes(product)})"
-    notes = []
-    windows = {layer.window for layer in layers if layer.window}
-    if windows:
-        w = min(windows)
-        n_sliding = sum(1 for layer in layers if layer.window)
-        notes.append(f"{n_sliding} of {len(layers)} layers keep only a window of {w:,} tokens")
-    if settings.cache.name == "static":
-        notes.append(f"static cache preallocates {format_tokens(settings.max_context or tokens)} tokens")
-    if settings.cache.name == "quantized":
-        notes.append(f"{settings.cache.key} stores packed codes + scales, residual tokens unquantized")
-    if exact != product or notes:
-        text += f"\ncache holds {exact:,} B  ({human_bytes(exact)})" + (f": {'; '.join(notes)}" if notes else "")
-    return text
 
 
 class _SpecSignals(QObject):
@@ -553,7 +515,7 @@ class CalculatorTab(QWidget):
                 self._fit = max_context_that_fits(spec, settings.with_(max_context=None), memory,
                                                   limit=ceiling) if memory else None
             fit = self._fit
-            formula = kv_formula(spec, settings, context)
+            formula = kv_formula(spec, settings, context, times=" \u00d7 ")
         except SpecError as exc:  # SettingsError too: e.g. quantized cache on sliding layers
             self.error_label.setText(str(exc))
             return

@@ -6,7 +6,7 @@
 #
 # Per screen size: time from launch to the window being mapped; then keys 1-5 (attention modes), F
 # (flash), C (cache), Space twice (pause, resume), F11 (presenter) and back, the calculator tab,
-# the File menu, and Ctrl+Q (quit, timed). A PNG after each step in OUT_DIR/<size>/; look at every one.
+# the File and Run menus, the light theme (window and presenter mode), and Ctrl+Q (quit, timed). A PNG after each step in OUT_DIR/<size>/; look at every one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-stage-shots}
@@ -69,6 +69,10 @@ for size in "${SIZES[@]}"; do
   key Escape 1
   key alt+r 1; shot 10-run-menu
   key Escape 1
+  key alt+v 1; key l 3; shot 11-light-theme  # View > Light theme (its mnemonic)
+  key F11 4; shot 12-light-presenter
+  key F11 3
+  key alt+v 1; key d 2  # back to dark
   quit_start=$(date +%s.%N)
   xdotool key --clearmodifiers ctrl+q || true
   for _ in $(seq 1 100); do kill -0 "$APP" 2>/dev/null || break; sleep 0.1; done

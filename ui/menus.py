@@ -68,7 +68,7 @@ def build_menus(self: QMainWindow) -> None:
 
     view = bar.addMenu("&View")
     themes = QActionGroup(self)
-    self.theme_actions = {name: _add(self, view, f"{name.capitalize()} theme", lambda _c=False, n=name: self.set_theme(n),
+    self.theme_actions = {name: _add(self, view, f"&{name.capitalize()} theme", lambda _c=False, n=name: self.set_theme(n),
                                      checkable=True, group=themes) for name in ("dark", "light")}
     view.addSeparator()
     self.presenter_action = _add(self, view, "Presenter mode", lambda checked: self.set_presenter(checked), "F11",

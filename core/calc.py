@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from core.caches import kv_layout
+from core.caches import TokenSelecting, kv_layout
 from core.predict import Prediction, kv_bytes, kv_elem_bytes, kv_overtakes_weights_at, max_context_that_fits, predict
 from core.settings import RunSettings, effective_spec
 from core.spec import ModelSpec, human_bytes
@@ -47,6 +47,8 @@ class CalcResult:
 def calculate(spec: ModelSpec, settings: RunSettings, contexts: list[int], gpu_memory: int | None = None) -> CalcResult:
     """Predict every context; with ``gpu_memory``, also the largest context that fits in it."""
     effective_spec(spec, settings)  # validates the attention mode against the model before any row
+    if settings.cache.needs_attention_weights:
+        settings = settings.with_(attn_impl="eager")  # as the engine runs h2o: its activations are eager's
     rows = []
     for context in contexts:
         s = settings.with_(max_context=settings.max_context or context) if settings.cache.name == "static" else settings
@@ -126,6 +128,14 @@ def render_table(result: CalcResult) -> str:
         lines.append(f"sliding window {eff.sliding_window} tokens on {eff.num_sliding_layers} of {eff.num_layers} layers"
                      + (" (wider than every context here: the cache keeps every token)" if wider else ""))
     lines.append("KV per token: " + kv_formula(spec, settings))
+    if isinstance(settings.cache, TokenSelecting) and eff.num_full_layers:
+        cap = settings.cache.capacity
+        what = (f"{settings.cache.sinks} sinks + {settings.cache.window} recent" if settings.cache.name == "sink" else
+                f"{settings.cache.budget} heavy hitters + {settings.cache.window} recent, with a float32 score each "
+                "per KV head; predicted with eager attention, which h2o needs")
+        lines.append(f"cache {settings.cache.key}: {eff.num_full_layers} full-attention layer"
+                     f"{'' if eff.num_full_layers == 1 else 's'} hold at most {cap:,} tokens ({what}): the KV cache "
+                     f"is flat from {cap:,} tokens on")
     lines.append("")
     header = ("context", "KV cache", "weights", "activations (peak)", "total")
     table = [header]

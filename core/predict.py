@@ -84,7 +84,8 @@ def activation_bytes(spec: ModelSpec, settings: RunSettings, q_len: int, kv_len:
       and the log-sum-exp rows, b*h*q*(head_dim + 1) fp32.
     Around that: the residual stream and normed copy (2 x b*q*hidden), q/k/v projections, the MLP's
     gate and up projections (2 x b*q*intermediate) and fp32 logits for the last position only
-    (generation passes logits_to_keep=1).
+    (generation passes logits_to_keep=1). A sink or h2o cache bounds the keys a decode step attends
+    (the prompt's own pass attends every prompt token: eviction follows it).
     """
     eff = effective_spec(spec, settings)
     b = settings.batch
@@ -92,9 +93,15 @@ def activation_bytes(spec: ModelSpec, settings: RunSettings, q_len: int, kv_len:
     heads = eff.num_query_heads
     head_dim = eff.head_dim
     inter = spec.intermediate_size
-    attended = kv_len
-    if eff.sliding_window and eff.num_full_layers == 0:
-        attended = min(kv_len, eff.sliding_window + q_len)
+    # Keys one query row attends, in the layer that attends the most: a full layer all ``kv_len`` (a
+    # token-selecting cache at most its capacity, plus the new tokens), a sliding layer its window.
+    capacity = settings.cache.capacity
+    spans = []
+    if eff.num_full_layers or not eff.sliding_window:
+        spans.append(kv_len if capacity is None else min(kv_len, capacity + q_len))
+    if eff.num_sliding_layers and eff.sliding_window:
+        spans.append(min(kv_len, eff.sliding_window + q_len))
+    attended = max(spans)
     if spec.kernel_for(settings.attn_impl) == "eager":
         attention = b * heads * q_len * attended * (dt + FP32)
     else:

@@ -311,6 +311,22 @@ def test_calc_shows_the_flat_line_beyond_s_plus_w(capsys):
     kv = [p.breakdown.kv_cache for p in result.rows]
     assert kv[0] == 128 * 131_072 and kv[1] == kv[2] == kv[3] == kv[4] == 256 * 131_072
     assert result.overtakes_at is None  # 32 MiB of KV never overtakes 16 GB of weights
-    assert "cache sink:4+252" in render_table(result)
+    table = render_table(result)
+    assert "cache sink:4+252" in table and "flat from 256 tokens on" in table
     h2o = calculate(spec, RunSettings(cache=parse_cache("h2o:128+128"), attn_impl="eager"), [100_000])
     assert h2o.rows[0].breakdown.kv_cache == 256 * 131_072 + 32 * 8 * 256 * 4  # + a float32 score per KV head
+
+
+def test_calculator_tab_offers_the_sizes_of_the_model(qtbot):
+    from core.spec import load_spec
+    from ui.calculator import CalculatorTab
+
+    tab = CalculatorTab()
+    qtbot.addWidget(tab)
+    tab.set_spec(load_spec("mistral-7b"))
+    items = [tab.cache_combo.itemText(i) for i in range(tab.cache_combo.count())]
+    assert items[-4:] == ["sink:4+4092", "sink:4+252", "h2o:2048+2048", "h2o:128+128"]
+    tab.cache_combo.setCurrentText("h2o:128+128")
+    assert tab.current_settings().attn_impl == "eager"  # as the engine runs it
+    tab.set_spec(load_spec("embedded"))  # the chosen strategy stays chosen across models
+    assert tab.cache_combo.currentText() == "h2o:128+128"

@@ -32,7 +32,7 @@ from PySide6.QtWidgets import (
 from core.attention import native_attention, parse_attention
 from core.caches import parse_cache
 from core.predict import kv_bytes, max_context_that_fits, predict
-from core.settings import RunSettings, attention_choices
+from core.settings import RunSettings, attention_choices, cache_choices
 from core.longlived import freeze_long_lived
 from core.spec import ModelSpec, SpecError, human_bytes, load_spec, parse_size, preset_names
 from core.calc import kv_formula
@@ -44,7 +44,6 @@ log = logging.getLogger(__name__)
 
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16", "float8", "int8", "int4")
 KV_DTYPES = (None, "float32", "bfloat16", "float16", "float8", "int8", "int4", "int2")
-CACHES = ("dynamic", "static", "quantized:4", "quantized:2", "quantized:fp8")
 MEMORY_CHOICES = ("8 GiB  laptop GPU", "12 GiB  RTX 4070", "16 GiB  RTX 4080", "24 GiB  RTX 4090",
                   "32 GiB  RTX 5090", "48 GiB  L40S", "80 GiB  A100 / H100", "141 GiB  H200",
                   "192 GiB  B200")
@@ -256,7 +255,7 @@ class CalculatorTab(QWidget):
         self.dtype.set_values(list(WEIGHT_DTYPES), str, "bfloat16")
         self.kv_dtype.set_values(list(KV_DTYPES), lambda v: "as weights" if v is None else v)
         self.cache_combo = QComboBox()
-        self.cache_combo.addItems(CACHES)
+        self.cache_combo.addItems([key for key, _ in cache_choices()])
         self.cache_combo.setToolTip("Cache strategy: dynamic grows per token; static preallocates the context; "
                                     "quantized stores 4/2-bit or fp8 codes.")
         self.memory_combo = QComboBox()
@@ -442,6 +441,14 @@ class CalculatorTab(QWidget):
         self.dtype.set_values(list(WEIGHT_DTYPES), str, spec.dtype if spec.dtype in WEIGHT_DTYPES else "bfloat16")
         choices = list(attention_choices(spec))
         self.attention.set_values(choices, str, native_attention(spec).key)
+        # Every strategy predicts for any device; the sink and h2o sizes follow the model's context.
+        cache = self.cache_combo.currentText()
+        keys = [key for key, _ in cache_choices(spec=spec)]
+        self.cache_combo.blockSignals(True)
+        self.cache_combo.clear()
+        self.cache_combo.addItems(keys if cache in keys else keys + [cache])
+        self.cache_combo.setCurrentText(cache)
+        self.cache_combo.blockSignals(False)
         self.model_status.setText(
             f"{spec.label}: {spec.num_layers} layers, {spec.num_query_heads} query / {spec.num_kv_heads} KV heads "
             f"of {spec.head_dim}, {format_count(spec.num_parameters)} parameters, trained to "
@@ -491,7 +498,8 @@ class CalculatorTab(QWidget):
         cache = parse_cache(self.cache_combo.currentText())
         return RunSettings(batch=self.batch.value(), weight_dtype=self.dtype.value(), kv_dtype=self.kv_dtype.value(),
                            attention=parse_attention(self.attention.value()), cache=cache,
-                           max_context=context if cache.name == "static" else None)
+                           max_context=context if cache.name == "static" else None,
+                           attn_impl="eager" if cache.needs_attention_weights else "sdpa")
 
     def _settings_changed(self) -> None:
         self._chart_key = None

@@ -64,7 +64,7 @@ def model_info(loaded: Any, engine: Engine, probe: Any = None) -> ModelInfo:
         total = int(psutil.virtual_memory().total)
     return ModelInfo(label=loaded.label, source=loaded.source, device=loaded.device,
                      device_name=_device_name(loaded.device), dtype=loaded.dtype, spec=spec, total_memory=total,
-                     attention_choices=attention_choices(spec), cache_choices=cache_choices(loaded.device),
+                     attention_choices=attention_choices(spec), cache_choices=cache_choices(loaded.device, spec),
                      attn_impl_choices=ATTN_IMPLS,
                      max_context=engine.max_context())
 

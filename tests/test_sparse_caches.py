@@ -226,9 +226,11 @@ def test_run_goes_flat_at_64_tokens_after_the_switch(embedded):
     from core.predict import kv_bytes
 
     per_token = kv_bytes(embedded.spec, RunSettings(weight_dtype=embedded.dtype), 1)
-    emitted = []
+    emitted, infos = [], []
     run_generation(RunRequest(device="cpu", max_new_tokens=90, switches=((10, "cache", "sink:4+60"),)),
-                   RunHooks(emit=emitted.append))
+                   RunHooks(emit=emitted.append, loaded=infos.append))
+    # What the window's cache combo and C key cycle through: the sizes made for this model's context.
+    assert [k for k, _ in infos[0].cache_choices][-2:] == ["sink:4+252", "h2o:128+128"]
     tokens = [s for s in emitted if not s.is_event]
     for s in emitted:
         if s.kv_bytes_predicted is not None and s.kv_bytes_observed is not None:

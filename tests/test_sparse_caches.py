@@ -332,3 +332,27 @@ def test_calculator_tab_offers_the_sizes_of_the_model(qtbot):
     assert tab.current_settings().attn_impl == "eager"  # as the engine runs it
     tab.set_spec(load_spec("embedded"))  # the chosen strategy stays chosen across models
     assert tab.cache_combo.currentText() == "h2o:128+128"
+
+
+def test_the_kl_curve_sits_beside_the_kv_curve_only_when_measured(qtbot):
+    from core.sample import PHASE_DECODE, Sample
+    from ui.plots import LivePlots
+
+    plots = LivePlots()
+    qtbot.addWidget(plots)
+
+    def sample(token: int, kl: float | None) -> Sample:
+        return Sample(token=token, phase=PHASE_DECODE, time_s=0.01 * token, text="x", attention="mha", attn_impl="sdpa",
+                      cache="sink:4+60", kernel="sdpa", device="cpu", dtype="float32", kv_bytes_observed=8192 * token,
+                      kv_bytes_storage=None, weights_bytes=1, kv_bytes_predicted=8192 * token, quality_top1=1,
+                      quality_kl=kl)
+
+    plots.add_samples([sample(t, None) for t in range(1, 5)])
+    plots.redraw()
+    assert not plots.kv_plot.getAxis("right").isVisible()  # the probe is off: no KL axis
+    plots.add_samples([sample(t, 0.5 * t) for t in range(5, 40)])
+    plots.redraw()
+    assert plots.kv_plot.getAxis("right").isVisible()
+    assert plots._curves["quality_kl"].y_range[1] == pytest.approx(19.5)
+    plots.reset()
+    assert not plots.kv_plot.getAxis("right").isVisible()

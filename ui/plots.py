@@ -44,7 +44,7 @@ MAX_MARKS = 200
 MARK_LABEL_CHARS = 80
 
 TOKEN_COLUMNS = ("token", "kv_observed", "kv_predicted", "total_observed", "total_predicted", "error_total",
-                 "error_kv")
+                 "error_kv", "quality_kl")
 TIME_COLUMNS = ("time", "device_total", "device_used", "process_gpu", "process_rss", "reserved", "allocated",
                 "kv_share", "weights")
 #: The memory sampler's readings (MemorySampler, ~20 Hz, independent of tokens), in plot seconds.
@@ -149,8 +149,18 @@ class LivePlots(QWidget):
             lambda vb: self.kv_view.setGeometry(vb.sceneBoundingRect()))
         self.mem_plot.getAxis("right").enableAutoSIPrefix(False)
         self.kv_view.setYRange(0, 2**20, padding=0.0)
+        # The quality probe's KL (this cache against a full-cache twin) beside the KV curve, on the KV plot's
+        # right axis, shown once a sample carries it (the probe is off by default).
+        self.quality_view = pg.ViewBox(enableMouse=False)
+        self.quality_view.setMenuEnabled(False)
+        self.kv_plot.scene().addItem(self.quality_view)
+        self.kv_plot.getAxis("right").linkToView(self.quality_view)
+        self.quality_view.setXLink(self.kv_plot)
+        self.kv_plot.getViewBox().sigResized.connect(
+            lambda vb: self.quality_view.setGeometry(vb.sceneBoundingRect()))
+        self.quality_view.setYRange(0, 1, padding=0.0)
         self._view_of = {id(self.kv_plot): "kv", id(self.mem_plot): "mem", id(self.total_plot): "cmp",
-                         id(self.error_plot): "cmp", id(self.kv_view): "mem"}
+                         id(self.error_plot): "cmp", id(self.kv_view): "mem", id(self.quality_view): "kv"}
         self._fresh: set[tuple[int, str]] = set()
         for plot in self.all_plots:
             # Ranges are set in steps by _fit_ranges (cheap frames); a live view is not panned by mouse.
@@ -174,6 +184,7 @@ class LivePlots(QWidget):
         self.mem_plot.layout.addItem(mem_legend, 4, 1)
         self._legends = {id(self.kv_plot): self.kv_plot.addLegend(offset=(-8, -4), colCount=3),
                          id(self.mem_plot): mem_legend, id(self.kv_view): mem_legend}
+        self._legends[id(self.quality_view)] = self._legends[id(self.kv_plot)]
         self._build_curves()
 
         # The current slope, large, in the KV plot's corner: the number a speaker points at.
@@ -264,6 +275,8 @@ class LivePlots(QWidget):
                         "dash", z=2)
         self._add_curve("error_total", self.error_plot, t, "token", "error_total", "total error %")
         self._add_curve("error_kv", self.error_plot, t, "token", "error_kv", "KV error %", "dash")
+        self._add_curve("quality_kl", self.quality_view, t, "token", "quality_kl", "KL vs full cache (right, nats)",
+                        "dot", color="error_total")
 
     def apply_theme(self, theme: Theme) -> None:
         """Restyle backgrounds, axes, pens and labels (dark, light, presenter)."""
@@ -305,12 +318,13 @@ class LivePlots(QWidget):
             legend.setLabelTextSize(f"{max(theme.font_pt - 1, 8)}pt")
             legend.setBrush(pg.mkBrush(QColor(theme.background).lighter(115 if theme.name == "dark" else 97)))
             legend.setPen(pg.mkPen(theme.border))
-        right = self.mem_plot.getAxis("right")  # the KV cache's own scale, in the KV colour
-        right.setTickFont(axis_font)
-        right.setTextPen(theme.curves.get("kv_share", theme.text))
-        right.setPen(_mix(theme.background, theme.curves.get("kv_share", theme.text), 0.6))
-        right.setStyle(tickTextOffset=6, tickLength=-6)
-        right.setWidth(int(theme.axis_pt * 8))
+        # The KV cache's own scale on the memory plot, and the KL's on the KV plot, each in its curve's colour.
+        for right, key in ((self.mem_plot.getAxis("right"), "kv_share"), (self.kv_plot.getAxis("right"), "error_total")):
+            right.setTickFont(axis_font)
+            right.setTextPen(theme.curves.get(key, theme.text))
+            right.setPen(_mix(theme.background, theme.curves.get(key, theme.text), 0.6))
+            right.setStyle(tickTextOffset=6, tickLength=-6)
+            right.setWidth(int(theme.axis_pt * 8))
         label_style = {"color": theme.muted, "font-size": f"{theme.axis_pt}pt"}
         self.kv_plot.setLabel("bottom", "token", **label_style)
         self.mem_plot.setLabel("bottom", "time (s)", **label_style)
@@ -373,6 +387,7 @@ class LivePlots(QWidget):
         self._fresh.clear()
         self.host_only = None
         self.slope_bytes_per_token = None
+        self.kv_plot.hideAxis("right")
         for curve in self._curves.values():
             curve.item.setData([], [])
             curve.item.setVisible(False)
@@ -413,7 +428,10 @@ class LivePlots(QWidget):
                 "total_predicted": total_pred,
                 "error_total": error_percent(total_obs, total_pred),
                 "error_kv": error_percent(s.kv_bytes_observed, s.kv_bytes_predicted),
+                "quality_kl": s.quality_kl,
             })
+            if s.quality_kl is not None and not self.kv_plot.getAxis("right").isVisible():
+                self.kv_plot.showAxis("right")
             time_rows.append({
                 "time": s.time_s,
                 "device_total": s.device_total,
@@ -677,6 +695,9 @@ class LivePlots(QWidget):
         if hi is not None and lo is not None:
             span = max(hi - lo, hi * 0.02, 1.0)
             self._set_y(self.total_plot, max(lo - 0.05 * span, 0.0), lo + span, 1.15, base=lo)
+        kl_top = self._top(("quality_kl",))
+        if kl_top is not None:
+            self._set_y(self.quality_view, 0.0, max(kl_top, 0.1), 1.2)
         err = self._top_abs(("error_total", "error_kv"))
         if err is not None:
             self._set_y(self.error_plot, None, max(err, 0.5), 1.3)

@@ -356,3 +356,22 @@ def test_the_kl_curve_sits_beside_the_kv_curve_only_when_measured(qtbot):
     assert plots._curves["quality_kl"].y_range[1] == pytest.approx(19.5)
     plots.reset()
     assert not plots.kv_plot.getAxis("right").isVisible()
+
+
+def test_sink_without_sinks_is_transformers_sliding_window(embedded):
+    """sink:0+64 holds the last 64 tokens and attends them plus the new one: transformers' own sliding window of
+    65 (DynamicSlidingWindowLayer, a Mistral twin of the model) gives the same logits, to the bit."""
+    from core.attention import parse_attention
+
+    def logits(settings: RunSettings) -> torch.Tensor:
+        engine = _engine(embedded, settings)
+        tokens = torch.randint(3, 200, (90,), generator=torch.Generator().manual_seed(5))
+        out = [engine._next_logits.clone()]
+        for t in tokens:
+            engine._sample_next = lambda t=t: t.view(1, 1)
+            _exact(engine.step(), settings.cache.key)
+            out.append(engine._next_logits.clone())
+        return torch.stack(out)
+
+    window = logits(RunSettings(attention=parse_attention("window:65")))
+    assert torch.equal(logits(RunSettings(cache=parse_cache("sink:0+64"))), window)

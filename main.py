@@ -95,7 +95,22 @@ def build_parser() -> argparse.ArgumentParser:
     calc.add_argument("--context", default="4096,32768,131072", help="comma-separated contexts: 4096,32768 or 4k,32K,128k")
     calc.add_argument("--kv-dtype", default=None, help="KV cache dtype: fp16, bf16, fp8, int8, int4 (default: weights dtype)")
     calc.add_argument("--max-context", default=None, help="what a static cache preallocates (default: each context)")
-    calc.add_argument("--gpu-memory", default=None, help="answer the largest context that fits, e.g. 24GiB")
+    calc.add_argument("--gpu-memory", default=None, help="answer the largest context that fits, e.g. 24GiB (per GPU)")
+    calc.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                      help="split each layer over N GPUs, vLLM's way (KV heads split, replicated past their count)")
+    calc.add_argument("--pipeline-parallel", type=int, default=1, metavar="M", help="split the layers over M GPU stages")
+    calc.add_argument("--runtime", default="transformers", choices=("transformers", "vllm"),
+                      help="vllm: also the KV blocks, tokens and concurrency vLLM 0.33.0 would have (needs --gpu-memory)")
+    calc.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                      help="--runtime vllm: vLLM's gpu_memory_utilization (default 0.92, vLLM 0.33.0's)")
+    calc.add_argument("--block-size", type=int, default=None, help="--runtime vllm: tokens per KV block (default 16)")
+    calc.add_argument("--max-model-len", default=None, help="--runtime vllm: tokens per request (default: the model's maximum)")
+    calc.add_argument("--max-num-batched-tokens", type=int, default=None,
+                      help="--runtime vllm: tokens of the profile run (default: vLLM's for the GPU size)")
+    calc.add_argument("--non-torch-memory", default=None, metavar="SIZE",
+                      help="--runtime vllm: memory outside torch per GPU, CUDA context and NCCL (default 512MiB, an estimate)")
+    calc.add_argument("--cudagraph-memory", default=None, metavar="SIZE",
+                      help="--runtime vllm: CUDA graphs per GPU (default 512MiB, an estimate; 0 for --enforce-eager)")
     calc.add_argument("--json", action="store_true", help="print one JSON object")
 
     run = sub.add_parser("run", help="generate in the terminal with a live table of observed vs predicted memory")
@@ -160,6 +175,15 @@ def _refuse_empty_values(args: argparse.Namespace) -> None:
             raise CliError("--switch is empty; write T:KEY=VALUE, e.g. 32:attention=mqa")
 
 
+def _size_or_zero(text: str | None) -> int | None:
+    """A size that may be 0 (an overhead vLLM does not have, e.g. CUDA graphs under --enforce-eager)."""
+    from core.spec import parse_size
+
+    if text is None:
+        return None
+    return 0 if str(text).strip().lower() in ("0", "0b") else parse_size(text)
+
+
 def cmd_calc(args: argparse.Namespace) -> int:
     from core.calc import calculate, render_json, render_table
     from core.spec import load_spec, parse_size, parse_tokens
@@ -171,7 +195,23 @@ def cmd_calc(args: argparse.Namespace) -> int:
     spec = load_spec(args.model)
     settings = _settings_from(args)
     gpu = parse_size(args.gpu_memory) if args.gpu_memory else None
-    result = calculate(spec, settings, contexts, gpu)
+    from core.parallel import Parallelism
+
+    parallelism = Parallelism(args.tensor_parallel, args.pipeline_parallel)
+    result = calculate(spec, settings, contexts, gpu, parallelism)
+    if args.runtime == "vllm":
+        from dataclasses import replace
+
+        from core.serving import VllmOptions, vllm_capacity
+
+        if gpu is None:
+            raise CliError("--runtime vllm needs --gpu-memory (each GPU's total memory, e.g. 24GiB)")
+        given = {"gpu_memory_utilization": args.gpu_memory_utilization, "block_size": args.block_size,
+                 "max_model_len": parse_tokens(args.max_model_len) if args.max_model_len else None,
+                 "max_num_batched_tokens": args.max_num_batched_tokens,
+                 "non_torch_bytes": _size_or_zero(args.non_torch_memory), "cudagraph_bytes": _size_or_zero(args.cudagraph_memory)}
+        options = VllmOptions(**{k: v for k, v in given.items() if v is not None})
+        result = replace(result, serving=vllm_capacity(spec, settings, gpu, options, parallelism))
     print(render_json(result) if args.json else render_table(result))
     return 0
 

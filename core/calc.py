@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.caches import TokenSelecting, kv_layout
+from core.parallel import Parallelism, ParallelPrediction, describe, gpu_rows, max_context_per_gpu, predict_parallel
 from core.predict import Prediction, kv_bytes, kv_elem_bytes, kv_overtakes_weights_at, max_context_that_fits, predict
+from core.serving import ServingCapacity, render as render_serving
 from core.settings import RunSettings, effective_spec
 from core.spec import ModelSpec, human_bytes
 
@@ -25,9 +27,45 @@ class CalcResult:
     gpu_memory: int | None
     max_context: int | None
     overtakes_at: int | None
+    parallelism: Parallelism = Parallelism()
+    #: Per GPU, one per row (multi-GPU only); ``max_context`` is then what fits on every GPU.
+    parallel: tuple[ParallelPrediction, ...] = ()
+    #: ``--runtime vllm``: the KV blocks and concurrency under vLLM's rules (``core.serving``).
+    serving: ServingCapacity | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """The documented JSON shape: {"model", "rows": [{context, kv_cache_bytes, ...}], "max_context"}."""
+        """The documented JSON shape: {"model", "rows": [{context, kv_cache_bytes, ...}], "max_context"}.
+
+        On several GPUs each row's bytes are summed over the GPUs and ``per_gpu`` lists every GPU's;
+        ``gpu_memory`` and ``max_context`` are per GPU. ``--runtime vllm`` adds ``serving``."""
+        out = self._json()
+        if self.serving is not None:
+            out["serving"] = self.serving.to_json()
+        return out
+
+    def _json(self) -> dict[str, Any]:
+        if self.parallel:
+            return {
+                "model": self.spec.name,
+                "tensor_parallel": self.parallelism.tensor,
+                "pipeline_parallel": self.parallelism.pipeline,
+                "gpus": self.parallelism.gpus,
+                "rows": [
+                    {
+                        "context": p.context,
+                        "kv_cache_bytes": p.total("kv_cache"),
+                        "weights_bytes": p.total("weights"),
+                        "activation_bytes": p.total("activations"),
+                        "total_bytes": p.total("total"),
+                        "largest_gpu_total_bytes": p.largest_gpu_total,
+                        "per_gpu": gpu_rows(p),
+                    }
+                    for p in self.parallel
+                ],
+                "gpu_memory": self.gpu_memory,
+                "max_context": self.max_context,
+                "notes": list(self.parallel[0].layout.notes) if self.parallel else [],
+            }
         return {
             "model": self.spec.name,
             "rows": [
@@ -44,8 +82,10 @@ class CalcResult:
         }
 
 
-def calculate(spec: ModelSpec, settings: RunSettings, contexts: list[int], gpu_memory: int | None = None) -> CalcResult:
-    """Predict every context; with ``gpu_memory``, also the largest context that fits in it."""
+def calculate(spec: ModelSpec, settings: RunSettings, contexts: list[int], gpu_memory: int | None = None,
+              parallelism: Parallelism | None = None) -> CalcResult:
+    """Predict every context; with ``gpu_memory``, also the largest context that fits in it (on every GPU
+    of ``parallelism``, which splits the model vLLM's way: ``core.parallel``)."""
     effective_spec(spec, settings)  # validates the attention mode against the model before any row
     if settings.cache.needs_attention_weights:
         settings = settings.with_(attn_impl="eager")  # as the engine runs h2o: its activations are eager's
@@ -53,6 +93,16 @@ def calculate(spec: ModelSpec, settings: RunSettings, contexts: list[int], gpu_m
     for context in contexts:
         s = settings.with_(max_context=settings.max_context or context) if settings.cache.name == "static" else settings
         rows.append(predict(spec, s, context))
+    parallelism = parallelism or Parallelism()
+    if not parallelism.single:
+        per_gpu = []
+        for context in contexts:
+            s = settings.with_(max_context=settings.max_context or context) if settings.cache.name == "static" else settings
+            per_gpu.append(predict_parallel(spec, s, parallelism, context))
+        fits = (max_context_per_gpu(spec, settings, parallelism, gpu_memory, limit=SEARCH_LIMIT, plan=per_gpu[0].layout)
+                if gpu_memory else None)
+        return CalcResult(spec, settings, tuple(rows), gpu_memory, fits, kv_overtakes_weights_at(spec, settings),
+                          parallelism, tuple(per_gpu))
     fits = max_context_that_fits(spec, settings, gpu_memory, limit=SEARCH_LIMIT) if gpu_memory else None
     return CalcResult(spec, settings, tuple(rows), gpu_memory, fits, kv_overtakes_weights_at(spec, settings))
 
@@ -136,14 +186,26 @@ def render_table(result: CalcResult) -> str:
         lines.append(f"cache {settings.cache.key}: {eff.num_full_layers} full-attention layer"
                      f"{'' if eff.num_full_layers == 1 else 's'} hold at most {cap:,} tokens ({what}): the KV cache "
                      f"is flat from {cap:,} tokens on")
+    if result.parallel:
+        lines += describe(result.parallel[0].layout)
     lines.append("")
     header = ("context", "KV cache", "weights", "activations (peak)", "total")
+    if result.parallel:
+        header = ("context", "GPU", *(f"{h} per GPU" for h in header[1:]))
     table = [header]
     beyond = False
-    for p in result.rows:
+    for i, p in enumerate(result.rows):
         mark = ""
         if p.context > spec.max_position_embeddings:
             mark, beyond = "*", True
+        if result.parallel:
+            par = result.parallelism
+            for st, sp in zip(result.parallel[i].layout.stages, result.parallel[i].per_stage):
+                b = sp.breakdown
+                gpus = (f"{st.index * par.tensor}-{(st.index + 1) * par.tensor - 1}" if par.tensor > 1 else str(st.index))
+                table.append((f"{p.context:,}{mark}" if st.index == 0 else "", gpus, _cell(b.kv_cache or 0),
+                              _cell(b.weights or 0), _cell(b.activations or 0), _cell(sp.total)))
+            continue
         b = p.breakdown
         table.append((f"{p.context:,}{mark}", _cell(b.kv_cache or 0), _cell(b.weights or 0),
                       _cell(b.activations or 0), _cell(p.total)))
@@ -161,14 +223,20 @@ def render_table(result: CalcResult) -> str:
         lines.append("The KV cache stays smaller than the weights at every context up to 16M tokens.")
     if result.gpu_memory is not None:
         if result.max_context is None:
-            lines.append(f"Does not fit in {_gb(result.gpu_memory)} even at 1 token (the weights alone need "
-                         f"{_gb(result.rows[0].breakdown.weights or 0) if result.rows else '?'}).")
+            weights = (max(sp.breakdown.weights or 0 for sp in result.parallel[0].per_stage) if result.parallel
+                       else result.rows[0].breakdown.weights or 0 if result.rows else None)
+            per = " per GPU" if result.parallel else ""
+            lines.append(f"Does not fit in {_gb(result.gpu_memory)}{per} even at 1 token (the weights alone need "
+                         f"{_gb(weights) if weights is not None else '?'}{per}).")
         else:
             note = ""
             if result.max_context > spec.max_position_embeddings:
                 note = f" (beyond the model's trained maximum of {spec.max_position_embeddings:,})"
-            lines.append(f"Largest context that fits in {human_bytes(result.gpu_memory)} ({result.gpu_memory:,} B): "
+            per = f" on each of {result.parallelism.gpus} GPUs" if result.parallel else ""
+            lines.append(f"Largest context that fits in {human_bytes(result.gpu_memory)} ({result.gpu_memory:,} B){per}: "
                          f"{result.max_context:,} tokens{note}.")
+    if result.serving is not None:
+        lines += ["", *render_serving(result.serving)]
     return "\n".join(lines)
 
 

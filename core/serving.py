@@ -1,0 +1,221 @@
+"""Serving capacity under vLLM's rules: KV blocks, the tokens they hold, and "Maximum concurrency".
+
+The rules follow vLLM 0.33.0 (read in its wheel, vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl):
+
+- ``vllm/v1/worker/utils.py`` ``request_memory``: requested = ceil(total GPU memory x
+  gpu_memory_utilization); ``vllm/config/cache.py``: gpu_memory_utilization defaults to 0.92 (older
+  releases used 0.9) and block_size to ``CacheConfig.DEFAULT_BLOCK_SIZE`` = 16 tokens.
+- ``vllm/v1/worker/gpu_worker.py`` ``determine_available_memory``: available KV memory = requested -
+  non_kv_cache_memory - the CUDA-graph memory estimate (on by default,
+  ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1``); ``vllm/utils/mem_utils.py`` ``memory_profiling``:
+  non_kv_cache_memory = what the instance consumed (weights, non-torch memory such as the CUDA
+  context and NCCL buffers) + the transient peak of a profile run over max_num_batched_tokens.
+- ``vllm/v1/kv_cache_interface.py`` ``AttentionSpec.page_size_bytes``: block_size x KV heads x
+  (head_size + head_size_v) x dtype bytes per layer (an MLA latent: one head of the latent width);
+  ``vllm/v1/core/kv_cache_planning.py``: bytes per block = the sum over the layers of a group, and
+  num_blocks = available // bytes per block; every worker of a TP/PP group then uses the smallest
+  worker's count.
+- ``vllm/v1/core/kv_cache_utils.py`` ``get_max_concurrency_for_kv_cache_config`` and
+  ``update_kv_cache_capacity``: concurrency = num_blocks / cdiv(max_model_len, block_size); tokens =
+  int(concurrency x max_model_len); logged as "GPU KV cache size: N tokens, Maximum concurrency for
+  M tokens per request: X.XXx".
+- ``vllm/engine/arg_utils.py``: max_num_batched_tokens defaults (the OpenAI server) to 2048 below
+  70 GiB, 8192 from 70 GiB (not A100), 16384 from 160 GiB.
+
+Exact here: the block bytes, the block count and the concurrency for a given available memory, and
+the weights (``core.predict``/``core.parallel``). Estimates: the activation peak (vLLM profiles it at
+start-up; KV Scope estimates it with ``core.predict.activation_bytes`` over max_num_batched_tokens),
+the non-torch memory and the CUDA-graph memory (KV Scope's defaults below; pass the figures from your
+own vLLM log to replace them).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from core.attention import SettingsError
+from core.caches import kv_layout
+from core.parallel import Parallelism, layout
+from core.predict import activation_bytes, kv_elem_bytes, weight_bytes
+from core.settings import RunSettings
+from core.spec import ModelSpec, human_bytes
+
+VLLM_VERSION = "0.33.0"
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
+DEFAULT_BLOCK_SIZE = 16
+GiB = 1 << 30
+#: KV Scope's guesses (not vLLM's): the CUDA context, cuBLAS and NCCL workspaces outside torch's
+#: allocator, and the captured CUDA graphs. vLLM measures both at start-up.
+DEFAULT_NON_TORCH_BYTES = 512 << 20
+DEFAULT_CUDAGRAPH_BYTES = 512 << 20
+
+
+def default_max_num_batched_tokens(gpu_memory: int) -> int:
+    """vLLM 0.33.0's default for the OpenAI server (``EngineArgs._set_default_max_num_seqs_and_batched_tokens_args``)."""
+    if gpu_memory >= 160 * GiB:
+        return 16384
+    if gpu_memory >= 70 * GiB:
+        return 8192
+    return 2048
+
+
+@dataclass(frozen=True)
+class VllmOptions:
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_batched_tokens: int | None = None  # default: vLLM's for this GPU size
+    non_torch_bytes: int = DEFAULT_NON_TORCH_BYTES
+    cudagraph_bytes: int = DEFAULT_CUDAGRAPH_BYTES
+
+    def __post_init__(self) -> None:
+        if not (0 < self.gpu_memory_utilization <= 1):  # vLLM: Field(gt=0, le=1); refuses NaN too
+            raise SettingsError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.block_size <= 0:
+            raise SettingsError(f"--block-size must be positive, got {self.block_size}")
+        for name in ("max_model_len", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise SettingsError(f"--{name.replace('_', '-')} must be positive, got {value}")
+        if self.non_torch_bytes < 0 or self.cudagraph_bytes < 0:
+            raise SettingsError("memory overheads cannot be negative")
+
+
+@dataclass(frozen=True)
+class WorkerCapacity:
+    """One GPU (worker) of the deployment: what it holds and the KV blocks left for it."""
+
+    gpu: int
+    requested: int  # ceil(total x utilization)
+    weights: int
+    activation_peak: int  # estimate
+    non_torch: int  # estimate
+    cudagraphs: int  # estimate
+    available_kv: int  # requested - the above (may be negative: does not fit)
+    block_bytes: int  # exact
+    num_blocks: int  # this worker's own count (max(0, available // block_bytes))
+
+
+@dataclass(frozen=True)
+class ServingCapacity:
+    spec: ModelSpec
+    options: VllmOptions
+    parallelism: Parallelism
+    gpu_memory: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    workers: tuple[WorkerCapacity, ...]
+    notes: tuple[str, ...]
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        """What every worker allocates: the smallest worker's count."""
+        return min(w.num_blocks for w in self.workers)
+
+    @property
+    def blocks_per_request(self) -> int:
+        return -(-self.max_model_len // self.options.block_size)
+
+    def concurrency(self, tokens_per_request: int | None = None) -> float:
+        """vLLM's "Maximum concurrency for N tokens per request" (N = max_model_len by default)."""
+        n = tokens_per_request or self.max_model_len
+        return self.num_gpu_blocks / -(-n // self.options.block_size)
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        """vLLM's "GPU KV cache size: N tokens" (int(concurrency x max_model_len))."""
+        return int(self.concurrency() * self.max_model_len)
+
+    def log_line(self) -> str:
+        """The line vLLM prints at start-up, with KV Scope's figures."""
+        return (f"GPU KV cache size: {self.kv_cache_tokens:,} tokens, Maximum concurrency for "
+                f"{self.max_model_len:,} tokens per request: {self.concurrency():.2f}x")
+
+    def to_json(self) -> dict:
+        return {
+            "runtime": "vllm", "vllm_version": VLLM_VERSION,
+            "gpu_memory_utilization": self.options.gpu_memory_utilization, "block_size": self.options.block_size,
+            "max_model_len": self.max_model_len, "max_num_batched_tokens": self.max_num_batched_tokens,
+            "num_gpu_blocks": self.num_gpu_blocks, "kv_cache_tokens": self.kv_cache_tokens,
+            "max_concurrency": self.concurrency(),
+            "workers": [{
+                "gpu": w.gpu, "requested_bytes": w.requested, "weights_bytes": w.weights,
+                "activation_peak_bytes": w.activation_peak, "non_torch_bytes": w.non_torch,
+                "cudagraph_bytes": w.cudagraphs, "available_kv_bytes": w.available_kv,
+                "block_bytes": w.block_bytes, "num_blocks": w.num_blocks,
+            } for w in self.workers],
+            "estimated": ["activation_peak_bytes", "non_torch_bytes", "cudagraph_bytes"],
+            "notes": list(self.notes),
+        }
+
+
+def vllm_capacity(spec: ModelSpec, settings: RunSettings, gpu_memory: int, options: VllmOptions | None = None,
+                  parallelism: Parallelism | None = None) -> ServingCapacity:
+    """vLLM's KV capacity for ``spec`` on GPUs of ``gpu_memory`` bytes each (see the module docstring)."""
+    options = options or VllmOptions()
+    parallelism = parallelism or Parallelism()
+    if settings.cache.name != "dynamic":
+        raise SettingsError(f"--runtime vllm uses vLLM's paged cache, not a {settings.cache.key} cache; leave --cache out")
+    if settings.batch != 1:
+        raise SettingsError("--runtime vllm answers how many requests fit; leave --batch out")
+    settings = settings.with_(attn_impl="flash")  # vLLM's attention kernels hold no q x kv scores
+    plan = layout(spec, settings, parallelism)
+    max_len = options.max_model_len or spec.max_position_embeddings
+    batched = options.max_num_batched_tokens or default_max_num_batched_tokens(gpu_memory)
+    notes = list(plan.notes)
+    eff = plan.spec
+    if eff.num_sliding_layers:
+        notes.append("sliding-window layers counted as full attention (vLLM's hybrid allocator gives them their "
+                     "own, smaller block groups: the real capacity is higher)")
+    elem = kv_elem_bytes(spec, settings)
+    requested = math.ceil(gpu_memory * options.gpu_memory_utilization)
+    shard_settings = settings.with_(attention=None)
+    workers = []
+    for rank in range(parallelism.gpus):
+        stage = plan.gpu_stage(rank)
+        layers = kv_layout(stage.spec)
+        block = int(math.ceil(sum(options.block_size * layer.width * elem for layer in layers)))
+        weights = weight_bytes(stage.spec, shard_settings)
+        # The profile run: one forward pass over max_num_batched_tokens tokens (chunked prefill).
+        act = activation_bytes(stage.spec, shard_settings, batched, batched)
+        available = requested - weights - act - options.non_torch_bytes - options.cudagraph_bytes
+        blocks = max(0, available // block) if block else 0
+        workers.append(WorkerCapacity(rank, requested, weights, act, options.non_torch_bytes, options.cudagraph_bytes,
+                                      available, block, blocks))
+    return ServingCapacity(spec, options, parallelism, gpu_memory, max_len, batched, tuple(workers), tuple(notes))
+
+
+def render(cap: ServingCapacity) -> list[str]:
+    """Lines for the calc table: the rules' source, one worker's budget (the tightest), vLLM's log line."""
+    w = min(cap.workers, key=lambda x: x.num_blocks)
+    o = cap.options
+    gpus = f" (GPU {w.gpu}, the tightest of {cap.parallelism.gpus})" if cap.parallelism.gpus > 1 else ""
+    est = "estimate"
+
+    def row(label: str, n: int, note: str = "") -> str:
+        return f"  {label:<40} {n:>19,} B  {human_bytes(n):>10}{'  ' + note if note else ''}"
+
+    lines = [
+        f"Serving capacity with vLLM {VLLM_VERSION}'s rules (vllm/v1/worker/gpu_worker.py determine_available_memory, "
+        "vllm/v1/core/kv_cache_utils.py):",
+        f"  gpu_memory_utilization {o.gpu_memory_utilization:g}, block_size {o.block_size} tokens, max_model_len "
+        f"{cap.max_model_len:,}, max_num_batched_tokens {cap.max_num_batched_tokens:,}{gpus}",
+        row(f"requested ({o.gpu_memory_utilization:g} x {human_bytes(cap.gpu_memory)})", w.requested, "exact"),
+        row("- weights", w.weights, "exact"),
+        row(f"- activation peak ({cap.max_num_batched_tokens:,} tokens)", w.activation_peak,
+            f"{est}: vLLM profiles it at start-up"),
+        row("- non-torch memory (CUDA context, NCCL)", w.non_torch, f"{est}: vLLM measures it"),
+        row("- CUDA graphs", w.cudagraphs, f"{est}: vLLM profiles it (0 with --enforce-eager)"),
+        row("= available KV cache memory", w.available_kv),
+        row(f"KV per block ({o.block_size} tokens)", w.block_bytes, "exact"),
+        f"  num_gpu_blocks = floor(available / block) = {cap.num_gpu_blocks:,}",
+        f"  {cap.log_line()}",
+    ]
+    if cap.num_gpu_blocks == 0:
+        lines.append("  No KV block fits: vLLM would refuse to start (raise --gpu-memory-utilization or add GPUs).")
+    elif cap.concurrency() < 1:
+        lines.append(f"  Less than one request of {cap.max_model_len:,} tokens fits: vLLM refuses to start; lower "
+                     "--max-model-len.")
+    lines += [f"  {note}" for note in cap.notes]
+    return lines

@@ -77,3 +77,22 @@ def measure_kernel(forward: Callable[[], object]) -> str | None:
         with _quiet_stderr():
             prof.__exit__(None, None, None)
     return kernel_from_ops({e.name for e in prof.events()})
+
+
+_profiler_started = False
+
+
+def start_profiler_threads() -> None:
+    """Profile one trivial operation now, on the calling thread, once per process.
+
+    The profiler starts helper threads the first time it runs, and a new thread takes its creator's
+    name: first run on a worker thread (the window's generation thread in thread mode), they would
+    be named after that thread and outlive it. The window calls this on its own thread at start-up.
+    """
+    global _profiler_started
+    if _profiler_started:
+        return
+    _profiler_started = True
+    import torch
+
+    measure_kernel(lambda: torch.ones(2) + 1)

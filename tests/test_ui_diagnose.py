@@ -274,7 +274,7 @@ def test_engine_host_shutdown_ends_process_and_reader(qtbot):
     host = EngineHost()
     with qtbot.waitSignal(host.message, timeout=120_000, check_params_cb=lambda kind, *_: kind == "ready"):
         host.start()
-    process, reader = host._process, host._reader
+    process, reader = host._process, host._reader.thread
     assert process.is_alive() and reader.isRunning() and host.pid == process.pid != os.getpid()
     host.shutdown(timeout_s=5.0)
     assert not process.is_alive() and process.exitcode == 0  # it quit when asked, not killed

@@ -20,10 +20,10 @@ import os
 import threading
 from typing import Any
 
-from PySide6.QtCore import QCoreApplication, QObject, QThread, Signal
+from PySide6.QtCore import QCoreApplication, QObject, Signal, Slot
 
 from core.engine_process import serve
-from workers.threaded import RunSignals
+from workers.threaded import RunSignals, WorkerThread
 
 log = logging.getLogger(__name__)
 
@@ -50,19 +50,29 @@ def controller_class() -> type:
     return GenerationController
 
 
-class _Reader(QThread):
-    """Waits on the pipe; every message becomes ``message``; EOF (the child is gone) becomes ``exited``."""
+class _Reader(QObject):
+    """Waits on the pipe; every message becomes ``message``; EOF (the child is gone) becomes ``done``.
+
+    Runs on the window's one worker lifecycle (``workers.threaded.WorkerThread``); it is stopped by
+    closing its end of the pipe (``EngineHost._forget``), which ends ``recv`` with an error."""
 
     message = Signal(str, object, object)
-    exited = Signal()
+    done = Signal()
 
     def __init__(self, conn: Any, run_done: threading.Event) -> None:
         super().__init__()
-        self.setObjectName("kvscope-engine-reader")
         self.conn = conn
         self.run_done = run_done
 
-    def run(self) -> None:
+    @Slot()
+    def work(self) -> None:
+        try:
+            self._read()
+        finally:
+            self.run_done.set()
+            self.done.emit()
+
+    def _read(self) -> None:
         while True:
             try:
                 kind, payload, run = self.conn.recv()
@@ -74,8 +84,6 @@ class _Reader(QThread):
             if kind == "done":
                 self.run_done.set()  # before the signal: stop() may be waiting on the GUI thread
             self.message.emit(kind, payload, run)
-        self.run_done.set()
-        self.exited.emit()
 
 
 class EngineHost(QObject):
@@ -89,8 +97,8 @@ class EngineHost(QObject):
         self._target = target  # the child's main (core.engine_process.serve; a test gives one that fails)
         self._process: Any = None
         self._conn: Any = None
-        self._reader: _Reader | None = None
-        self._old_readers: list[_Reader] = []
+        # The pipe's reader thread; a new engine's reader parks the old one until it has finished.
+        self._reader = WorkerThread("kvscope-engine-reader", lambda reader: None)
         self._lock = threading.Lock()
         self.run_done = threading.Event()
         self.pid: int | None = None  # the engine's pid, once it said it is ready
@@ -113,11 +121,7 @@ class EngineHost(QObject):
         self._process, self._conn = process, ours
         self.starts += 1
         self.run_done.set()
-        reader = _Reader(ours, self.run_done)
-        reader.message.connect(self._on_message)
-        reader.exited.connect(self._on_exited)
-        self._reader = reader
-        reader.start()
+        self._reader.launch(_Reader(ours, self.run_done), {"message": self._on_message}, done=self._on_exited)
 
     def send(self, *command: Any) -> None:
         """Send a command (see core.engine_process); starts the engine first when it is not running."""
@@ -142,7 +146,7 @@ class EngineHost(QObject):
 
     def _on_exited(self) -> None:
         process = self._process
-        if process is None or self.sender() is not self._reader:
+        if process is None or self.sender() is not self._reader.worker:
             return  # an old child's reader, after a restart
         process.join(1.0)
         code = process.exitcode if process.exitcode is not None else -1
@@ -170,16 +174,12 @@ class EngineHost(QObject):
                 process.kill()
                 process.join(5.0)
         self._forget()
-        for reader in self._old_readers:
-            reader.wait(2000)
-        self._old_readers = [r for r in self._old_readers if r.isRunning()]
+        self._reader.stop(timeout_s=2.0)  # its end of the pipe is closed: it ends
 
     def _forget(self) -> None:
         if self._conn is not None:
             self._conn.close()  # the reader's recv ends with an error: it finishes
-        if self._reader is not None:
-            self._old_readers.append(self._reader)  # kept until its thread ends (never drop a running QThread)
-        self._process = self._conn = self._reader = None
+        self._process = self._conn = None
         self.pid = None
 
 

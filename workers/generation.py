@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from PySide6.QtCore import QObject, Signal, Slot
 
+from core.kernels import start_profiler_threads
 from core.run import limit_cpu_threads
 from core.request import ModelInfo, RunRequest
 from core.engine_process import RunDriver
@@ -52,9 +53,10 @@ class GenerationController(RunSignals):
         super().__init__(parent)
         self.info: ModelInfo | None = None
         self._runner = WorkerThread("kvscope-generation", lambda worker: worker.driver.stop())
-        # Size torch's CPU pool here, on the GUI thread: done later on the worker thread, its pool
-        # threads would be named after (and outlive) the worker thread.
+        # Size torch's CPU pool and start the profiler's threads here, on the GUI thread: done later on
+        # the worker thread, those threads would be named after (and outlive) the worker thread.
         limit_cpu_threads("cpu")
+        start_profiler_threads()
 
     def start(self, request: RunRequest) -> None:
         """Start a run; a run already going is stopped first."""

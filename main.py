@@ -115,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="generate in the terminal with a live table of observed vs predicted memory")
     _add_run_options(run)
+    run.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                     help="serve Prometheus metrics at http://127.0.0.1:PORT/metrics during the run (0: any free port)")
+    run.add_argument("--metrics-host", default=None, metavar="HOST",
+                     help="bind the metrics server to HOST instead of 127.0.0.1 (e.g. 0.0.0.0: every interface)")
+    run.add_argument("--metrics-linger", type=float, default=0.0, metavar="S",
+                     help="keep serving the metrics S seconds after the run ends, for a last scrape (default 0)")
 
     replay = sub.add_parser("replay", help="play a recording back in the window (no model, no GPU)")
     replay.add_argument("file")
@@ -262,9 +268,34 @@ def _run_request(args: argparse.Namespace):
 
 def cmd_run(args: argparse.Namespace) -> int:
     request = _run_request(args)  # bad options and outputs are refused before torch is imported
+    if args.metrics_host is not None and args.metrics_port is None:
+        raise CliError("--metrics-host needs --metrics-port")
+    if not (0 <= args.metrics_linger <= 3600):  # also refuses NaN
+        raise CliError("--metrics-linger: give 0 to 3600 seconds")
     from core.terminal import run_terminal
 
-    return run_terminal(request)
+    if args.metrics_port is None:
+        return run_terminal(request)
+    from core.metrics import LOOPBACK, MetricsError, MetricsExporter, RunCollector, is_loopback
+
+    collector = RunCollector(model=args.model, device=args.device)
+    try:
+        exporter = MetricsExporter(collector, args.metrics_host or LOOPBACK, args.metrics_port).start()
+    except MetricsError as exc:
+        raise CliError(str(exc)) from None
+    where = "" if is_loopback(exporter.host) else " (reachable from other machines: you asked for this host)"
+    print(f"kvscope: Prometheus metrics at {exporter.url}{where}", file=sys.stderr, flush=True)
+    try:
+        status = run_terminal(request, observers=(collector.observe,))
+        collector.finish()
+        if args.metrics_linger:
+            import time
+
+            print(f"kvscope: run ended; serving the metrics {args.metrics_linger:g} s more", file=sys.stderr, flush=True)
+            time.sleep(args.metrics_linger)
+        return status
+    finally:
+        exporter.stop()
 
 
 def cmd_gui(args: argparse.Namespace) -> int:

@@ -102,7 +102,7 @@ class TerminalView:
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM") if hasattr(signal, name))
 
 
-def run_terminal(request: RunRequest, out: TextIO | None = None) -> int:
+def run_terminal(request: RunRequest, out: TextIO | None = None, observers: tuple = ()) -> int:
     """Run a generation with the live table.
 
     Ctrl+C or SIGTERM stops cleanly: the run ends between two tokens with a stop event (in the
@@ -110,6 +110,12 @@ def run_terminal(request: RunRequest, out: TextIO | None = None) -> int:
     second signal of the same kind gets its default behaviour (KeyboardInterrupt; termination).
     """
     view = TerminalView(out, quality=request.quality_probe)
+    emit = view.emit
+    if observers:  # e.g. the metrics exporter (core.metrics): each gets every Sample after the table
+        def emit(s: Sample) -> None:
+            view.emit(s)
+            for observe in observers:
+                observe(s)
     stopping = {"flag": False}
 
     def on_signal(signum, frame):  # first signal: stop between tokens; a second one: default behaviour
@@ -118,7 +124,7 @@ def run_terminal(request: RunRequest, out: TextIO | None = None) -> int:
 
     previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
     try:
-        run_generation(request, RunHooks(emit=view.emit, loaded=view.loaded,
+        run_generation(request, RunHooks(emit=emit, loaded=view.loaded,
                                          progress=lambda t: print(t, file=sys.stderr, flush=True),
                                          should_stop=lambda: stopping["flag"]))
     except (GenerationError, RecordingError):  # e.g. the recording was deleted mid-run: said after the summary

@@ -27,8 +27,8 @@ def test_a_real_run_reaches_the_plots_and_a_switch_adds_a_marker(qtbot, window):
     meter.stop()
     assert window.last_error == ""
     assert window.decode_tokens == 24
-    assert window.info is not None and window.info.label == "embedded demo model (random weights)"
-    assert window.badges["model"].text() == "embedded demo model (random weights)"
+    assert window.info is not None and window.info.label == "embedded demo model"
+    assert window.badges["model"].text() == "embedded demo model"
     window._redraw()
     x, y = window.plots.curve_data("kv_observed")
     assert len(x) == 25  # prefill + 24 tokens
@@ -307,4 +307,61 @@ def test_menus_show_the_speaker_keys(qtbot, settings):
     assert run["Flash attention on / off"] == "F" and run["Pause / resume"] == "Space"
     assert {a.text() for a in menus["Help"].actions()} == {"Keys\u2026", "About KV Scope\u2026"}
     assert any(a.shortcut().toString() == "Ctrl+S" for a in menus["File"].actions())
+    w.shutdown()
+
+
+def test_the_layout_holds_still_when_an_alert_comes_and_a_longer_cache_is_shown(qtbot, settings):
+    """Issue 12, item 10: a warning banner and a longer cache name moved the plots and badges mid-run."""
+    w = MainWindow(settings=settings, start_engine=False)
+    qtbot.addWidget(w)
+    w.resize(1280, 720)
+    w.show()
+    qtbot.waitExposed(w)
+    qtbot.wait(100)
+    samples = synthetic_samples(5, prompt_tokens=4)
+    w.add_samples(samples)  # mid-run: the first tokens are in
+    qtbot.wait(50)
+    plots_at, cache_w = w.plots.geometry(), w.badges["cache"].width()
+    oom = samples[-1].replace(phase="event", event="oom", text="out of memory in decode at token 5")
+    w.add_samples([oom])
+    qtbot.wait(50)
+    assert w.alert_label.isVisible() and "Out of memory" in w.alert_label.text()
+    assert w.plots.geometry() == plots_at  # the alert floats over the plots' top, it does not push them
+    alert = w.alert_label.geometry()
+    assert alert.top() >= 0 and alert.right() <= w.plots.width() and alert.height() >= w.alert_label.sizeHint().height() - 2
+    for cache in ("dynamic", "quantized:hqq:4", "h2o:128+128", "static"):
+        w.add_samples([samples[-1].replace(phase="event", event="switch", cache=cache, switch_key="cache",
+                                           switch_after=cache, text=f"cache: -> {cache}")])
+        qtbot.wait(20)
+        assert w.badges["cache"].text() == cache
+        assert w.badges["cache"].width() == cache_w, cache  # reserved for the widest choice
+        assert w.plots.geometry() == plots_at
+    w.shutdown()
+
+
+def test_loading_shows_a_busy_bar_and_recording_a_lasting_badge(qtbot, settings, tmp_path):
+    """Issue 12: no progress while loading; no lasting 'recording' indicator."""
+    w = MainWindow(settings=settings, start_engine=False)
+    qtbot.addWidget(w)
+    w.show()
+    qtbot.waitExposed(w)
+    bar, rec = w.badge_row.loading_bar, w.badge_row.recording
+    assert not bar.isVisible() and not rec.isVisible()
+    w.session.set_state("loading")
+    assert bar.isVisible()
+    w.session.set_state("running")
+    assert not bar.isVisible()
+    w.session.set_state("idle")
+    target = tmp_path / "next.jsonl"
+    w.set_record_path(str(target))
+    assert rec.isVisible() and rec.text() == "\u25cb REC next run" and str(target) in rec.toolTip()
+    w.set_record_path(None)
+    assert not rec.isVisible()
+    # While a live run records: the filled badge, gone when the run ends.
+    w.recording_now = str(target)
+    w.session.mode = "live"
+    w.session.set_state("running")
+    assert rec.isVisible() and rec.text() == "\u25cf REC" and str(target) in rec.toolTip()
+    w.session.set_state("idle")
+    assert not rec.isVisible()
     w.shutdown()

@@ -4,6 +4,7 @@ the run state, a busy bar while loading and a lasting REC badge while a run reco
 from __future__ import annotations
 
 from PySide6.QtCore import Qt
+from PySide6.QtGui import QFont, QFontMetrics
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QProgressBar, QSizePolicy, QWidget
 
 from core.sample import Sample
@@ -91,6 +92,18 @@ class BadgeRow(QWidget):
         self.recording.setObjectName("recording")
         self.recording.setVisible(False)
         row.addWidget(self.recording)
+
+    def reserve(self, key: str, texts, point_size: int, most: int = 260) -> None:
+        """Keep ``badges[key]`` as wide as the widest of ``texts`` (what it can come to say) in bold type of
+        ``point_size`` (the theme's badge type), at most ``most`` px, so that a switch to a longer setting
+        ('quantized:hqq:4' after 'dynamic') does not shift the row mid-run."""
+        font = QFont(self.badges[key].font())
+        font.setPointSize(point_size)
+        font.setBold(True)
+        metrics = QFontMetrics(font)
+        widest = max((metrics.horizontalAdvance(t) for t in texts), default=0)
+        # The badge's padding (10 px a side) and border (1 px), and a little slack.
+        self.badges[key].setMinimumWidth(min(widest + 26, most) if widest else 0)
 
     def show_settings(self, s: Sample) -> None:
         self.badges["attention"].setText(s.attention.upper())

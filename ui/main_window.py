@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from PySide6.QtCore import QSettings, Qt, QTimer, Signal
+from PySide6.QtCore import QEvent, QSettings, Qt, QTimer, Signal
 from PySide6.QtGui import QGuiApplication, QKeySequence, QShortcut
 from PySide6.QtWidgets import (QFrame, QGroupBox, QHBoxLayout, QLabel, QMainWindow, QPushButton, QScrollArea, QSizePolicy, QSplitter, QTabWidget, QVBoxLayout,
                                QWidget)
@@ -192,10 +192,13 @@ class MainWindow(FileActions, QMainWindow):
         db.addWidget(demo_close)
         self.demo_banner.setVisible(False)
         # ---- alerts: the OOM forecast warning, an out-of-memory error, the budget reached
-        self.alert_label = QLabel("")
+        # It floats over the top of the plots rather than pushing them down: the layout never jumps
+        # when a warning comes and goes mid-run.
+        self.alert_label = QLabel("", self.plots)
         self.alert_label.setObjectName("alert")
         self.alert_label.setWordWrap(True)
         self.alert_label.setVisible(False)
+        self.plots.installEventFilter(self)
         # ---- under the plots: the events table and the GPU processes
         self.events_table = EventsTable(self.theme)
         self.gpu_panel = GpuProcessesPanel(self.theme)
@@ -222,7 +225,6 @@ class MainWindow(FileActions, QMainWindow):
         cv.setContentsMargins(4, 4, 4, 0)
         cv.addWidget(self.demo_banner)
         cv.addWidget(self.badge_row)
-        cv.addWidget(self.alert_label)
         cv.addWidget(self.centre_splitter, 1)
 
         # ---- right: numbers and the generated text
@@ -470,14 +472,34 @@ class MainWindow(FileActions, QMainWindow):
     def _show_alert(self, text: str, kind: str) -> None:
         color = self.theme.error if kind == "error" else self.theme.warning
         self.alert_label.setText(text)
-        self.alert_label.setStyleSheet(f"QLabel#alert {{ color: {color}; border: 2px solid {color}; border-radius: 6px;"
-                                       f" padding: 6px 10px; font-weight: 700; font-size: {self.theme.title_pt}pt; }}")
+        self.alert_label.setStyleSheet(f"QLabel#alert {{ color: {color}; background: {self.theme.panel}; border: 2px "
+                                       f"solid {color}; border-radius: 6px; padding: 6px 10px; font-weight: 700; "
+                                       f"font-size: {self.theme.title_pt}pt; }}")
         self.alert_label.setVisible(True)
+        self._place_alert()
+
+    def _place_alert(self) -> None:
+        """Across the top of the plots, as tall as its text needs."""
+        width = max(self.plots.width() - 24, 100)
+        self.alert_label.setFixedWidth(width)
+        self.alert_label.setFixedHeight(self.alert_label.heightForWidth(width))
+        self.alert_label.move(12, 6)
+        self.alert_label.raise_()
+
+    def eventFilter(self, watched, event) -> bool:  # noqa: N802 - Qt's name
+        if watched is self.plots and event.type() == QEvent.Type.Resize and self.alert_label.isVisible():
+            self._place_alert()
+        return super().eventFilter(watched, event)
 
     def _show_settings(self, s: Sample) -> None:
         """Badges and combos follow the settings a sample carries (the truth, after a switch)."""
         self.badge_row.show_settings(s)
         self.controls.show_settings(s)
+
+    def _reserve_badges(self) -> None:
+        """The attention and cache badges as wide as the longest choice they may show."""
+        self.badge_row.reserve("attention", [c.upper() for c in self.controls.attention_choices], self.theme.title_pt)
+        self.badge_row.reserve("cache", [k for k, _ in self.controls.cache_choices], self.theme.title_pt)
 
     def _show_state(self, state: str) -> None:
         self.controls.show_state(state, self.controller is not None, self._cuda_available())
@@ -517,6 +539,7 @@ class MainWindow(FileActions, QMainWindow):
                                   tuple(info.cache_choices) or cache_choices(info.device),
                                   tuple(info.attn_impl_choices) or ATTN_IMPLS)
         self.badge_row.show_model(info)
+        self._reserve_badges()
         memory = f" \u00b7 {human_bytes(info.total_memory)}" if info.total_memory else ""
         self.status_device.setText(f"{info.device_name}{memory}")
         self.statusBar().showMessage(f"loaded {info.label} on {info.device_name} ({info.dtype})", 5000)
@@ -631,7 +654,8 @@ class MainWindow(FileActions, QMainWindow):
         self.presenter_action.setChecked(self.presenter)
         if self.presenter and not was:
             self._normal_geometry = self.saveGeometry()  # leaving presenter mode puts the window back
-        self.controls.setVisible(not self.presenter)
+        if self.presenter:
+            self.controls.setVisible(False)
         screen = self.screen() or QGuiApplication.primaryScreen()
         wide = screen is None or screen.availableGeometry().width() >= 1600
         self.right_panel.setMaximumWidth(600 if self.presenter else RIGHT_MAX_W)
@@ -644,6 +668,9 @@ class MainWindow(FileActions, QMainWindow):
             total = max(sum(self._normal_centre_sizes), 1)
             self.centre_splitter.setSizes([int(total * 0.72), int(total * 0.28)])
         self.apply_theme()
+        # The controls come back after the normal type is in force: shown while the presenter type's
+        # wide badges still were, they would grow the window past its normal size.
+        self.controls.setVisible(not self.presenter)
         if fullscreen:
             if self.presenter:
                 self.showFullScreen()
@@ -666,6 +693,7 @@ class MainWindow(FileActions, QMainWindow):
         self.theme = make_theme(self.theme_name, self.presenter)
         self.text_view.recolor(old, self.theme)
         self.setStyleSheet(stylesheet(self.theme))
+        self._reserve_badges()  # the type size changed (presenter mode): so did the widest choice
         self.plots.apply_theme(self.theme)
         self.calculator.apply_theme(self.theme)
         self.events_table.theme = self.theme

@@ -3,6 +3,7 @@
     python main.py                      the window (falls back to the terminal view with no display)
     python main.py calc ...             what a context costs, for any model config, nothing loaded
     python main.py run ...              generate in the terminal with a live memory table
+    python main.py watch URL...         inference servers' KV cache from their /metrics, in bytes
     python main.py replay FILE          play a recording back in the window
     python main.py export FILE --csv    recording -> CSV
     python main.py --screenshot out.png [--tokens N] [run options]
@@ -121,6 +122,18 @@ def build_parser() -> argparse.ArgumentParser:
                      help="bind the metrics server to HOST instead of 127.0.0.1 (e.g. 0.0.0.0: every interface)")
     run.add_argument("--metrics-linger", type=float, default=0.0, metavar="S",
                      help="keep serving the metrics S seconds after the run ends, for a last scrape (default 0)")
+
+    watch = sub.add_parser("watch", help="scrape inference servers' /metrics (vLLM, SGLang, llama.cpp, TGI, KV Scope) "
+                                         "and show their KV cache in bytes")
+    watch.add_argument("urls", nargs="+", metavar="URL", help="a server, e.g. http://127.0.0.1:8000 (/metrics is added)")
+    watch.add_argument("--model", default=None,
+                       help="the served model's config (preset, config.json or folder) for bytes; default: the server's "
+                            "/v1/models matched to a preset")
+    watch.add_argument("--interval", type=float, default=2.0, help="seconds between scrapes (default 2)")
+    watch.add_argument("--count", type=int, default=None, help="scrapes per server, then exit (default: until Ctrl+C)")
+    watch.add_argument("--timeout", type=float, default=2.0, help="seconds a server has to answer (default 2)")
+    watch.add_argument("--warn-usage", type=float, default=0.9, help="warn from this KV usage fraction (default 0.9)")
+    watch.add_argument("--json", action="store_true", help="one JSON object per reading")
 
     replay = sub.add_parser("replay", help="play a recording back in the window (no model, no GPU)")
     replay.add_argument("file")
@@ -323,6 +336,41 @@ def cmd_self_test(args: argparse.Namespace) -> int:
     return self_test()
 
 
+def cmd_watch(args: argparse.Namespace) -> int:
+    import json
+
+    from core.scrape import ScrapeError, metrics_url, render_reading, watch
+
+    if not (0.1 <= args.interval <= 3600):  # also refuses NaN
+        raise CliError("--interval: give 0.1 to 3600 seconds")
+    if not (0.1 <= args.timeout <= 60):
+        raise CliError("--timeout: give 0.1 to 60 seconds")
+    if args.count is not None and args.count <= 0:
+        raise CliError("--count must be positive")
+    if not (0 < args.warn_usage <= 1):
+        raise CliError("--warn-usage: give a fraction in (0, 1]")
+    try:
+        for url in args.urls:
+            metrics_url(url)
+    except ScrapeError as exc:
+        raise CliError(str(exc)) from None
+    spec = None
+    if args.model:
+        from core.spec import load_spec
+
+        spec = load_spec(args.model)
+
+    def emit(reading) -> None:
+        print(json.dumps(reading.to_json()) if args.json else render_reading(reading), flush=True)
+
+    try:
+        watch(args.urls, spec=spec, interval=args.interval, count=args.count, timeout=args.timeout,
+              warn_usage=args.warn_usage, emit=emit)
+    except KeyboardInterrupt:
+        pass  # Ctrl+C ends a watch: not an error
+    return 0
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     from core.recording import read_header
 
@@ -365,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.screenshot and not os.environ.get("DISPLAY") and not os.environ.get("WAYLAND_DISPLAY"):
         os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
-    commands = {"calc": cmd_calc, "run": cmd_run, "replay": cmd_replay, "export": cmd_export}
+    commands = {"calc": cmd_calc, "run": cmd_run, "watch": cmd_watch, "replay": cmd_replay, "export": cmd_export}
     handler = commands.get(args.command or "", cmd_self_test if args.self_test else cmd_gui)
     try:
         return handler(args)

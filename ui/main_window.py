@@ -351,9 +351,10 @@ class MainWindow(FileActions, QMainWindow):
             request = replace(request, snapshot_path=self.snapshot_path)
         self.session.mode = "live"
         self.session.request = request
-        if not self.calculator.warm:
-            # transformers is still being imported in the calculator's thread; importing it from the
-            # generation thread at the same time breaks it. Start when that is done (no UI wait).
+        if not self.calculator.warm and getattr(self.controller, "host", None) is None:
+            # Thread mode: transformers may still be importing in the calculator's thread, and importing
+            # it from the generation thread at the same time breaks it. Start when that is done (no UI
+            # wait). The engine process imports it in its own process: nothing to wait for.
             self.calculator.warm_up()
             self.session.set_state("loading")
             self.statusBar().showMessage("preparing transformers\u2026")

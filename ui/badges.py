@@ -93,7 +93,7 @@ class BadgeRow(QWidget):
         self.recording.setVisible(False)
         row.addWidget(self.recording)
 
-    def reserve(self, key: str, texts, point_size: int, most: int = 260) -> None:
+    def reserve(self, key: str, texts, point_size: int, most: int = 110) -> None:
         """Keep ``badges[key]`` as wide as the widest of ``texts`` (what it can come to say) in bold type of
         ``point_size`` (the theme's badge type), at most ``most`` px, so that a switch to a longer setting
         ('quantized:hqq:4' after 'dynamic') does not shift the row mid-run."""

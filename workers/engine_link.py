@@ -23,7 +23,7 @@ from typing import Any
 from PySide6.QtCore import QCoreApplication, QObject, Signal, Slot
 
 from core.engine_process import serve
-from workers.threaded import RunSignals, WorkerThread
+from workers.threaded import RUN_MESSAGES, SAMPLER_MESSAGES, RunSignals, WorkerThread, relay
 
 log = logging.getLogger(__name__)
 
@@ -265,20 +265,13 @@ class HostedGenerationController(RunSignals):
     def _on_message(self, kind: str, payload: object, run: object) -> None:
         if run is None or run != self._run_id:
             return  # the sampler's, or from a run that has already ended here
-        if kind == "samples":
-            self.samples.emit(payload)
-        elif kind == "loaded":
+        if kind == "loaded":
             self.info = payload
-            self.loaded.emit(payload)
-        elif kind == "progress":
-            self.progress.emit(payload)
-        elif kind == "errored":
-            self.errored.emit(payload)
-        elif kind == "paused":
-            self.paused_changed.emit(payload)
-        elif kind == "done":  # (also after a stop() that saw the end: as a thread's finished does)
+        if kind == "done":  # (also after a stop() that saw the end: as a thread's finished does)
             self._running = False
             self.finished.emit()
+        else:
+            relay(self, RUN_MESSAGES, kind, payload)
 
     def _on_exited(self, code: int) -> None:
         if self._running:
@@ -345,15 +338,9 @@ class HostedSampler(QObject):
     def _on_message(self, kind: str, payload: object, run: object) -> None:
         if not self._running:
             return
-        if kind == "readings":
-            self.readings.emit(payload)
-        elif kind == "rate":
-            self.rate_measured.emit(payload)
-        elif kind == "note":
-            self.note.emit(payload)
-        elif kind == "sampler_errored":
-            self.errored.emit(payload)
-        elif kind == "ready" and self.host.starts != getattr(self, "_sent_to", None):
+        if relay(self, SAMPLER_MESSAGES, kind, payload):
+            return
+        if kind == "ready" and self.host.starts != getattr(self, "_sent_to", None):
             # a new engine process (the last one ended): sample in this one too
             self.host.send("sampler", self.device, self._rate_hz)
             self._sent_to = self.host.starts

@@ -16,7 +16,7 @@ from core.kernels import start_profiler_threads
 from core.run import limit_cpu_threads
 from core.request import ModelInfo, RunRequest
 from core.engine_process import RunDriver
-from workers.threaded import RunSignals, WorkerThread
+from workers.threaded import RUN_MESSAGES, RunSignals, WorkerThread, relay
 
 
 class _Worker(QObject):
@@ -31,12 +31,7 @@ class _Worker(QObject):
 
     def __init__(self, request: RunRequest) -> None:
         super().__init__()
-        self.driver = RunDriver(request, self._send)
-        self._signals = {"samples": self.samples, "loaded": self.loaded, "progress": self.progress,
-                         "errored": self.errored, "paused": self.paused_changed}
-
-    def _send(self, kind: str, payload: object) -> None:
-        self._signals[kind].emit(payload)
+        self.driver = RunDriver(request, lambda kind, payload: relay(self, RUN_MESSAGES, kind, payload))
 
     @Slot()
     def work(self) -> None:

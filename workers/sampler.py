@@ -19,7 +19,7 @@ from PySide6.QtCore import QObject, Signal, Slot
 
 from core.engine_process import sample_memory
 from core.probes import MemoryProbe
-from workers.threaded import WorkerThread
+from workers.threaded import SAMPLER_MESSAGES, WorkerThread, relay
 
 THREAD_NAME = "kvscope-memory-sampler"
 DEFAULT_RATE_HZ = 20.0
@@ -54,10 +54,9 @@ class _SamplerLoop(QObject):
 
     @Slot()
     def work(self) -> None:
-        signals = {"readings": self.readings, "rate": self.rate_measured, "note": self.note,
-                   "sampler_errored": self.errored}
         try:
-            sample_memory(self._make_probe, lambda: self._period, lambda kind, payload: signals[kind].emit(payload),
+            sample_memory(self._make_probe, lambda: self._period,
+                          lambda kind, payload: relay(self, SAMPLER_MESSAGES, kind, payload),
                           self._abort, self._batch_s, self._rate_window_s)
         finally:
             self.done.emit()

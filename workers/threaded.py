@@ -20,6 +20,23 @@ from collections.abc import Callable
 from PySide6.QtCore import QCoreApplication, QObject, Qt, QThread, Signal
 
 
+#: The engine's messages (``core.engine_process``: kind, payload) and the signal each one becomes, for
+#: every run controller and worker (their signals have these names): one table, not one per relay.
+RUN_MESSAGES = {"samples": "samples", "loaded": "loaded", "progress": "progress", "errored": "errored",
+                "paused": "paused_changed"}
+#: Likewise for the memory sampler's messages (``core.engine_process.sample_memory``).
+SAMPLER_MESSAGES = {"readings": "readings", "rate": "rate_measured", "note": "note", "sampler_errored": "errored"}
+
+
+def relay(obj: QObject, table: dict[str, str], kind: str, payload: object) -> bool:
+    """Emit ``payload`` on the signal of ``obj`` that ``table`` names for ``kind``; False if none does."""
+    name = table.get(kind)
+    if name is None:
+        return False
+    getattr(obj, name).emit(payload)
+    return True
+
+
 class RunSignals(QObject):
     """What the window connects to on any run controller (generation in a thread or in the engine
     process, replay): the same six signals, declared once."""

@@ -24,6 +24,11 @@ dynamic cache to and from sliding layers.
 
 MLA is a different model (``build_mla_twin``); switching to it re-runs the tokens so far.
 
+Why one file of about 700 lines: every conversion here walks the same decoder layers and the same
+cache layers with the same helpers (head pooling, the dense K/V read-out, the layer-pattern
+twins), and the switch transaction (``core.transaction``) snapshots and restores exactly what these
+functions touch; split apart, each half would need the other's internals.
+
 Every function here works on any Llama/Mistral/Qwen2-style model (``q_proj``/``k_proj``/
 ``v_proj``/``o_proj`` per layer and a ``num_key_value_groups`` attribute), in any dtype or device.
 """

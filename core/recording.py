@@ -22,7 +22,8 @@ pickle or eval; only a regular file is opened (a FIFO, ``/dev/zero``, a socket o
 refused before a byte is read, and the open never waits); each line is capped at
 ``MAX_LINE_BYTES`` and decoded as strict UTF-8; the file is streamed line by line and never
 loaded whole. Every field is checked for type *and range*: counts and bytes are ints from 0 to
-``MAX_INT`` (2**63-1), numbers finite and non-negative (``time_s`` up to ``MAX_TIME_S``), text
+``MAX_INT`` (2**63-1; the quality probe's ``quality_top1`` 0 or 1), numbers finite and non-negative
+(``time_s`` up to ``MAX_TIME_S``; ``quality_kl``, absent from recordings made before the probe, None), text
 valid Unicode (no lone surrogate), settings and names at most ``MAX_NAME_CHARS``; the header's
 fields likewise (``model.name`` must be text, ``device.total_memory`` a count...). Problems with
 the header (empty file, not a recording, unknown or newer version, a field of the wrong type or

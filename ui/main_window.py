@@ -31,6 +31,7 @@ from core.session import Session
 from core.settings import ATTN_IMPLS, attention_choices, cache_choices
 from core.spec import SpecError, human_bytes
 from ui.calculator import CalculatorTab
+from ui.servers import ServersTab
 from ui.controls import FIRST_START_TOKENS, KEYS_HELP, ControlsPanel  # noqa: F401 - FIRST_START_TOKENS: tests, docs
 from ui.diagnose import EventsTable, GpuProcessesPanel
 from ui.badges import STATE_TEXT, BadgeRow
@@ -269,6 +270,8 @@ class MainWindow(FileActions, QMainWindow):
         self.tabs = QTabWidget()
         self.tabs.addTab(self.live_splitter, "Live")
         self.tabs.addTab(calculator_scroll, "Calculator")
+        self.servers = ServersTab(self.theme)  # inference servers' /metrics (issue 15), scraped on its own thread
+        self.tabs.addTab(self.servers, "Servers")
         self.setCentralWidget(self.tabs)
 
         # ---- status bar
@@ -697,6 +700,7 @@ class MainWindow(FileActions, QMainWindow):
         self._reserve_badges()  # the type size changed (presenter mode): so did the widest choice
         self.plots.apply_theme(self.theme)
         self.calculator.apply_theme(self.theme)
+        self.servers.apply_theme(self.theme)
         self.events_table.theme = self.theme
         self.gpu_panel.theme = self.theme
         if self.theme_name in getattr(self, "theme_actions", {}):
@@ -773,6 +777,7 @@ class MainWindow(FileActions, QMainWindow):
         if not self.gpu_poller.stop(timeout_s=2.0):
             log.warning("the GPU process thread did not stop within 2 s")
         self.calculator.shutdown()
+        self.servers.shutdown()
 
     def closeEvent(self, event) -> None:  # noqa: N802 (Qt API)
         # Settings are saved after the worker stopped, so they never describe a half-stopped run.

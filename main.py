@@ -57,6 +57,31 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                         "next-token distributions (costs a second forward pass and a second cache; off by default)")
 
 
+def _add_metrics_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics at http://127.0.0.1:PORT/metrics (0: any free port)")
+    p.add_argument("--metrics-host", default=None, metavar="HOST",
+                   help="bind the metrics server to HOST instead of 127.0.0.1 (e.g. 0.0.0.0: every interface)")
+
+
+def _start_metrics(args: argparse.Namespace):
+    """(collector, exporter) serving on --metrics-host/--metrics-port, said on stderr; (None, None) without a port."""
+    if args.metrics_port is None:
+        if args.metrics_host is not None:
+            raise CliError("--metrics-host needs --metrics-port")
+        return None, None
+    from core.metrics import LOOPBACK, MetricsError, MetricsExporter, RunCollector, is_loopback
+
+    collector = RunCollector(model=args.model, device=args.device)
+    try:
+        exporter = MetricsExporter(collector, args.metrics_host or LOOPBACK, args.metrics_port).start()
+    except MetricsError as exc:
+        raise CliError(str(exc)) from None
+    where = "" if is_loopback(exporter.host) else " (reachable from other machines: you asked for this host)"
+    print(f"kvscope: Prometheus metrics at {exporter.url}{where}", file=sys.stderr, flush=True)
+    return collector, exporter
+
+
 def _add_view_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", default=None, metavar="WxH",
                    help="window size in logical pixels, e.g. 1280x720 (a screenshot's default: 1600x1000)")
@@ -89,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_view_options(parser)
     parser.add_argument("--self-test", action="store_true", help="load the embedded model, generate offscreen, exit 0")
     _add_run_options(parser)
+    _add_metrics_options(parser)
     sub = parser.add_subparsers(dest="command")
 
     calc = sub.add_parser("calc", help="predict memory for a model config and contexts (nothing is loaded)")
@@ -116,10 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="generate in the terminal with a live table of observed vs predicted memory")
     _add_run_options(run)
-    run.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
-                     help="serve Prometheus metrics at http://127.0.0.1:PORT/metrics during the run (0: any free port)")
-    run.add_argument("--metrics-host", default=None, metavar="HOST",
-                     help="bind the metrics server to HOST instead of 127.0.0.1 (e.g. 0.0.0.0: every interface)")
+    _add_metrics_options(run)
     run.add_argument("--metrics-linger", type=float, default=0.0, metavar="S",
                      help="keep serving the metrics S seconds after the run ends, for a last scrape (default 0)")
 
@@ -281,23 +304,13 @@ def _run_request(args: argparse.Namespace):
 
 def cmd_run(args: argparse.Namespace) -> int:
     request = _run_request(args)  # bad options and outputs are refused before torch is imported
-    if args.metrics_host is not None and args.metrics_port is None:
-        raise CliError("--metrics-host needs --metrics-port")
     if not (0 <= args.metrics_linger <= 3600):  # also refuses NaN
         raise CliError("--metrics-linger: give 0 to 3600 seconds")
     from core.terminal import run_terminal
 
-    if args.metrics_port is None:
+    collector, exporter = _start_metrics(args)
+    if exporter is None:
         return run_terminal(request)
-    from core.metrics import LOOPBACK, MetricsError, MetricsExporter, RunCollector, is_loopback
-
-    collector = RunCollector(model=args.model, device=args.device)
-    try:
-        exporter = MetricsExporter(collector, args.metrics_host or LOOPBACK, args.metrics_port).start()
-    except MetricsError as exc:
-        raise CliError(str(exc)) from None
-    where = "" if is_loopback(exporter.host) else " (reachable from other machines: you asked for this host)"
-    print(f"kvscope: Prometheus metrics at {exporter.url}{where}", file=sys.stderr, flush=True)
     try:
         status = run_terminal(request, observers=(collector.observe,))
         collector.finish()
@@ -320,13 +333,19 @@ def cmd_gui(args: argparse.Namespace) -> int:
         # Checked before anything loads: an existing PNG needs --force, a device or folder never.
         screenshot = check_output_path(screenshot, inputs=(args.prompt_file,), force=args.force)
     problem = display_problem()
-    if screenshot or problem is None:
-        return run_window(request, screenshot=screenshot, tokens=args.tokens, **_view(args))
-    print(f"kvscope: {problem}: running the terminal view instead. "
-          "Use QT_QPA_PLATFORM=offscreen with --screenshot to render the window without a display.", file=sys.stderr)
-    from core.terminal import run_terminal
+    collector, exporter = _start_metrics(args)
+    observers = (collector.observe,) if collector is not None else ()
+    try:
+        if screenshot or problem is None:
+            return run_window(request, screenshot=screenshot, tokens=args.tokens, observers=observers, **_view(args))
+        print(f"kvscope: {problem}: running the terminal view instead. "
+              "Use QT_QPA_PLATFORM=offscreen with --screenshot to render the window without a display.", file=sys.stderr)
+        from core.terminal import run_terminal
 
-    return run_terminal(request)
+        return run_terminal(request, observers=observers)
+    finally:
+        if exporter is not None:
+            exporter.stop()
 
 
 def cmd_self_test(args: argparse.Namespace) -> int:

@@ -167,3 +167,19 @@ def test_grafana_dashboard_plots_only_what_the_exporter_serves():
     assert used <= served, used - served
     titles = " ".join(p["title"] for p in dash["panels"])
     assert "observed vs predicted" in titles and "Memory" in titles
+
+
+def test_the_window_exports_its_run(qtbot, window):
+    """The window (engine in its own process) with an exporter among its sample observers, as
+    `python main.py --metrics-port PORT` sets it up: the page carries the last Sample the window took."""
+    collector = RunCollector(model="embedded")
+    taken = []
+    window.sample_observers.extend([collector.observe, taken.append])
+    with MetricsExporter(collector) as exporter:
+        with qtbot.waitSignal(window.run_finished, timeout=180_000):
+            window.start_run(RunRequest(source="embedded", device="cpu", max_new_tokens=12))
+        page = scrape(exporter.url)
+    last = [s for s in taken if s.phase != "event"][-1]
+    assert last.token == 12
+    assert page[("kvscope_generated_tokens", ())] == 12
+    assert page[("kvscope_kv_cache_observed_bytes", ())] == last.kv_bytes_observed == last.kv_bytes_predicted

@@ -103,7 +103,8 @@ def startup_request(window, request, tokens: int | None):
 
 
 def run_window(request=None, screenshot: str | None = None, tokens: int | None = None, *,
-               presenter: bool = False, size: tuple[int, int] | None = None, settings=None) -> int:
+               presenter: bool = False, size: tuple[int, int] | None = None, settings=None,
+               observers: tuple = ()) -> int:
     """Open the window. With ``request`` the run starts at once.
 
     With ``screenshot``: generate ``tokens`` tokens (default: the request's max_new_tokens) with the
@@ -120,6 +121,7 @@ def run_window(request=None, screenshot: str | None = None, tokens: int | None =
         # A screenshot must not depend on (or change) the user's remembered window and settings.
         settings = throwaway = _screenshot_settings()
     window = MainWindow(settings=settings)
+    window.sample_observers.extend(observers)  # each gets every Sample the window takes (--metrics-port)
     if screenshot is not None:
         window.resize(*(size or (1600, 1000)))
     elif size:

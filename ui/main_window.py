@@ -81,6 +81,7 @@ class MainWindow(FileActions, QMainWindow):
         self.presenter = False
         self.theme: Theme = make_theme("dark")
         self.session = Session()
+        self.sample_observers: list = []  # e.g. the --metrics-port exporter (core.metrics): each gets every Sample
         self._engine_device = "auto"  # what 'auto' is in the engine process, once it has said
         self._cuda: bool | None = None
         self._replay_args: tuple[str, float] | None = None
@@ -535,6 +536,9 @@ class MainWindow(FileActions, QMainWindow):
             return
         self.plots.add_samples(samples)
         self.session.take_samples(samples)
+        for observe in self.sample_observers:
+            for sample in samples:
+                observe(sample)
         self.samples_added.emit(self.session.decode_tokens)
 
     def set_model_info(self, info) -> None:

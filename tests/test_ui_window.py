@@ -318,10 +318,12 @@ def test_the_layout_holds_still_when_an_alert_comes_and_a_longer_cache_is_shown(
     w.show()
     qtbot.waitExposed(w)
     qtbot.wait(100)
+    plots_at, cache_w, sizes = w.plots.geometry(), w.badges["cache"].width(), w.live_splitter.sizes()
     samples = synthetic_samples(5, prompt_tokens=4)
-    w.add_samples(samples)  # mid-run: the first tokens are in
+    w.add_samples(samples)  # the first tokens name the kernel and the state: the badges had room for them
+    w.session.set_state("running")
     qtbot.wait(50)
-    plots_at, cache_w = w.plots.geometry(), w.badges["cache"].width()
+    assert w.live_splitter.sizes() == sizes and w.plots.geometry() == plots_at
     oom = samples[-1].replace(phase="event", event="oom", text="out of memory in decode at token 5")
     w.add_samples([oom])
     qtbot.wait(50)
@@ -334,8 +336,14 @@ def test_the_layout_holds_still_when_an_alert_comes_and_a_longer_cache_is_shown(
                                            switch_after=cache, text=f"cache: -> {cache}")])
         qtbot.wait(20)
         assert w.badges["cache"].text() == cache
-        assert w.badges["cache"].width() == cache_w, cache  # reserved for the widest choice
-        assert w.plots.geometry() == plots_at
+        assert w.badges["cache"].width() >= cache_w, cache  # reserved: never narrower than the widest choice's room
+        assert w.plots.geometry() == plots_at and w.live_splitter.sizes() == sizes  # the model name yields
+    # However long the settings' names, the window still fits a 1280x720 projector: a badge elides.
+    w.add_samples([samples[-1].replace(phase="event", event="switch", cache="quantized:hqq:4" * 3, kernel="sdpa-mem-efficient",
+                                       attention="window:4096" * 2, switch_key="cache", switch_after="x", text="x")])
+    qtbot.wait(20)
+    assert w.minimumSizeHint().width() <= 1280
+    assert w.badges["cache"].toolTip() == "quantized:hqq:4" * 3  # the whole name, where it was cut
     w.shutdown()
 
 
@@ -364,4 +372,16 @@ def test_loading_shows_a_busy_bar_and_recording_a_lasting_badge(qtbot, settings,
     assert rec.isVisible() and rec.text() == "\u25cf REC" and str(target) in rec.toolTip()
     w.session.set_state("idle")
     assert not rec.isVisible()
+    w.shutdown()
+
+
+def test_the_combos_show_a_setting_their_choices_do_not_list(qtbot, settings):
+    """A run started with --cache sink:4+60 (not one of the offered sizes): the Cache combo says so,
+    not 'dynamic' beside a badge that says sink:4+60."""
+    w = MainWindow(settings=settings, start_engine=False)
+    qtbot.addWidget(w)
+    sample = synthetic_samples(2, prompt_tokens=4)[-1].replace(cache="sink:4+60", attention="gqa:4")
+    w.add_samples([sample])
+    assert w.controls.cache_combo.currentData() == "sink:4+60" and w.badges["cache"].text() == "sink:4+60"
+    assert w.controls.attention_combo.currentData() == "gqa:4"
     w.shutdown()

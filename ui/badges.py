@@ -3,7 +3,7 @@ the run state, a busy bar while loading and a lasting REC badge while a run reco
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt
+from PySide6.QtCore import QSize, Qt
 from PySide6.QtGui import QFont, QFontMetrics
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QProgressBar, QSizePolicy, QWidget
 
@@ -37,10 +37,28 @@ class ElidedLabel(QLabel):
         super().changeEvent(event)
         self._elide()
 
+    def sizeHint(self) -> QSize:  # noqa: N802 - Qt's name: as wide as the whole text wants
+        m = self.contentsMargins()
+        hint = super().sizeHint()
+        return QSize(max(self.fontMetrics().horizontalAdvance(self._full) + m.left() + m.right() + 2,
+                         self.minimumWidth()), hint.height())
+
+    def minimumSizeHint(self) -> QSize:  # noqa: N802 - never the text's width: it yields, elided
+        return QSize(self.minimumWidth() or 24, super().minimumSizeHint().height())
+
     def _elide(self) -> None:
-        shown = self.fontMetrics().elidedText(self._full, Qt.TextElideMode.ElideRight, max(self.width(), 1))
+        room = max(self.contentsRect().width(), 1)
+        shown = self.fontMetrics().elidedText(self._full, Qt.TextElideMode.ElideRight, room)
         if shown != super().text():
             super().setText(shown)
+            self.setToolTip(self._full if shown != self._full else self._tip)
+
+    _tip = ""
+
+    def set_tip(self, tip: str) -> None:
+        """The tooltip shown while the whole text fits (an elided text shows itself whole instead)."""
+        self._tip = tip
+        self.setToolTip(tip)
 
 
 class BadgeRow(QWidget):
@@ -48,7 +66,7 @@ class BadgeRow(QWidget):
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
-        self.badges: dict[str, QLabel] = {}
+        self.badges: dict[str, ElidedLabel] = {}
         row = QHBoxLayout(self)
         row.setContentsMargins(0, 0, 0, 0)
         row.setSpacing(10)
@@ -67,14 +85,16 @@ class BadgeRow(QWidget):
                 label = QLabel(name)
                 label.setObjectName("badgeName")
                 box.addWidget(label)
-            value = ElidedLabel("\u2014") if key == "model" else QLabel("\u2014")
+            # Every value yields width when the row is narrow (1280x720): cut with an ellipsis, whole in its
+            # tooltip, never widening the window past the screen.
+            value = ElidedLabel("\u2014")
             value.setObjectName("modelName" if key == "model" else "badge")
             if key == "model":
                 # A long model name yields its width to the plots: one line, elided (the tooltip has it
                 # whole), so the badge row keeps its height at 1280x720 and in presenter mode.
                 value.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
                 value.setMinimumWidth(80)
-            value.setToolTip(tip)
+            value.set_tip(tip)
             box.addWidget(value)
             self.badges[key] = value
             if key == "model":
@@ -117,7 +137,7 @@ class BadgeRow(QWidget):
 
     def show_model(self, info) -> None:
         self.badges["model"].setText(info.label)
-        self.badges["model"].setToolTip(f"{info.label}\nsource: {info.source}\n{info.spec.num_layers} layers, "
+        self.badges["model"].set_tip(f"{info.label}\nsource: {info.source}\n{info.spec.num_layers} layers, "
                                         f"{info.spec.num_query_heads} query / {info.spec.num_kv_heads} KV heads of "
                                         f"{info.spec.head_dim}, {info.dtype}")
 

@@ -236,10 +236,13 @@ class ControlsPanel(QScrollArea):
             self.switch_asked.emit(key)
 
     def show_settings(self, s: Sample) -> None:
-        """The combos follow the settings a sample carries (the truth, after a switch or a refusal)."""
-        self.select(self.attention_combo, s.attention)
-        self.select(self.impl_combo, s.attn_impl)
-        self.select(self.cache_combo, s.cache)
+        """The combos follow the settings a sample carries (the truth, after a switch or a refusal); a
+        setting the choices do not list (a size given on the command line, 'sink:4+60') is added."""
+        for combo, key in ((self.attention_combo, s.attention), (self.impl_combo, s.attn_impl),
+                           (self.cache_combo, s.cache)):
+            if not self.select(combo, key) and key:
+                combo.addItem(key, key)
+                self.select(combo, key)
 
     # ---- what the keys mean for this model
 

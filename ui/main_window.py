@@ -505,6 +505,8 @@ class MainWindow(FileActions, QMainWindow):
         """The attention and cache badges as wide as the longest choice they may show."""
         self.badge_row.reserve("attention", [c.upper() for c in self.controls.attention_choices], self.theme.title_pt)
         self.badge_row.reserve("cache", [k for k, _ in self.controls.cache_choices], self.theme.title_pt)
+        # The kernels a CPU or GPU run names most (core/kernels.py measures them).
+        self.badge_row.reserve("kernel", ["sdpa-flash-cpu", "sdpa-math", "sdpa-flash", "eager"], self.theme.title_pt)
 
     def _show_state(self, state: str) -> None:
         self.controls.show_state(state, self.controller is not None, self._cuda_available())

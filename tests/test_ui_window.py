@@ -385,3 +385,17 @@ def test_the_combos_show_a_setting_their_choices_do_not_list(qtbot, settings):
     assert w.controls.cache_combo.currentData() == "sink:4+60" and w.badges["cache"].text() == "sink:4+60"
     assert w.controls.attention_combo.currentData() == "gqa:4"
     w.shutdown()
+
+
+def test_the_quality_probe_is_a_control_and_travels_in_the_request(qtbot, settings):
+    w = MainWindow(settings=settings, start_engine=False)
+    qtbot.addWidget(w)
+    assert not w.controls.quality_check.isChecked() and not w.build_request().quality_probe  # off by default
+    w.controls.quality_check.setChecked(True)
+    assert w.build_request().quality_probe
+    w.apply_request(RunRequest(quality_probe=False))
+    assert not w.controls.quality_check.isChecked()
+    w.session.set_state("running")
+    assert not w.controls.quality_check.isEnabled()  # a run's setting: locked while it runs
+    w.session.set_state("idle")
+    w.shutdown()

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from PySide6.QtCore import QSettings, Qt, Signal
-from PySide6.QtWidgets import (QComboBox, QFileDialog, QGroupBox, QHBoxLayout, QLabel, QLineEdit,
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QFileDialog, QGroupBox, QHBoxLayout, QLabel, QLineEdit,
                                QPlainTextEdit, QPushButton, QScrollArea, QSpinBox, QStackedWidget, QVBoxLayout,
                                QWidget)
 
@@ -117,6 +117,10 @@ class ControlsPanel(QScrollArea):
                                     "table shows the forecast and where it was reached. Empty: no budget.")
         self.snapshot_button = QPushButton("Allocator snapshot\u2026")
         self.snapshot_button.setCheckable(True)
+        self.quality_check = QCheckBox("Quality probe")
+        self.quality_check.setToolTip("Run the same tokens through a full-cache twin too and plot how often the top-1 "
+                                      "token agrees and the KL divergence (sparse caches: what evicting costs).\n"
+                                      "Costs a second forward pass per token; off by default.")
         self.prompt_edit = QPlainTextEdit()
         self.prompt_edit.setPlaceholderText("Prompt")
         self.prompt_edit.setMaximumHeight(110)
@@ -138,7 +142,7 @@ class ControlsPanel(QScrollArea):
         run_box = form_box("Settings (switch live)", [
             ("Attention", self.attention_combo), ("Kernel", self.impl_combo), ("Cache", self.cache_combo),
             ("Max context", self.max_context_spin), ("New tokens", self.max_tokens_spin),
-            ("Memory budget", self.budget_edit),
+            ("Memory budget", self.budget_edit), self.quality_check,
             self.snapshot_button])  # both columns: the panel stays narrow enough for 1280x720
         prompt_box = QGroupBox("Prompt")
         pl = QVBoxLayout(prompt_box)
@@ -303,7 +307,8 @@ class ControlsPanel(QScrollArea):
             except SpecError as exc:
                 raise SpecError(f"memory budget: {exc}") from exc
         kwargs = dict(source=source, device=self.device_combo.currentText(), dtype=self.dtype_combo.currentText(),
-                      max_new_tokens=self.max_tokens_spin.value(), settings=settings, memory_budget=budget)
+                      max_new_tokens=self.max_tokens_spin.value(), settings=settings, memory_budget=budget,
+                      quality_probe=self.quality_check.isChecked())
         if prompt:
             kwargs["prompt"] = prompt
         return RunRequest(**kwargs)
@@ -330,6 +335,7 @@ class ControlsPanel(QScrollArea):
             self.select(self.cache_combo, s.cache.key)
         self.max_context_spin.setValue(s.max_context or 0)
         self.max_tokens_spin.setValue(request.max_new_tokens)
+        self.quality_check.setChecked(bool(request.quality_probe))
         self.prompt_edit.setPlainText(request.prompt)
         self.budget_edit.setText(human_bytes(request.memory_budget).replace(" ", "")
                                  if request.memory_budget else "")
@@ -350,7 +356,7 @@ class ControlsPanel(QScrollArea):
             if cuda else
             "Allocator snapshots record the CUDA caching allocator: this machine has no CUDA GPU torch can use.")
         for w in (self.source_combo, self.source_stack, self.device_combo, self.dtype_combo, self.max_context_spin,
-                  self.max_tokens_spin, self.prompt_edit, self.budget_edit):
+                  self.max_tokens_spin, self.prompt_edit, self.budget_edit, self.quality_check):
             w.setEnabled(not running)
 
     def _browse_folder(self) -> None:

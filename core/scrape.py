@@ -65,9 +65,12 @@ def metrics_url(url: str) -> str:
     return urllib.parse.urlunsplit(parts)
 
 
-def base_url(url: str) -> str:
+def models_url(url: str) -> str:
+    """The OpenAI-style model list beside a metrics URL: ``.../metrics`` -> ``.../v1/models`` (the root
+    for the usual ``/metrics``)."""
     parts = urllib.parse.urlsplit(url)
-    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, "", "", ""))
+    path = parts.path[: -len("/metrics")] if parts.path.endswith("/metrics") else ""
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, path + "/v1/models", "", ""))
 
 
 @dataclass(frozen=True)
@@ -305,7 +308,7 @@ def preset_for(served_name: str | None) -> str | None:
 
 def served_models(url: str, timeout: float) -> tuple[str | None, int | None]:
     """(model id, max_model_len) from the server's OpenAI-style ``/v1/models``; (None, None) on any failure."""
-    got = fetch(base_url(url) + "/v1/models", timeout=timeout, max_bytes=1 << 20)
+    got = fetch(models_url(url), timeout=timeout, max_bytes=1 << 20)
     if got.status != OK:
         return None, None
     try:

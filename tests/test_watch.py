@@ -90,6 +90,10 @@ def server():
     for fixture in FIXTURES.glob("*.txt"):
         pages[f"{fixture.stem}/metrics"] = fixture.read_bytes()
     pages["vllm/v1/models"] = (FIXTURES / "vllm_models.json").read_bytes()
+    # The same vLLM page without its model_name labels: the model then comes from /v1/models.
+    unlabelled = (FIXTURES / "vllm.txt").read_text().replace(',model_name="meta-llama/Meta-Llama-3-8B-Instruct"', "")
+    pages["vllm-bare/metrics"] = unlabelled.encode()
+    pages["vllm-bare/v1/models"] = pages["vllm/v1/models"]
     Handler.pages = pages
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     httpd.daemon_threads = True
@@ -100,7 +104,7 @@ def server():
     httpd.server_close()
 
 
-def test_vllm_page_to_bytes_with_the_model_from_v1_models(server):
+def test_vllm_page_to_bytes_with_the_model_it_names(server):
     w = Watcher(f"{server}/vllm/metrics", timeout=2)
     r = w.scrape()
     assert r.status == OK and r.engine == "vllm" and r.model == "meta-llama/Meta-Llama-3-8B-Instruct"
@@ -113,6 +117,12 @@ def test_vllm_page_to_bytes_with_the_model_from_v1_models(server):
     assert (r.running, r.waiting, r.preemptions) == (8, 0, 0) and r.warning is None
     line = render_reading(r)
     assert "vllm" in line and "42.0%" in line and "predicted bytes" in line
+
+
+def test_the_model_from_v1_models(server):
+    r = Watcher(f"{server}/vllm-bare/metrics", timeout=2).scrape()
+    assert r.status == OK and r.model is None  # the page names none
+    assert r.kv_bytes == r.kv_tokens * 131_072  # Llama-3-8B, from /v1/models matched to the preset
 
 
 def test_sglang_llamacpp_tgi_pages(server):
@@ -183,6 +193,10 @@ def test_kvscope_own_exporter():
 def test_urls_and_presets():
     assert metrics_url("127.0.0.1:8000") == "http://127.0.0.1:8000/metrics"
     assert metrics_url("http://127.0.0.1:8000/custom") == "http://127.0.0.1:8000/custom"
+    from core.scrape import models_url
+
+    assert models_url("http://127.0.0.1:8000/metrics") == "http://127.0.0.1:8000/v1/models"
+    assert models_url("http://127.0.0.1:8000/custom") == "http://127.0.0.1:8000/v1/models"
     for bad in ("file:///etc/passwd", "ftp://127.0.0.1/x", "http://"):
         with pytest.raises(ScrapeError):
             metrics_url(bad)

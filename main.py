@@ -136,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="--runtime vllm: tokens of the profile run (default: vLLM's for the GPU size)")
     calc.add_argument("--non-torch-memory", default=None, metavar="SIZE",
                       help="--runtime vllm: memory outside torch per GPU, CUDA context and NCCL (default 512MiB, an estimate)")
+    calc.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
+                      help="--runtime vllm: the KV memory per GPU, as vLLM's kv_cache_memory_bytes (or its log's "
+                           "'Available KV cache memory'): no estimate enters")
     calc.add_argument("--cudagraph-memory", default=None, metavar="SIZE",
                       help="--runtime vllm: CUDA graphs per GPU (default 512MiB, an estimate; 0 for --enforce-eager)")
     calc.add_argument("--json", action="store_true", help="print one JSON object")
@@ -251,7 +254,8 @@ def cmd_calc(args: argparse.Namespace) -> int:
         given = {"gpu_memory_utilization": args.gpu_memory_utilization, "block_size": args.block_size,
                  "max_model_len": parse_tokens(args.max_model_len) if args.max_model_len else None,
                  "max_num_batched_tokens": args.max_num_batched_tokens,
-                 "non_torch_bytes": _size_or_zero(args.non_torch_memory), "cudagraph_bytes": _size_or_zero(args.cudagraph_memory)}
+                 "non_torch_bytes": _size_or_zero(args.non_torch_memory), "cudagraph_bytes": _size_or_zero(args.cudagraph_memory),
+                 "kv_cache_memory": parse_size(args.kv_cache_memory) if args.kv_cache_memory else None}
         options = VllmOptions(**{k: v for k, v in given.items() if v is not None})
         result = replace(result, serving=vllm_capacity(spec, settings, gpu, options, parallelism))
     print(render_json(result) if args.json else render_table(result))

@@ -68,6 +68,10 @@ class VllmOptions:
     max_num_batched_tokens: int | None = None  # default: vLLM's for this GPU size
     non_torch_bytes: int = DEFAULT_NON_TORCH_BYTES
     cudagraph_bytes: int = DEFAULT_CUDAGRAPH_BYTES
+    #: vLLM's ``kv_cache_memory_bytes`` (``--kv-cache-memory``): the KV memory per GPU, given; vLLM then
+    #: skips the profiling and so does KV Scope (no estimate enters). Also the way to check KV Scope
+    #: against a vLLM log: its "Available KV cache memory" figure in, its block count out.
+    kv_cache_memory: int | None = None
 
     def __post_init__(self) -> None:
         if not (0 < self.gpu_memory_utilization <= 1):  # vLLM: Field(gt=0, le=1); refuses NaN too
@@ -80,6 +84,8 @@ class VllmOptions:
                 raise SettingsError(f"--{name.replace('_', '-')} must be positive, got {value}")
         if self.non_torch_bytes < 0 or self.cudagraph_bytes < 0:
             raise SettingsError("memory overheads cannot be negative")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise SettingsError("--kv-cache-memory must be positive")
 
 
 @dataclass(frozen=True)
@@ -145,7 +151,8 @@ class ServingCapacity:
                 "cudagraph_bytes": w.cudagraphs, "available_kv_bytes": w.available_kv,
                 "block_bytes": w.block_bytes, "num_blocks": w.num_blocks,
             } for w in self.workers],
-            "estimated": ["activation_peak_bytes", "non_torch_bytes", "cudagraph_bytes"],
+            "estimated": [] if self.options.kv_cache_memory is not None else
+                         ["activation_peak_bytes", "non_torch_bytes", "cudagraph_bytes"],
             "notes": list(self.notes),
         }
 
@@ -180,6 +187,8 @@ def vllm_capacity(spec: ModelSpec, settings: RunSettings, gpu_memory: int, optio
         # The profile run: one forward pass over max_num_batched_tokens tokens (chunked prefill).
         act = activation_bytes(stage.spec, shard_settings, batched, batched)
         available = requested - weights - act - options.non_torch_bytes - options.cudagraph_bytes
+        if options.kv_cache_memory is not None:
+            available = options.kv_cache_memory  # gpu_worker.py: kv_cache_memory_bytes skips the profiling
         blocks = max(0, available // block) if block else 0
         workers.append(WorkerCapacity(rank, requested, weights, act, options.non_torch_bytes, options.cudagraph_bytes,
                                       available, block, blocks))
@@ -196,6 +205,17 @@ def render(cap: ServingCapacity) -> list[str]:
     def row(label: str, n: int, note: str = "") -> str:
         return f"  {label:<40} {n:>19,} B  {human_bytes(n):>10}{'  ' + note if note else ''}"
 
+    if o.kv_cache_memory is not None:
+        return [
+            f"Serving capacity with vLLM {VLLM_VERSION}'s rules (vllm/v1/core/kv_cache_utils.py), for the KV memory "
+            "given (--kv-cache-memory, vLLM's kv_cache_memory_bytes: no profiling, no estimate):",
+            f"  block_size {o.block_size} tokens, max_model_len {cap.max_model_len:,}{gpus}",
+            row("available KV cache memory (given)", w.available_kv, "exact"),
+            row(f"KV per block ({o.block_size} tokens)", w.block_bytes, "exact"),
+            f"  num_gpu_blocks = floor(available / block) = {cap.num_gpu_blocks:,}",
+            f"  {cap.log_line()}",
+            *[f"  {note}" for note in cap.notes],
+        ]
     lines = [
         f"Serving capacity with vLLM {VLLM_VERSION}'s rules (vllm/v1/worker/gpu_worker.py determine_available_memory, "
         "vllm/v1/core/kv_cache_utils.py):",

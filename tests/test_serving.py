@@ -100,3 +100,56 @@ def test_cli_table_and_json():
     assert serving["kv_cache_tokens"] == serving["num_gpu_blocks"] * 16
     bad = subprocess.run(args[:-4] + ["--runtime", "vllm"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "needs --gpu-memory" in bad.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# Against start-up lines real vLLM servers printed (users' logs quoted in GitHub threads).
+
+
+def _qwen3_14b():
+    """Qwen3-14B's KV geometry (its config.json: 40 layers, 8 KV heads, head_dim 128, bfloat16); the other
+    fields do not enter a block's bytes."""
+    from core.spec import ModelSpec
+
+    return ModelSpec(name="qwen3-14b", model_type="qwen3", num_layers=40, num_query_heads=40, num_kv_heads=8,
+                     head_dim=128, hidden_size=5120, vocab_size=151936, tie_word_embeddings=False,
+                     max_position_embeddings=40960, dtype="bfloat16", num_parameters=14_768_307_200,
+                     layer_types=("full_attention",) * 40)
+
+
+def test_a_vllm_v1_log_for_qwen3_14b():
+    """LMCache/LMCache issue #1739 quotes vLLM (V1) serving Qwen3-14B on one GPU:
+    'Available KV cache memory: 6.51 GiB' / 'GPU KV cache size: 42,656 tokens' /
+    'Maximum concurrency for 32,768 tokens per request: 1.30x'. The log rounds the memory to 0.01 GiB,
+    which spans 2,664-2,668 blocks of 2.5 MiB; vLLM's 42,656 tokens are 2,666 of them, and 6.51 GiB itself
+    gives exactly vLLM's block count, tokens and concurrency."""
+    spec = _qwen3_14b()
+    counts = set()
+    for gib in (6.505, 6.51, 6.5149):
+        cap = vllm_capacity(spec, RunSettings(), 80 * GiB,
+                            VllmOptions(max_model_len=32768, kv_cache_memory=int(gib * GiB)))
+        assert cap.workers[0].block_bytes == 16 * 8 * 256 * 2 * 40 == 2_621_440
+        counts.add(cap.num_gpu_blocks)
+    assert min(counts) <= 42_656 // 16 <= max(counts) and max(counts) - min(counts) <= 4
+    cap = vllm_capacity(spec, RunSettings(), 80 * GiB, VllmOptions(max_model_len=32768, kv_cache_memory=int(6.51 * GiB)))
+    assert cap.num_gpu_blocks == 2666 and cap.kv_cache_tokens == 42_656
+    assert cap.log_line() == "GPU KV cache size: 42,656 tokens, Maximum concurrency for 32,768 tokens per request: 1.30x"
+
+
+def test_a_vllm_v0_log_for_llama_31_8b_on_a_3090():
+    """vllm-project/vllm issue #10517: Llama-3.1-8B-Instruct (Llama-3-8B's KV geometry) on an RTX 3090,
+    gpu_memory_utilization 0.90, --max-model-len 29000: 'total_gpu_memory=23.58GiB ... peak_torch_memory=
+    17.98GiB ... non_torch_memory=0.35GiB kv_cache_size=2.89GiB', '# GPU blocks: 1478', 'Maximum concurrency
+    for 29000 tokens per request: 0.82x', 'maximum number of tokens that can be stored in KV cache (23648)'.
+    The same subtraction (requested - profiled peak - non-torch), with vLLM's own profiled figures in
+    place of KV Scope's estimates, lands within the log's rounding (0.01 GiB = 5 blocks each term)."""
+    spec = load_spec("llama-3-8b")
+    available = 23.58 * GiB * 0.90 - 17.98 * GiB - 0.35 * GiB
+    cap = vllm_capacity(spec, RunSettings(), int(23.58 * GiB),
+                        VllmOptions(gpu_memory_utilization=0.90, max_model_len=29000, kv_cache_memory=int(available)))
+    assert abs(cap.num_gpu_blocks - 1478) <= 10
+    exact = vllm_capacity(spec, RunSettings(), int(23.58 * GiB),
+                          VllmOptions(max_model_len=29000, kv_cache_memory=1478 * 2 * MiB))
+    assert exact.num_gpu_blocks == 1478 and exact.num_gpu_blocks * 16 == 23_648
+    assert f"{exact.concurrency():.2f}x" == "0.82x"
+    assert f"{exact.concurrency(20000):.2f}x" == f"{1478 * 16 / 20000:.2f}x"

@@ -168,8 +168,13 @@ def layout(spec: ModelSpec, settings: RunSettings, parallelism: Parallelism) -> 
         config = dict(eff.config)
         inter = eff.intermediate_size
         config["intermediate_size"] = -(-inter // tp)
+        per_layer = {}
+        states = getattr(eff, "layer_states", None)  # what layers hold beside K/V, where a spec says so
+        if states is not None and len(states) == eff.num_layers:
+            per_layer["layer_states"] = states[start:start + n_layers]
         shard = dataclasses.replace(
             eff,
+            **per_layer,
             num_layers=n_layers,
             layer_types=eff.layer_types[start:start + n_layers],
             num_query_heads=eff.num_query_heads // tp,

@@ -138,3 +138,26 @@ def test_context_slider_arrow_keys_step_between_powers_of_two(calc):
     calc.set_context(1)
     QTest.keyClick(slider, Qt.Key.Key_Left)  # the first stop stays
     assert calc.state.context == 1
+
+
+def test_several_gpus_show_the_busiest_gpus_share_and_what_fits_on_every_one(calc):
+    from core.parallel import Parallelism, max_context_per_gpu, predict_parallel
+    from core.spec import load_spec
+
+    big = load_spec("llama-3-70b")
+    calc.set_spec(big)
+    calc.memory_combo.setCurrentText("80 GiB  A100 / H100")
+    calc.set_context(32768)
+    whole = calc.state.total
+    from ui.calculator import GPU_LAYOUTS
+
+    calc.gpus_combo.setCurrentIndex(GPU_LAYOUTS.index((4, 1)))
+    settings = calc.current_settings()
+    shares = predict_parallel(big, settings, Parallelism(tensor=4), 32768).per_gpu()
+    assert calc.state.total == max(p.total for p in shares) < whole
+    assert calc.state.kv == shares[0].breakdown.kv_cache == 2 * 80 * 2 * 128 * 32768 * 2  # 2 of 8 KV heads per GPU
+    assert "per GPU" in calc.headline.text() and "4 GPUs" in calc.gpus_combo.currentText()
+    fit = max_context_per_gpu(big, settings, Parallelism(tensor=4), 80 * 2**30, calc._context_values[-1])
+    assert calc.state.max_fit == fit and "every one of 4 GPUs" in calc.fits_label.text()
+    calc.gpus_combo.setCurrentIndex(0)
+    assert calc.state.total == whole

@@ -40,6 +40,7 @@ from core.settings import RunSettings, attention_choices, cache_choices
 from core.longlived import freeze_long_lived
 from core.spec import ModelSpec, SpecError, human_bytes, load_spec, parse_size, preset_names
 from core.calc import kv_formula
+from core.parallel import Parallelism, max_context_per_gpu, predict_parallel
 from ui.forms import form_box
 from ui.axes import BytesAxis, format_count, format_tokens
 from ui.theme import Theme, theme as make_theme
@@ -54,6 +55,18 @@ MEMORY_CHOICES = ("8 GiB  laptop GPU", "12 GiB  RTX 4070", "16 GiB  RTX 4080", "
 MIN_CONTEXT_CEILING = 128 * 1024  # the slider reaches at least 128K, beyond a shorter model's max (flagged)
 SLIDER_STEPS = 1000
 CHART_POINTS = 72
+#: (tensor parallel, pipeline parallel) layouts the GPUs box offers.
+GPU_LAYOUTS = ((1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (8, 2))
+
+
+TIMES = " \u00d7 "
+
+
+def _gpus_text(tp: int, pp: int) -> str:
+    if tp * pp == 1:
+        return "1 GPU"
+    parts = ([f"TP {tp}"] if tp > 1 else []) + ([f"PP {pp}"] if pp > 1 else [])
+    return f"{tp * pp} GPUs ({TIMES.join(parts)})"
 
 
 class _SpecSignals(QObject):
@@ -269,6 +282,15 @@ class CalculatorTab(QWidget):
         self.memory_combo.setToolTip("GPU memory to fit into: detected from the loaded model's device, picked, "
                                      "or typed (e.g. 24GiB, 80 GB).")
         self.memory_combo.currentTextChanged.connect(lambda _t: self.recompute())
+        # Tensor x pipeline parallel, as vLLM splits a model (core.parallel): the numbers are then one GPU's.
+        self.gpus_combo = QComboBox()
+        for tp, pp in GPU_LAYOUTS:
+            self.gpus_combo.addItem(_gpus_text(tp, pp))
+        self.gpus_combo.setToolTip("How many GPUs share the model: tensor parallel splits every layer's K/V heads "
+                                   "(replicated past the KV-head count), pipeline parallel splits the layers.\n"
+                                   "With more than one, the numbers, the chart and what fits are the busiest GPU's; "
+                                   "GPU memory is per GPU.")
+        self.gpus_combo.currentIndexChanged.connect(lambda _i: self._settings_changed())
 
         self.context.changed.connect(self.recompute)
         self.cache_combo.currentIndexChanged.connect(lambda _i: self._settings_changed())
@@ -281,7 +303,7 @@ class CalculatorTab(QWidget):
         inputs = form_box("Model and settings", [
             ("Model", model_row), ("", self.model_status), ("Context", self.context), ("Batch", self.batch),
             ("Weights", self.dtype), ("KV dtype", self.kv_dtype), ("Attention", self.attention),
-            ("Cache", self.cache_combo), ("GPU memory", self.memory_combo)])
+            ("Cache", self.cache_combo), ("GPU memory", self.memory_combo), ("GPUs", self.gpus_combo)])
 
         # ---- outputs
         self.headline = QLabel("Loading\u2026")
@@ -505,6 +527,18 @@ class CalculatorTab(QWidget):
                            max_context=context if cache.name == "static" else None,
                            attn_impl="eager" if cache.needs_attention_weights else "sdpa")
 
+    def parallelism(self) -> Parallelism:
+        tp, pp = GPU_LAYOUTS[max(self.gpus_combo.currentIndex(), 0)]
+        return Parallelism(tensor=tp, pipeline=pp)
+
+    def _predict(self, spec: ModelSpec, settings: RunSettings, context: int):
+        """The prediction the numbers show: the model's, or with several GPUs the busiest GPU's share."""
+        parallel = self.parallelism()
+        if parallel.single:
+            return predict(spec, settings, context)
+        shares = predict_parallel(spec, settings, parallel, context).per_gpu()
+        return max(shares, key=lambda share: share.total)
+
     def _settings_changed(self) -> None:
         self._chart_key = None
         self.recompute()
@@ -517,15 +551,20 @@ class CalculatorTab(QWidget):
         try:
             settings = self.current_settings()
             context = int(self.context.value())
-            p = predict(spec, settings, context)
+            parallel = self.parallelism()
+            p = self._predict(spec, settings, context)
             memory = self.memory_bytes()
             ceiling = self._context_values[-1]
-            fit_key = (spec, settings.with_(max_context=None), memory, ceiling)
+            fit_key = (spec, settings.with_(max_context=None), memory, ceiling, parallel)
             if fit_key != self._fit_key:
                 # Depends on everything but the context slider: cached so dragging it stays cheap.
                 self._fit_key = fit_key
-                self._fit = max_context_that_fits(spec, settings.with_(max_context=None), memory,
-                                                  limit=ceiling) if memory else None
+                if not memory:
+                    self._fit = None
+                elif parallel.single:
+                    self._fit = max_context_that_fits(spec, settings.with_(max_context=None), memory, limit=ceiling)
+                else:
+                    self._fit = max_context_per_gpu(spec, settings.with_(max_context=None), parallel, memory, ceiling)
             fit = self._fit
             formula = kv_formula(spec, settings, context, times=" \u00d7 ")
         except SpecError as exc:  # SettingsError too: e.g. quantized cache on sliding layers
@@ -547,8 +586,9 @@ class CalculatorTab(QWidget):
         fits_now = memory is not None and p.total <= memory
         verdict = "" if memory is None else (f"<span style='color:{t.curves['allocated']}'>fits</span>" if fits_now
                                              else f"<span style='color:{t.error}'>does not fit</span>")
+        per_gpu = "" if parallel.single else f" per GPU (the busiest of {parallel.gpus})"
         self.headline.setText(
-            f"{human_bytes(p.total)} at {format_tokens(context)} tokens"
+            f"{human_bytes(p.total)}{per_gpu} at {format_tokens(context)} tokens"
             + (f" \u2014 {verdict} in {human_bytes(memory)}" if memory else "")
             + (f"<br><span style='font-size:{t.font_pt}pt;color:{t.warning}'>beyond {spec.label}'s trained "
                f"context of {format_tokens(spec.max_position_embeddings)}</span>" if beyond else ""))
@@ -558,7 +598,8 @@ class CalculatorTab(QWidget):
             self.fits_label.setText(f"Weights alone do not fit in {human_bytes(memory)}")
         else:
             more = "+" if fit >= ceiling else ""
-            self.fits_label.setText(f"Largest context that fits: {fit:,}{more} tokens")
+            where = "" if parallel.single else f" on every one of {parallel.gpus} GPUs"
+            self.fits_label.setText(f"Largest context that fits{where}: {fit:,}{more} tokens")
         self.formula_label.setText(formula)
         self._update_chart(spec, settings, context, memory, fit)
         self.updated.emit(self.state)
@@ -569,7 +610,7 @@ class CalculatorTab(QWidget):
 
     def _update_chart(self, spec: ModelSpec, settings: RunSettings, context: int, memory: int | None,
                       fit: int | None) -> None:
-        key = (spec, settings.with_(max_context=None))
+        key = (spec, settings.with_(max_context=None), self.parallelism())
         ceiling = self._context_values[-1]
         if key != self._chart_key:
             self._chart_key = key
@@ -577,7 +618,7 @@ class CalculatorTab(QWidget):
             w, kv, act = [], [], []
             for n in xs:
                 s = settings.with_(max_context=int(n)) if settings.cache.name == "static" else settings
-                p = predict(spec, s, int(n))
+                p = self._predict(spec, s, int(n))
                 w.append(p.breakdown.weights or 0)
                 kv.append(p.breakdown.kv_cache or 0)
                 act.append(p.breakdown.activations or 0)
@@ -656,14 +697,17 @@ class CalculatorTab(QWidget):
             s.setValue(name, "" if slider.value() is None else str(slider.value()))
         s.setValue("cache", self.cache_combo.currentText())
         s.setValue("memory", self.memory_combo.currentText())
+        s.setValue("gpus", self.gpus_combo.currentText())
         s.endGroup()
 
     def restore_settings(self, s: QSettings) -> None:
         """Restore the last model and settings (the model loads in the background, then the sliders apply)."""
         s.beginGroup("calculator")
         model = str(s.value("model", "llama-3-8b") or "llama-3-8b")
-        saved = {k: s.value(k) for k in ("context", "batch", "dtype", "kv_dtype", "attention", "cache", "memory")}
+        saved = {k: s.value(k) for k in ("context", "batch", "dtype", "kv_dtype", "attention", "cache", "memory", "gpus")}
         s.endGroup()
+        if saved["gpus"] and self.gpus_combo.findText(str(saved["gpus"])) >= 0:
+            self.gpus_combo.setCurrentText(str(saved["gpus"]))
         if saved["cache"] and self.cache_combo.findText(str(saved["cache"])) >= 0:
             self.cache_combo.setCurrentText(str(saved["cache"]))
         if saved["memory"]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from core.spec import FULL_ATTENTION, MAX_COUNT, SLIDING_ATTENTION, ModelSpec, SpecError, model_facts
+from core.spec import FULL_ATTENTION, MAX_COUNT, NO_KV, SLIDING_ATTENTION, ModelSpec, SpecError, model_facts
 
 
 class SettingsError(SpecError):
@@ -77,14 +77,19 @@ def _with_kv_heads(spec: ModelSpec, kv_heads: int) -> ModelSpec:
         return replace(spec, num_kv_heads=kv_heads, head_dim=(spec.qk_nope_head_dim or 0) + (spec.qk_rope_head_dim or 0),
                        kv_lora_rank=None)
     bias = 1 if spec.kv_bias else 0
-    delta = 2 * spec.num_layers * (kv_heads - spec.num_kv_heads) * spec.head_dim * (spec.hidden_size + bias)
+    delta = 2 * spec.num_kv_layers * (kv_heads - spec.num_kv_heads) * spec.head_dim * (spec.hidden_size + bias)
     spec = replace(spec, num_kv_heads=kv_heads, num_parameters=spec.num_parameters + delta)
     return full_attention(spec) if spec.num_full_layers == 0 else spec
 
 
 def full_attention(spec: ModelSpec) -> ModelSpec:
-    """``spec`` with every layer attending to (and caching) every token."""
-    return replace(spec, sliding_window=None, layer_types=(FULL_ATTENTION,) * spec.num_layers)
+    """``spec`` with every attention layer attending to (and caching) every token (a layer without K/V,
+    linear attention or a state-space mixer, stays as it is)."""
+    return _every_kv_layer(replace(spec, sliding_window=None), FULL_ATTENTION)
+
+
+def _every_kv_layer(spec: ModelSpec, kind: str) -> ModelSpec:
+    return replace(spec, layer_types=tuple(t if t == NO_KV else kind for t in spec.layer_types))
 
 
 @dataclass(frozen=True)
@@ -165,6 +170,11 @@ class MLA(AttentionMode):
     name: ClassVar[str] = "mla"
     help: ClassVar[str] = "multi-head latent (DeepSeek-V2/V3): caches one compressed latent plus a rope key per token"
 
+    def check(self, spec: ModelSpec) -> None:
+        if spec.num_kv_layers == 0:
+            raise SettingsError(f"{spec.label} has no attention layer (it caches no K/V, only fixed-size states): "
+                                "there are no keys and values to compress into a latent")
+
     def apply(self, spec: ModelSpec) -> ModelSpec:
         if spec.is_mla:
             return spec
@@ -174,7 +184,9 @@ class MLA(AttentionMode):
             facts = model_facts(twin)
         except SpecError:  # transformers' validation refuses the twin's config: the estimate, as for unknown types
             facts = None
-        return replace(full_attention(spec), kv_lora_rank=rank, qk_rope_head_dim=rope,
+        # The twin is a DeepseekV3 in every layer: full attention everywhere, no linear-attention states.
+        return replace(full_attention(spec), layer_types=(FULL_ATTENTION,) * spec.num_layers, layer_states=None,
+                       kv_lora_rank=rank, qk_rope_head_dim=rope,
                        qk_nope_head_dim=spec.head_dim, v_head_dim=spec.head_dim,
                        num_parameters=facts.parameters if facts else spec.num_parameters,
                        buffer_bytes=facts.buffer_bytes if facts else spec.buffer_bytes, kv_bias=False)
@@ -195,7 +207,7 @@ class Window(AttentionMode):
         return cls(int_arg(arg, "window:4096", spelled))
 
     def apply(self, spec: ModelSpec) -> ModelSpec:
-        return replace(spec, sliding_window=self.window, layer_types=tuple([SLIDING_ATTENTION] * spec.num_layers))
+        return _every_kv_layer(replace(spec, sliding_window=self.window), SLIDING_ATTENTION)
 
 
 ATTENTION_MODES: list[type[AttentionMode]] = [MHA, GQA, MQA, MLA, Window]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from core.attention import SettingsError
-from core.spec import INDEXED_ATTENTION, MAX_COUNT, SLIDING_ATTENTION, ModelSpec, shown_count
+from core.spec import INDEXED_ATTENTION, MAX_COUNT, NO_KV, SLIDING_ATTENTION, ModelSpec, shown_count
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,8 @@ class LayerKV:
 
 
 def kv_layout(spec: ModelSpec) -> tuple[LayerKV, ...]:
-    """Per-layer cache shapes of an (effective) spec."""
+    """Per-layer cache shapes of an (effective) spec: its layers that cache K/V (a ``no_kv`` layer's
+    fixed-size states are ``core.states``')."""
     if spec.is_mla:
         # transformers >= 5.15 DeepseekV3Attention: cache.update(kv_nope [b,1,s,kv_lora_rank], k_rot [b,1,s,rope])
         shape = dict(heads=1, k_dim=int(spec.kv_lora_rank or 0), v_dim=int(spec.qk_rope_head_dim or 0))
@@ -51,7 +52,7 @@ def kv_layout(spec: ModelSpec) -> tuple[LayerKV, ...]:
     extra = int(spec.indexer_head_dim or 0)
     return tuple(
         LayerKV(window=spec.sliding_window if t == SLIDING_ATTENTION else None,
-                extra=extra if t == INDEXED_ATTENTION else 0, **shape) for t in spec.layer_types
+                extra=extra if t == INDEXED_ATTENTION else 0, **shape) for t in spec.layer_types if t != NO_KV
     )
 
 

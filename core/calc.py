@@ -128,21 +128,23 @@ def kv_formula(spec: ModelSpec, settings: RunSettings, tokens: int | None = None
     elem = kv_elem_bytes(spec, settings)
     n = 1 if tokens is None else tokens
     token_factor = [] if tokens is None else [f"{tokens:,} tokens"]
-    layers = kv_layout(eff)
-    if eff.is_mla:
+    layers = kv_layout(eff)  # the layers that cache K/V (linear-attention and state-space layers do not)
+    if not layers:
+        width, factors = 0, ["0 layers with K/V"]
+    elif eff.is_mla:
         rank, rope = eff.kv_lora_rank, eff.qk_rope_head_dim
         width = rank + rope
-        factors = [f"{eff.num_layers} layers", f"({rank} latent + {rope} rope)"]
+        factors = [f"{len(layers)} layers", f"({rank} latent + {rope} rope)"]
     else:
         layer = layers[0]
         width = layer.width
         if layer.k_dim == layer.v_dim:
-            factors = ["2 (K,V)" if tokens is None else "2", f"{eff.num_layers} layers", f"{layer.heads} KV heads",
+            factors = ["2 (K,V)" if tokens is None else "2", f"{len(layers)} layers", f"{layer.heads} KV heads",
                        f"{layer.k_dim} head_dim"]
         else:
-            factors = [f"{eff.num_layers} layers", f"{layer.heads} KV heads", f"({layer.k_dim} K + {layer.v_dim} V)"]
+            factors = [f"{len(layers)} layers", f"{layer.heads} KV heads", f"({layer.k_dim} K + {layer.v_dim} V)"]
     factors += token_factor + [f"{settings.batch} batch", f"{elem:g} B"]
-    product = eff.num_layers * width * n * settings.batch * elem
+    product = len(layers) * width * n * settings.batch * elem
     if tokens is None:
         return times.join(factors) + f" = {product:,.0f} B per token"
     product = int(math.ceil(product))
@@ -152,6 +154,10 @@ def kv_formula(spec: ModelSpec, settings: RunSettings, tokens: int | None = None
     if windows:
         n_sliding = sum(1 for layer in layers if layer.window)
         notes.append(f"{n_sliding} of {len(layers)} layers keep only a window of {min(windows):,} tokens")
+    stateful = sum(1 for st in eff.layer_states or () if st.elements or st.fixed_bytes)
+    if stateful:
+        notes.append(f"{stateful} of {eff.num_layers} layers keep fixed-size linear-attention, state-space or "
+                     "convolution states")
     if settings.cache.name == "static":
         notes.append(f"static cache preallocates {settings.max_context or tokens:,} tokens")
     if settings.cache.name == "quantized":

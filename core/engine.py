@@ -179,6 +179,10 @@ class Engine:
                 which = f"slide under {mode.key}" if isinstance(mode, Window) else f"of {label} slide"
                 raise SettingsError(f"a quantized cache needs full-attention layers; transformers refuses it with a "
                                     f"sliding window ({sliding} of {eff.num_layers} layers {which})")
+            if eff.num_state_layers:
+                raise SettingsError(f"a quantized cache needs full-attention layers; transformers refuses it with "
+                                    f"{eff.num_state_layers} of {eff.num_layers} layers of {label} keeping linear-attention, "
+                                    "state-space or convolution states (or sharing K/V)")
             if strategy.backend in ("quanto", "hqq"):
                 problem = _backend_problem(strategy.backend)
                 if problem:

@@ -19,8 +19,9 @@ import threading
 from typing import Any
 
 from core.longlived import freeze_long_lived
-from core.spec import (FULL_ATTENTION, INDEXED_ATTENTION, SLIDING_ATTENTION, ConfigView, ModelFacts, is_plain_int,
+from core.spec import (FULL_ATTENTION, INDEXED_ATTENTION, NO_KV, SLIDING_ATTENTION, ConfigView, ModelFacts, is_plain_int,
                         is_transformers_refusal, transformers_refusal)
+from core.states import LayerState
 
 _lock = threading.Lock()
 _ready = False
@@ -90,16 +91,120 @@ def meta_facts(config_json: str) -> ModelFacts | None:
     return ModelFacts(params, buffers, kv_bias, bool(getattr(type(model), "_supports_sdpa", True)))
 
 
-def hf_layer_types(hf_config) -> tuple[str, ...] | None:
-    """Per-layer attention types exactly as transformers' cache builds them (None if it cannot say)."""
+#: transformers' cache layer types (``cache_utils.DYNAMIC_LAYER_TYPE_MAPPING``) as the K/V they hold: sliding
+#: and chunked layers keep a window (DynamicSlidingWindowLayer), hybrid layers a linear-attention state *and*
+#: K/V, linear-attention, conv and dummy layers no K/V (their states: ``probe_states``).
+_KV_KIND = {"sliding_attention": SLIDING_ATTENTION, "chunked_attention": SLIDING_ATTENTION,
+            "hybrid_sliding": SLIDING_ATTENTION, INDEXED_ATTENTION: INDEXED_ATTENTION,
+            "linear_attention": NO_KV, "conv": NO_KV, "dummy": NO_KV}
+
+
+def _cache_layer_types(hf_config) -> tuple[list[str], list[dict]] | None:
     try:
         from transformers.cache_utils import get_layer_types_and_kwargs
 
-        types, _ = get_layer_types_and_kwargs(hf_config.get_text_config(decoder=True))
+        return get_layer_types_and_kwargs(hf_config.get_text_config(decoder=True))
     except Exception:
         return None
-    return tuple(SLIDING_ATTENTION if t in ("sliding_attention", "chunked_attention")
-                 else INDEXED_ATTENTION if t == INDEXED_ATTENTION else FULL_ATTENTION for t in types)
+
+
+def hf_layer_types(hf_config) -> tuple[str, ...] | None:
+    """Per-layer K/V kinds exactly as transformers' cache builds them (None if it cannot say)."""
+    found = _cache_layer_types(hf_config)
+    if found is None:
+        return None
+    return tuple(_KV_KIND.get(t, FULL_ATTENTION) for t in found[0])
+
+
+def hf_sliding_window(hf_config) -> int | None:
+    """The window the cache's sliding layers keep: the config's ``sliding_window``, else what transformers
+    gives its sliding layers (Llama 4's chunked layers: ``attention_chunk_size``)."""
+    window = getattr(hf_config.get_text_config(decoder=True), "sliding_window", None)
+    if window is None:
+        found = _cache_layer_types(hf_config)
+        windows = {kw.get("sliding_window") for kw in found[1]} - {None} if found else set()
+        window = windows.pop() if len(windows) == 1 else None
+    return window if is_plain_int(window) and window > 0 else None
+
+
+#: Tensors a cache layer holds that are its K/V (predicted by the layer formulas, not here) or bookkeeping
+#: (core.measure.BOOKKEEPING_ATTRS).
+_NOT_STATES = frozenset({"keys", "values", "indexer_keys"})
+
+
+def _layer_states(layer) -> dict[str, tuple[int, int]]:
+    """{name: (elements, bytes)} of the tensors a cache layer holds beside K/V and its bookkeeping."""
+    import torch
+
+    from core.measure import BOOKKEEPING_ATTRS
+
+    out = {}
+    for name, value in vars(layer).items():
+        items = value.items() if isinstance(value, dict) else [(None, value)]
+        for key, tensor in items:
+            if not isinstance(tensor, torch.Tensor) or name in _NOT_STATES or name in BOOKKEEPING_ATTRS:
+                continue
+            out[f"{name}[{key}]" if key is not None else name] = (tensor.numel(), tensor.numel() * tensor.element_size())
+    return out
+
+
+def _probe_cache(hf_config, dtype, tokens: int = 2):
+    """A DynamicCache filled by ``tokens`` tokens through the model of ``hf_config`` built in ``dtype``, all
+    on the meta device (no memory; ~25 ms a layer: the meta kernels are Python)."""
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    with torch.device("meta"), _meta_nonzero():
+        # batched_mm: the default grouped_mm experts kernel only takes bfloat16 on the meta device.
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, experts_implementation="batched_mm")
+        cache = DynamicCache(config=hf_config)
+        with torch.inference_mode():
+            model(input_ids=torch.zeros((1, tokens), dtype=torch.long), cache=cache, use_cache=True)
+    return cache
+
+
+def _meta_nonzero():
+    """torch.nonzero on meta tensors answers as if every element were non-zero (a routing's token picks:
+    Qwen4-exp's), instead of refusing: the states' shapes never depend on which tokens were picked."""
+    import contextlib
+
+    try:
+        import torch.fx.experimental._config as fx_config
+
+        return fx_config.patch(meta_nonzero_assume_all_nonzero=True)
+    except (ImportError, AttributeError, KeyError):  # another torch: the probe refuses such models, as before
+        return contextlib.nullcontext()
+
+
+def probe_states(hf_config, types: tuple[str, ...] | None) -> tuple[tuple[str, ...] | None, tuple[LayerState, ...] | None]:
+    """What each cache layer holds beside K/V, per sequence, measured on the meta device (``core.states``),
+    and the layer kinds corrected by what the layers really cache (a layer that stays empty after a
+    forward pass caches nothing: GPT-1, RWKV keep no K/V). ``(types, None)``: the probe cannot say
+    (the model does not run on meta, or brings a cache of its own), or no layer holds states.
+
+    One forward pass of a bfloat16 model: a state in bfloat16 follows the model's dtype (``elements``); one
+    in another dtype (float32) is kept in it whatever the model's (``fixed_bytes``)."""
+    import torch
+
+    if types is None:
+        return types, None
+    try:
+        cache = _probe_cache(hf_config, torch.bfloat16)
+    except Exception:  # data-dependent ops on meta (nonzero), a cache class of its own, no causal-LM class...
+        return types, None
+    layers = getattr(cache, "layers", None)
+    if not isinstance(layers, list) or len(layers) != len(types):
+        return types, None
+    found_types, states = list(types), []
+    for i, kind in enumerate(types):
+        held = _layer_states(layers[i])
+        states.append(LayerState(sum(n for n, b in held.values() if b == 2 * n),
+                                 sum(b for n, b in held.values() if b != 2 * n)))
+        if kind != NO_KV and getattr(layers[i], "keys", None) is None:
+            found_types[i] = NO_KV
+    if not any(s.elements or s.fixed_bytes for s in states):
+        states = None
+    return tuple(found_types), None if states is None else tuple(states)
 
 
 def compute_view(key: str) -> ConfigView:
@@ -108,6 +213,8 @@ def compute_view(key: str) -> ConfigView:
     hf_config = build_hf_config(cfg)
     if hf_config is None:
         return ConfigView(known=False)
-    window = getattr(hf_config, "sliding_window", None)
-    window = window if is_plain_int(window) and window > 0 else None
-    return ConfigView(True, hf_layer_types(hf_config), window, meta_facts(key))
+    types, states = probe_states(hf_config, hf_layer_types(hf_config))
+    # Tied output head: what transformers' tying reads (a missing field is False), where config.json names nothing.
+    tied = None if "tie_word_embeddings" in cfg else bool(getattr(hf_config.get_text_config(decoder=True),
+                                                                  "tie_word_embeddings", False))
+    return ConfigView(True, types, hf_sliding_window(hf_config), meta_facts(key), states, tied)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from core.caches import kv_layout
 from core.settings import RunSettings, effective_spec
 from core.spec import ModelSpec, dtype_bytes
+from core.states import state_bytes
 
 FP32 = 4
 
@@ -65,13 +66,14 @@ def kv_bytes(spec: ModelSpec, settings: RunSettings, tokens: int, prompt_tokens:
     """Exact bytes the cache holds after ``tokens`` tokens (``prompt_tokens`` of them in the prefill).
 
     The classic formula 2 x layers x kv_heads x head_dim x tokens x batch x bytes is the dynamic
-    full-attention case; windows, preallocation, quantization and MLA are handled per layer.
+    full-attention case; windows, preallocation, quantization and MLA are handled per layer. Layers that
+    keep fixed-size states beside (or instead of) K/V add them, in the model's dtype (``core.states``).
     """
     eff = effective_spec(spec, settings)
     return settings.cache.kv_bytes(
         kv_layout(eff), settings.batch, tokens, kv_elem_bytes(spec, settings),
         max_context=settings.max_context or tokens, prompt_tokens=prompt_tokens,
-    )
+    ) + state_bytes(eff.layer_states, settings.batch, dtype_bytes(settings.weight_dtype or spec.dtype), tokens)
 
 
 def activation_bytes(spec: ModelSpec, settings: RunSettings, q_len: int, kv_len: int) -> int:

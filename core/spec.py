@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from core.states import LayerState, states_from_json
+
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 PRESETS_DIR = ASSETS / "presets"
 EMBEDDED_PRESET = "embedded"
@@ -23,6 +25,12 @@ FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 #: A full-attention layer that also caches one indexer key per token (DeepSeek-V3.2 / GLM DSA sparse attention).
 INDEXED_ATTENTION = "indexed_attention"
+#: A layer that caches no K/V per token: linear attention, a state-space or convolution mixer, a layer
+#: without attention or one that reuses another layer's K/V (transformers' LinearAttentionLayer and
+#: DummyLayer). Its fixed-size states, if any, are in ``ModelSpec.layer_states`` (``core.states``).
+NO_KV = "no_kv"
+#: Every kind of layer a spec names, as the cache sees it.
+LAYER_KINDS = (FULL_ATTENTION, SLIDING_ATTENTION, INDEXED_ATTENTION, NO_KV)
 
 #: Bytes per element of the dtypes a user can name. Keys are the spellings we accept; see DTYPE_ALIASES.
 DTYPE_BYTES: dict[str, float] = {
@@ -83,8 +91,10 @@ def dtype_bytes(name: str) -> float:
 class ModelSpec:
     """The architecture facts that decide memory, all integers (counts, dims) except names.
 
-    ``layer_types`` has one entry per decoder layer (``full_attention`` or ``sliding_attention``),
-    exactly as transformers' cache classes see it (``cache_utils.get_layer_types_and_kwargs``).
+    ``layer_types`` has one entry per decoder layer (``full_attention``, ``sliding_attention``,
+    ``indexed_attention`` or ``no_kv``), exactly as transformers' cache classes see it
+    (``cache_utils.get_layer_types_and_kwargs``); ``layer_states`` what each layer holds beside K/V
+    (None: nothing, as in every attention-only model).
     MLA fields are set only for latent-attention models (DeepSeek-V2/V3).
     """
 
@@ -112,6 +122,7 @@ class ModelSpec:
     kv_bias: bool = False  # k_proj/v_proj carry a bias (Qwen2, attention_bias=True)
     indexer_head_dim: int | None = None  # DSA indexer keys cached per token in indexed layers
     supports_sdpa: bool = True  # False where transformers runs the model with eager only (Gemma 2)
+    layer_states: tuple[LayerState, ...] | None = None  # per layer, beside K/V (core.states)
     config: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @property
@@ -124,7 +135,20 @@ class ModelSpec:
 
     @property
     def num_full_layers(self) -> int:
-        return self.num_layers - self.num_sliding_layers
+        """Layers that cache every token (full and indexed attention)."""
+        return sum(1 for t in self.layer_types if t not in (SLIDING_ATTENTION, NO_KV))
+
+    @property
+    def num_state_layers(self) -> int:
+        """Layers that are not plain K/V attention: no K/V (linear attention, state-space, convolution, shared
+        K/V) or fixed-size states beside K/V (hybrid layers). transformers' QuantizedCache refuses them."""
+        states = self.layer_states or (None,) * self.num_layers
+        return sum(1 for t, st in zip(self.layer_types, states) if t == NO_KV or st and (st.elements or st.fixed_bytes))
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that cache K/V at all (the layers with K/V projections a head switch changes)."""
+        return sum(1 for t in self.layer_types if t != NO_KV)
 
     @property
     def label(self) -> str:
@@ -311,7 +335,31 @@ MAX_COUNT = 2**31 - 1
 MAX_SIZE = 2**64
 
 #: Where configs name the model's trained maximum of positions (2,048 assumed when none does).
-MAX_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+MAX_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "max_seq_len",
+                     "context_length", "model_max_length")
+
+# The spellings of the counts, first the normalised name, then every field the decoder-only config classes
+# of transformers 5.24 alias it to (their ``attribute_map``: DBRX and MPT say n_layers/n_heads/d_model,
+# XGLM num_layers/attention_heads, TrOCR decoder_layers/decoder_attention_heads...); encoder_* aliases are
+# left out (an encoder's count is not the decoder's).
+LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers",
+                    "decoder_num_hidden_layers")
+#: Per-layer lists whose length is the layer count where a config stores no count (Nemotron-H's
+#: ``layers_block_type``, which its attribute_map names ``layer_types``).
+LAYER_LIST_KEYS = ("layer_types", "layers_block_type")
+HEAD_COUNT_KEYS = ("num_attention_heads", "n_head", "num_heads", "n_heads", "attention_heads",
+                   "decoder_attention_heads", "decoder_num_attention_heads")
+#: head_dim and the fields config classes alias it to (Zamba: attention_head_dim, JetMoE: kv_channels, T5-style d_kv).
+HEAD_DIM_KEYS = ("head_dim", "attention_head_dim", "kv_channels", "d_kv")
+HIDDEN_SIZE_KEYS = ("hidden_size", "n_embd", "d_model", "emb_dim", "embed_dim", "hidden_dim", "dim")
+
+
+def _layer_count(cfg: dict[str, Any]) -> Any:
+    count = _first(cfg, *LAYER_COUNT_KEYS)
+    if count is None:
+        listed = _first(cfg, *LAYER_LIST_KEYS)
+        count = len(listed) if isinstance(listed, list) and listed else None
+    return count
 
 
 def declared_max_positions(spec: "ModelSpec") -> int | None:
@@ -350,9 +398,13 @@ def _text_config(raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
+def _kv_heads_named(cfg: dict[str, Any]) -> Any:
+    return _first(cfg, "num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num", "kv_n_heads")
+
+
 def _kv_heads(cfg: dict[str, Any], n_heads: int) -> Any:
     """KV heads under every spelling configs use."""
-    explicit = _first(cfg, "num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num", "kv_n_heads")
+    explicit = _kv_heads_named(cfg)
     if cfg.get("model_type") == "falcon":
         # Falcon: new_decoder_architecture uses num_kv_heads; otherwise multi_query means one KV head.
         if cfg.get("new_decoder_architecture"):
@@ -392,13 +444,19 @@ class ConfigView:
     layer_types: tuple[str, ...] | None = None
     sliding_window: int | None = None
     facts: ModelFacts | None = None
+    states: tuple[LayerState, ...] | None = None  # per layer beside K/V; None: no layer holds any
+    #: Whether the model ties its output head to the embeddings, as transformers reads it, for a config.json
+    #: that does not say (its class's default, where transformers' tying reads a missing one as False); None
+    #: where config.json says.
+    tied: bool | None = None
 
     def to_json(self) -> dict[str, Any]:
         f = self.facts
         return {"transformers": transformers_version(), "known": self.known,
                 "layer_types": list(self.layer_types) if self.layer_types is not None else None,
                 "sliding_window": self.sliding_window,
-                "facts": None if f is None else [f.parameters, f.buffer_bytes, int(f.kv_bias), int(f.supports_sdpa)]}
+                "facts": None if f is None else [f.parameters, f.buffer_bytes, int(f.kv_bias), int(f.supports_sdpa)],
+                "states": None if self.states is None else [s.to_json() for s in self.states], "tied": self.tied}
 
     @classmethod
     def from_json(cls, data: Any) -> "ConfigView | None":
@@ -407,7 +465,11 @@ class ConfigView:
         if not isinstance(data, dict) or data.get("transformers") != transformers_version():
             return None
         types, window, facts = data.get("layer_types"), data.get("sliding_window"), data.get("facts")
-        kinds = (FULL_ATTENTION, SLIDING_ATTENTION, INDEXED_ATTENTION)
+        kinds = LAYER_KINDS
+        states = states_from_json(data.get("states"))  # absent (a view stored before states were): none
+        if states is False or states is not None and (types is None or len(states) != len(types)) \
+                or not (data.get("tied") is None or isinstance(data.get("tied"), bool)):
+            return None
         if not isinstance(data.get("known"), bool) \
                 or not (types is None or isinstance(types, list) and all(t in kinds for t in types)) \
                 or not (window is None or is_plain_int(window) and window > 0) \
@@ -415,7 +477,8 @@ class ConfigView:
                         and all(is_plain_int(v) and v >= 0 for v in facts)):
             return None
         return cls(data["known"], None if types is None else tuple(types), window,
-                   None if facts is None else ModelFacts(facts[0], facts[1], bool(facts[2]), bool(facts[3])))
+                   None if facts is None else ModelFacts(facts[0], facts[1], bool(facts[2]), bool(facts[3])), states,
+                   data.get("tied"))
 
 
 def is_plain_int(value: Any) -> bool:
@@ -445,6 +508,11 @@ def config_key(cfg: dict[str, Any]) -> str:
     return json.dumps({k: v for k, v in cfg.items() if k != "_kvscope"}, sort_keys=True, default=str)
 
 
+#: What a memoised view means: bumped when ``core.hf.compute_view`` learns more of a config, so views
+#: memoised before (which read linear-attention layers as full attention, say) are found again.
+VIEW_SCHEMA = 3
+
+
 def config_view(cfg: dict[str, Any], shipped: Any = None) -> ConfigView:
     """What transformers makes of ``cfg``: from ``shipped`` (a preset's stored view) when it is for
     this transformers version, else from the on-disk memo, else found now (seconds for DeepSeek-V3,
@@ -455,7 +523,7 @@ def config_view(cfg: dict[str, Any], shipped: Any = None) -> ConfigView:
     import os
 
     key = config_key(cfg)
-    digest = hashlib.sha256(f"{transformers_version()}\n{key}".encode()).hexdigest()[:24]
+    digest = hashlib.sha256(f"{transformers_version()}\n{VIEW_SCHEMA}\n{key}".encode()).hexdigest()[:24]
     store = _cache_dir() / "config_views.json"
     try:
         known = json.loads(store.read_text(encoding="utf-8")) if store.is_file() else {}
@@ -510,7 +578,7 @@ def _declared_layer_types(cfg: dict[str, Any], layers: int, window: int | None) 
 
 
 def _require_layer_count(cfg: dict[str, Any], name: str) -> None:
-    if "num_hidden_layers" not in cfg and "n_layer" not in cfg and "num_layers" not in cfg:
+    if not any(k in cfg for k in LAYER_COUNT_KEYS) and _layer_count(cfg) is None:
         raise SpecError(f"{name}: config has no layer count (num_hidden_layers); is it a causal language model?")
 
 
@@ -524,20 +592,31 @@ def check_config(cfg: dict[str, Any], name: str = "model") -> None:
     _checked_counts(cfg, name)
 
 
+def _missing_heads(name: str) -> SpecError:
+    return SpecError(f"{name}: config is missing the number of attention heads")
+
+
 def _checked_counts(cfg: dict[str, Any], name: str) -> dict[str, Any]:
-    """Every count and width of a (text) config as a checked int; SpecError naming the first bad one."""
-    layers = _positive_int(_first(cfg, "num_hidden_layers", "n_layer", "num_layers"), "number of layers", name,
-                           limit=None)
+    """Every count and width of a (text) config as a checked int; SpecError naming the first bad one.
+
+    A config that names no attention heads at all (Mamba, RWKV: no layer caches K/V) gets 1 head of the
+    hidden size as a placeholder and ``heads_missing``; ``spec_from_config`` refuses it unless transformers
+    says no layer caches K/V (the view's layer types)."""
+    layers = _positive_int(_layer_count(cfg), "number of layers", name, limit=None)
     if layers > MAX_LAYERS:
         raise SpecError(f"{name}: {shown_count(layers)} layers is implausible (more than {MAX_LAYERS:,}); "
                         "check num_hidden_layers")
-    heads = _positive_int(_first(cfg, "num_attention_heads", "n_head", "num_heads"), "number of attention heads", name)
-    hidden = _positive_int(_first(cfg, "hidden_size", "n_embd", "d_model"), "hidden size", name)
+    heads_raw = _first(cfg, *HEAD_COUNT_KEYS)
+    heads_missing = heads_raw is None and _kv_heads_named(cfg) is None
+    heads = 1 if heads_missing else _positive_int(heads_raw, "number of attention heads", name)
+    hidden = _positive_int(_first(cfg, *HIDDEN_SIZE_KEYS), "hidden size", name)
     kv_heads = _positive_int(_kv_heads(cfg, heads), "number of KV heads", name)
     if heads % kv_heads:
         raise SpecError(f"{name}: {kv_heads} KV heads do not divide {heads} query heads")
-    head_dim_raw = cfg.get("head_dim")
+    head_dim_raw = _first(cfg, *HEAD_DIM_KEYS)
     head_dim = _positive_int(head_dim_raw, "head_dim", name) if head_dim_raw is not None else hidden // heads
+    if heads_missing and head_dim_raw is None:
+        head_dim = hidden
     if head_dim <= 0:
         raise SpecError(f"{name}: hidden size {hidden} is smaller than the {heads} heads")
     vocab = _positive_int(_first(cfg, "vocab_size", "padded_vocab_size"), "vocab_size", name)
@@ -566,7 +645,7 @@ def _checked_counts(cfg: dict[str, Any], name: str) -> dict[str, Any]:
     indexer = _first(cfg, "index_head_dim", "indexer_head_dim")
     indexer = _positive_int(indexer, "index_head_dim", name) if indexer is not None else None
     return dict(layers=layers, heads=heads, hidden=hidden, kv_heads=kv_heads, head_dim=head_dim, vocab=vocab,
-                max_pos=max_pos, window=window, mla=mla, indexer=indexer)
+                max_pos=max_pos, window=window, mla=mla, indexer=indexer, heads_missing=heads_missing)
 
 
 def spec_from_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
@@ -581,7 +660,7 @@ def spec_from_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
     layers, heads, hidden, kv_heads = counts["layers"], counts["heads"], counts["hidden"], counts["kv_heads"]
     head_dim, vocab, max_pos, window, mla = (counts["head_dim"], counts["vocab"], counts["max_pos"], counts["window"],
                                              counts["mla"])
-    tied = bool(cfg.get("tie_word_embeddings", True))
+    tied_named = cfg.get("tie_word_embeddings", True)
     dtype_name = str(_first(cfg, "torch_dtype", "dtype") or "float32")
     try:
         dtype = canonical_dtype(dtype_name)
@@ -592,7 +671,10 @@ def spec_from_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
         view = config_view(cfg, shipped=meta.get("view") if meta else None)
     except SpecError as exc:  # transformers refused the config (core.hf.build_hf_config)
         raise SpecError(f"{name}: {exc}") from None
+    tied = view.tied if view.tied is not None else bool(tied_named)
     types = view.layer_types or _declared_layer_types(cfg, layers, window)
+    if counts["heads_missing"] and any(t != NO_KV for t in types):
+        raise _missing_heads(name)
     if SLIDING_ATTENTION in types and window is None:
         window = view.sliding_window
     if SLIDING_ATTENTION not in types:
@@ -623,6 +705,7 @@ def spec_from_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
         supports_sdpa=supports_sdpa,
         indexer_head_dim=counts["indexer"] if INDEXED_ATTENTION in types else None,
         layer_types=types,
+        layer_states=view.states if view.states is not None and len(view.states) == len(types) else None,
         sliding_window=window,
         display_name=str(meta.get("display_name", "")) if meta else "",
         config=cfg,

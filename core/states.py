@@ -1,0 +1,69 @@
+"""The states a cache holds beside K/V: what non-attention layers keep per sequence, whatever the context.
+
+transformers 5.24 gives every decoder layer one cache layer (``cache_utils.get_layer_types_and_kwargs``
+and ``DYNAMIC_LAYER_TYPE_MAPPING``). Besides the K/V layers (``DynamicLayer``, sliding, indexed) it has:
+
+- ``LinearAttentionLayer`` for ``linear_attention`` and ``conv`` layers (Qwen3-Next's gated delta net,
+  Mamba and Mamba-2 mixers in Jamba, Zamba, Nemotron-H..., LFM2's short convolutions): no per-token
+  K/V, but ``conv_states[i]`` (the last ``conv_kernel_size`` inputs of each causal convolution) and
+  ``recurrent_states[i]`` (the SSM or linear-attention state), ``number_of_conv_states`` of each;
+- ``LinearAttentionAndFullAttentionLayer`` / ``...SlidingWindowAttentionLayer`` for ``hybrid`` and
+  ``hybrid_sliding`` layers: those states *and* a K/V layer;
+- ``DummyLayer`` for layers that cache nothing (``dummy``, ``moe``/``mlp`` layers without attention,
+  layers that reuse another layer's K/V).
+
+The states' shapes are fixed by the mixer's widths (the model class computes them from config fields
+of its own naming), never by the context: allocated at the first token, copied into in place after it.
+So per layer they are a constant per sequence, which ``core.hf.probe_states`` measures once per config:
+it runs the model transformers builds for the config on the ``meta`` device (no memory, any size) with
+a real ``DynamicCache`` and reads the tensors each layer then holds, at two dtypes (a state that follows
+the model's dtype, and one kept in a fixed dtype, e.g. float32). The view keeps the result
+(``core.spec.ConfigView.states``) and this module turns it into bytes.
+
+Here only arithmetic: no torch, no transformers (the window and ``calc`` import it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class LayerState:
+    """What one layer holds beside K/V, per sequence: ``elements`` in the model's dtype plus ``fixed_bytes``
+    in dtypes of their own (a float32 recurrent state in a bfloat16 model)."""
+
+    elements: int = 0
+    fixed_bytes: int = 0
+
+    def nbytes(self, batch: int, elem_bytes: float) -> int:
+        return int(batch * (self.elements * elem_bytes + self.fixed_bytes))
+
+    def to_json(self) -> list[int]:
+        return [self.elements, self.fixed_bytes]
+
+    @classmethod
+    def from_json(cls, data: Any) -> "LayerState | None":
+        if isinstance(data, list) and len(data) == 2 and all(isinstance(v, int) and not isinstance(v, bool)
+                                                             and v >= 0 for v in data):
+            return cls(data[0], data[1])
+        return None
+
+
+def state_bytes(states: tuple[LayerState, ...] | None, batch: int, elem_bytes: float, tokens: int) -> int:
+    """Bytes of every layer's non-K/V states once at least one token went through (0 before: lazily allocated).
+    ``elem_bytes``: the model's dtype (states are computed from activations, never in a KV dtype)."""
+    if not states or tokens <= 0:
+        return 0
+    return sum(s.nbytes(batch, elem_bytes) for s in states)
+
+
+def states_from_json(data: Any) -> tuple[LayerState, ...] | None | bool:
+    """The per-layer states stored in a view: a tuple, None (none stored), or False (damaged)."""
+    if data is None:
+        return None
+    if not isinstance(data, list):
+        return False
+    states = tuple(LayerState.from_json(d) for d in data)
+    return False if any(s is None for s in states) else states

@@ -1,16 +1,24 @@
-"""The embedded demo model: a small Llama with random weights, built offline on first use.
+"""The embedded demo model: a small Llama trained on text about the KV cache, shipped with KV Scope.
 
-KV Scope must run with no download and no user action, so the demo model is not shipped as
-weights but as a recipe: ``assets/presets/embedded.json`` (the architecture) and
-``assets/embedded/corpus.txt`` (text to train a byte-level BPE tokenizer on). ``embedded_model_dir``
-turns the recipe into an ordinary Hugging Face model folder (``config.json``, ``model.safetensors``,
-``generation_config.json``, ``tokenizer.json`` ...) in the user's cache, once, deterministically:
-the same recipe gives byte-identical files on every machine, so the folder name is a hash of it.
+KV Scope must run with no download and no user action. The demo model ships as a recipe and a
+weights file: ``assets/presets/embedded.json`` (the architecture), ``assets/embedded/corpus.txt``
+(English about KV caches, attention and memory, written for the project: the byte-level BPE
+tokenizer is trained on it here, in about a second) and ``assets/embedded/model.safetensors`` (fp16
+weights that ``scripts/train_embedded.py`` trained on the same corpus, once, offline).
+``embedded_model_dir`` turns them into an ordinary Hugging Face model folder (``config.json``,
+``model.safetensors``, ``generation_config.json``, ``tokenizer.json`` ...) in the user's cache,
+once, deterministically: the same recipe gives byte-identical files on every machine, so the folder
+name is a hash of it.
 
-The weights are random (seeded), so the model writes nonsense. Their scale is chosen so that the
-nonsense is varied: with the usual tiny initialisation (std 0.02 everywhere) a model with tied
-embeddings just echoes its last input token forever, because the residual stream is dominated by
-that token's embedding and the output head is the same matrix.
+The weights file is checked against ``WEIGHTS_SHA256`` (and its safetensors header against the
+preset's parameter names and shapes). When it is missing or damaged the build falls back to seeded
+random weights, the model's label says "(random weights)" and ``EmbeddedBuild.note`` says why in
+one line, which the loader reports; the memory figures are the same, only the text is nonsense.
+
+The random weights' scale is chosen so that the nonsense is varied: with the usual tiny
+initialisation (std 0.02 everywhere) a model with tied embeddings just echoes its last input token
+forever, because the residual stream is dominated by that token's embedding and the output head is
+the same matrix.
 """
 
 from __future__ import annotations
@@ -23,16 +31,22 @@ import shutil
 import socket
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from core.spec import ASSETS, EMBEDDED_PRESET, PRESETS_DIR, _cache_dir
 
 #: Bump when the build changes in a way the files would show (init scheme, tokenizer options...).
-BUILDER_VERSION = 1
-EMBEDDED_LABEL = "embedded demo model (random weights)"
+BUILDER_VERSION = 2
+EMBEDDED_LABEL = "embedded demo model"
+RANDOM_WEIGHTS_LABEL = "embedded demo model (random weights)"
 PRESET_PATH = PRESETS_DIR / f"{EMBEDDED_PRESET}.json"
 CORPUS_PATH = ASSETS / "embedded" / "corpus.txt"
+#: The trained weights (fp16, tied head stored once), written by scripts/train_embedded.py.
+WEIGHTS_PATH = ASSETS / "embedded" / "model.safetensors"
+#: SHA-256 of the shipped WEIGHTS_PATH: any other bytes are damage, and the build falls back to random weights.
+WEIGHTS_SHA256 = "a56fc48fbb9b402e95310d9c3381288e741c47e452745b6968bf3074a95e7392"
 SEED = 0
 
 # Special tokens in id order; their ids must equal pad/bos/eos in the preset (checked at build).
@@ -69,17 +83,62 @@ def _read_preset() -> dict:
     return json.loads(PRESET_PATH.read_text(encoding="utf-8"))
 
 
-def recipe_digest() -> str:
-    """Hex digest (16 chars) of everything the build depends on: preset, corpus, builder and library versions."""
+@dataclass(frozen=True)
+class EmbeddedBuild:
+    """A built embedded model folder and what its weights are.
+
+    ``note`` is None for the trained weights; otherwise one line for the user saying why the
+    weights are random (the shipped file is missing or damaged)."""
+
+    folder: Path
+    trained: bool
+    label: str
+    note: str | None = None
+
+
+def _weights_name() -> str:
+    try:
+        return WEIGHTS_PATH.relative_to(ASSETS.parent).as_posix()
+    except ValueError:
+        return str(WEIGHTS_PATH)
+
+
+def weights_problem() -> str | None:
+    """Why the shipped trained weights cannot be used (missing, unreadable, wrong SHA-256), or None.
+
+    Reads the whole file (6.9 MB, a few milliseconds). The header is checked when the folder is built."""
+    try:
+        data = WEIGHTS_PATH.read_bytes()
+    except FileNotFoundError:
+        return f"{_weights_name()} is missing"
+    except OSError as exc:
+        return f"{_weights_name()} cannot be read ({exc.strerror or exc})"
+    if hashlib.sha256(data).hexdigest() != WEIGHTS_SHA256:
+        return f"{_weights_name()} is damaged (its SHA-256 is not the shipped one)"
+    return None
+
+
+def fallback_note(problem: str) -> str:
+    """The one line a load reports when the embedded model runs on random weights."""
+    return (f"note: the trained weights {problem}: the embedded demo model runs on random weights, so its "
+            "text is nonsense (the memory figures are unchanged); reinstall KV Scope to get them back")
+
+
+def recipe_digest(trained: bool | None = None) -> str:
+    """Hex digest (16 chars) of everything the build depends on: preset, corpus, weights (or the
+    random init), builder and library versions. ``trained`` None: whether the shipped weights are usable now."""
     import safetensors
     import tokenizers
     import transformers
 
+    if trained is None:
+        trained = weights_problem() is None
     recipe = {
         "builder": BUILDER_VERSION,
         "config": _read_preset(),
         "corpus_sha256": hashlib.sha256(_read_corpus().encode("utf-8")).hexdigest(),
-        "init": [SEED, EMBED_STD, LINEAR_GAIN, FINAL_NORM_WEIGHT],
+        "weights": WEIGHTS_SHA256 if trained else "random",
+        "init": None if trained else [SEED, EMBED_STD, LINEAR_GAIN, FINAL_NORM_WEIGHT],
         # config.json and tokenizer files carry library versions, so a new version is a new folder.
         "transformers": transformers.__version__,
         "tokenizers": tokenizers.__version__,
@@ -98,20 +157,32 @@ def _is_complete(folder: Path) -> bool:
 
 
 def embedded_model_dir(progress: Callable[[str], None] | None = None) -> Path:
-    """Path of the built embedded demo model folder, building it first if needed.
+    """Path of the built embedded demo model folder, building it first if needed (see ``embedded_build``)."""
+    return embedded_build(progress).folder
 
-    The build is offline and takes about half a second once torch and transformers are imported;
+
+def embedded_build(progress: Callable[[str], None] | None = None) -> EmbeddedBuild:
+    """The built embedded demo model folder, building it first if needed, and what its weights are.
+
+    The trained weights when ``WEIGHTS_PATH`` is intact, else seeded random weights (with a note).
+    The build is offline and takes about a second once torch and transformers are imported;
     the folder is 13.1 MiB (3.43 M fp32 parameters). Two processes
     building at once are safe: each builds in its own temporary folder and renames it into place;
     the loser discards its copy. A build killed half-way (SIGKILL, power loss) leaves its
     ``.build-*`` folder behind; the next call removes such folders (see ``remove_stale_builds``).
     Raises EmbeddedBuildError if the cache cannot be written.
     """
+    problem = weights_problem()
+    if problem is None:
+        problem = _header_problem()
+    trained = problem is None
     root = embedded_cache_root()
-    final = root / f"llama-4x256-{recipe_digest()}"
+    final = root / f"llama-4x256-{recipe_digest(trained)}"
+    result = EmbeddedBuild(final, trained, EMBEDDED_LABEL if trained else RANDOM_WEIGHTS_LABEL,
+                           None if trained else fallback_note(problem))
     remove_stale_builds(root)
     if _is_complete(final):
-        return final
+        return result
     if progress:
         progress("building embedded model…")
     try:
@@ -121,7 +192,7 @@ def embedded_model_dir(progress: Callable[[str], None] | None = None) -> Path:
         raise EmbeddedBuildError(f"cannot write the KV Scope cache at {root}: {exc.strerror or exc} "
                                  "(set KVSCOPE_CACHE to a writable folder)") from exc
     try:
-        build_into(tmp)
+        build_into(tmp, trained=trained)
         if final.exists() and not _is_complete(final):
             # A half-deleted folder from an older crash or a user's cleanup: replace it.
             shutil.rmtree(final, ignore_errors=True)
@@ -136,7 +207,7 @@ def embedded_model_dir(progress: Callable[[str], None] | None = None) -> Path:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return result
 
 
 def _build_prefix() -> str:
@@ -238,13 +309,55 @@ def _random_state_dict(config) -> dict:
     return tensors
 
 
-def build_into(folder: Path) -> None:
-    """Write the embedded model's files into ``folder`` (which must exist). Deterministic bytes."""
+def _expected_shapes(config) -> dict[str, tuple[int, ...]]:
+    """Parameter names and shapes of ``LlamaForCausalLM(config)`` (tied head once), from the meta device."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        skeleton = LlamaForCausalLM(config)
+    return {name: tuple(p.shape) for name, p in skeleton.named_parameters()}
+
+
+def _header_problem() -> str | None:
+    """Why the weights file's safetensors header does not describe the preset's model, or None.
+
+    Reached only when the SHA-256 matched, so this catches a shipped file that no longer fits the
+    preset (retrain with scripts/train_embedded.py) rather than damage."""
+    from safetensors import SafetensorError, safe_open
+    from transformers import LlamaConfig
+
+    try:
+        with safe_open(str(WEIGHTS_PATH), framework="pt") as f:
+            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    except (SafetensorError, OSError, ValueError) as exc:
+        return f"{_weights_name()} is not valid safetensors ({exc})"
+    want = _expected_shapes(LlamaConfig(**_read_preset()))
+    if shapes != want:
+        return f"{_weights_name()} does not fit assets/presets/embedded.json (other tensors or shapes)"
+    return None
+
+
+def _trained_state_dict() -> dict:
+    """The shipped fp16 weights as float32 tensors (the build's dtype), by name."""
+    import torch
+    from safetensors.torch import load
+
+    return {name: t.to(torch.float32).contiguous() for name, t in sorted(load(WEIGHTS_PATH.read_bytes()).items())}
+
+
+def build_into(folder: Path, trained: bool = False) -> None:
+    """Write the embedded model's files into ``folder`` (which must exist). Deterministic bytes.
+
+    ``trained``: the weights from WEIGHTS_PATH (checked by the caller), else seeded random ones."""
     from safetensors.torch import save_file
     from transformers import GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
 
     folder = Path(folder)
     preset = _read_preset()
+    label = EMBEDDED_LABEL if trained else RANDOM_WEIGHTS_LABEL
+    # The label travels in config.json (the spec's display name): random weights say so everywhere.
+    preset["_kvscope"] = {**preset.get("_kvscope", {}), "display_name": label}
     config = LlamaConfig(**preset)
     tok = _train_tokenizer(config.vocab_size)
     ids = (tok.token_to_id(PAD), tok.token_to_id(BOS), tok.token_to_id(EOS))
@@ -253,7 +366,8 @@ def build_into(folder: Path) -> None:
         raise EmbeddedBuildError(f"tokenizer does not fit the preset: vocab {tok.get_vocab_size()} "
                                  f"(want {config.vocab_size}), pad/bos/eos ids {ids}")
 
-    save_file(_random_state_dict(config), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    weights = _trained_state_dict() if trained else _random_state_dict(config)
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(folder)
     GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
                      pad_token_id=config.pad_token_id).save_pretrained(folder)
@@ -268,11 +382,32 @@ def build_into(folder: Path) -> None:
     tc_path.write_text(json.dumps(tc, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     # Written last: its presence (with the others) marks a complete build.
     (folder / "kvscope_recipe.json").write_text(json.dumps({
-        "builder_version": BUILDER_VERSION, "seed": SEED, "digest": recipe_digest(),
-        "label": EMBEDDED_LABEL,
+        "builder_version": BUILDER_VERSION, "seed": SEED, "digest": recipe_digest(trained),
+        "label": label, "weights": "trained" if trained else "random",
     }, indent=2) + "\n", encoding="utf-8")
 
 
 def folder_bytes(folder: Path) -> int:
     """Total size in bytes of the files in ``folder`` (not recursive)."""
     return sum(p.stat().st_size for p in Path(folder).iterdir() if p.is_file())
+
+
+_WORD = re.compile(r"[a-z]+")
+
+
+def corpus_words() -> frozenset[str]:
+    """The lower-case words (runs of ASCII letters) of the corpus: the vocabulary the trained model learnt."""
+    return frozenset(_WORD.findall(_read_corpus().lower()))
+
+
+def corpus_word_share(text: str, words: frozenset[str] | None = None) -> tuple[float, int]:
+    """Share (0-1) of the words of ``text`` that are words of the corpus, and how many words it has.
+
+    A word is a run of ASCII letters, lower-cased; digits and punctuation are not counted. The
+    trained model scores close to 1; random weights write byte-level fragments ("iesprll") and
+    score far lower. An empty text scores 0.0."""
+    found = _WORD.findall(text.lower())
+    if not found:
+        return 0.0, 0
+    words = corpus_words() if words is None else words
+    return sum(w in words for w in found) / len(found), len(found)

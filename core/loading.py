@@ -78,6 +78,7 @@ class LoadedModel:
     dtype: str
     source: str
     label: str
+    notes: tuple[str, ...] = ()  # one line each, for the user (the embedded model on random weights says why)
 
 
 # --------------------------------------------------------------------------------------------
@@ -499,14 +500,16 @@ def load_model(
     is_embedded = src.lower() in EMBEDDED_SOURCES
 
     folder: Path | None = None
+    fallback_note: str | None = None  # the embedded model on random weights: why, said once loaded
     if is_embedded:
-        from core.embedded import EMBEDDED_LABEL, EmbeddedBuildError, embedded_model_dir
+        from core.embedded import EmbeddedBuildError, embedded_build
 
         try:
-            folder = embedded_model_dir(progress=say)
+            build = embedded_build(progress=say)
         except EmbeddedBuildError as exc:
             raise LoadError(str(exc)) from exc
-        name, label, load_from, offer = "embedded", EMBEDDED_LABEL, str(folder), False
+        folder, fallback_note = build.folder, build.note
+        name, label, load_from, offer = "embedded", build.label, str(folder), False
     else:
         path = Path(src).expanduser()
         offer = True
@@ -530,8 +533,12 @@ def load_model(
             name = label = load_from = src
 
     try:
-        return _load(load_from, name, label, src if not is_embedded else "embedded", folder, dev, dtype,
-                     trust_remote_code, allow_pickle, say, offer)
+        loaded = _load(load_from, name, label, src if not is_embedded else "embedded", folder, dev, dtype,
+                       trust_remote_code, allow_pickle, say, offer)
+        if fallback_note:
+            say(fallback_note)  # the last status line, so it stays on screen (the label says "random weights" too)
+            loaded.notes = (*loaded.notes, fallback_note)
+        return loaded
     except LoadError:
         raise
     except (MemoryError, RuntimeError) as exc:

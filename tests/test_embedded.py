@@ -1,4 +1,5 @@
-"""The embedded demo model: built offline, deterministic, loadable, with a working tokenizer."""
+"""The embedded demo model: built offline, deterministic, loadable, with a working tokenizer and
+the shipped trained weights (SHA-256 checked; random weights, said so, when the file is damaged)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import pytest
 import torch
 
 from core import embedded
-from core.embedded import EMBEDDED_LABEL, EmbeddedBuildError, embedded_model_dir, folder_bytes
+from core.embedded import (EMBEDDED_LABEL, RANDOM_WEIGHTS_LABEL, EmbeddedBuildError, corpus_word_share, embedded_build,
+                           embedded_model_dir, folder_bytes)
 from core.loading import LoadError, load_model
+from core.request import DEFAULT_PROMPT
 from core.spec import load_spec
 
 
@@ -88,8 +91,8 @@ def test_two_concurrent_builds_leave_one_complete_folder(tmp_path, monkeypatch):
     barrier = threading.Barrier(2, timeout=60)
     real_build = embedded.build_into
 
-    def build_then_wait(folder):
-        real_build(folder)
+    def build_then_wait(folder, **kwargs):
+        real_build(folder, **kwargs)
         barrier.wait()  # force the race on the rename
 
     monkeypatch.setattr(embedded, "build_into", build_then_wait)
@@ -137,7 +140,7 @@ def test_tokenizer_round_trips_and_matches_config(loaded):
         assert max(ids) < 1024
         assert tok.decode(ids, skip_special_tokens=True) == text
     # Trained on the corpus: common words are single tokens, so English compresses well.
-    assert len(tok("the market square is already busy")["input_ids"]) < 12
+    assert len(tok("the cache grows with every token")["input_ids"]) == 7  # <s> and one token a word
 
 
 def test_spec_matches_preset(loaded):
@@ -162,12 +165,150 @@ def test_forward_pass(loaded):
     assert out.logits[0, -1].std() > 1.0  # logits spread out: sampling is not uniform noise
 
 
-@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
-def test_generation_is_varied_nonsense(loaded, sample):
-    ids = loaded.tokenizer("The lighthouse keeper", return_tensors="pt").input_ids
+def _top_k_text(model, tokenizer, prompt: str, n: int, *, greedy: bool, seed: int = 0) -> str:
+    """``n`` tokens after ``prompt`` as the engine samples them (top-k 40 at temperature 1), or greedy."""
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    with torch.inference_mode():
+        cache = None
+        step_ids = ids
+        for _ in range(n):
+            res = model(input_ids=step_ids, cache=cache, use_cache=True)
+            cache, logits = res.cache, res.logits[:, -1, :].float()
+            if greedy:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                top = torch.topk(logits, 40, dim=-1)
+                nxt = top.indices.gather(-1, torch.multinomial(torch.softmax(top.values, -1), 1, generator=gen))
+            out.append(int(nxt))
+            step_ids = nxt
+    return tokenizer.decode(out, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+def test_trained_model_writes_corpus_english_from_the_default_prompt(loaded, greedy):
+    assert loaded.label == EMBEDDED_LABEL and not loaded.notes
+    text = _top_k_text(loaded.model, loaded.tokenizer, DEFAULT_PROMPT, 120, greedy=greedy)
+    share, n_words = corpus_word_share(text)
+    assert n_words >= 40, text  # words, not digits or punctuation
+    assert share >= 0.95, text  # random weights score about 0.4 (test below)
+
+
+def test_generation_runs_its_length_and_varies(loaded):
+    ids = loaded.tokenizer(DEFAULT_PROMPT, return_tensors="pt").input_ids
     torch.manual_seed(0)
     with torch.inference_mode():
-        out = loaded.model.generate(ids, max_new_tokens=64, do_sample=sample, pad_token_id=0)
+        out = loaded.model.generate(ids, max_new_tokens=64, do_sample=False, pad_token_id=0)
     new = out[0, ids.shape[1]:].tolist()
     assert len(new) == 64  # never stops early on </s>
-    assert len(set(new)) >= 10, new
+    assert len(set(new)) >= 20, new  # not a loop of a few tokens
+
+
+# ------------------------------------------------------------------------------ shipped weights
+
+
+def test_shipped_weights_are_the_ones_the_loader_expects():
+    from safetensors import safe_open
+
+    data = embedded.WEIGHTS_PATH.read_bytes()
+    assert hashlib.sha256(data).hexdigest() == embedded.WEIGHTS_SHA256
+    assert 6_500_000 < len(data) < 7_500_000  # 3.43 M fp16 parameters, tied head stored once
+    assert embedded.weights_problem() is None and embedded._header_problem() is None
+    with safe_open(str(embedded.WEIGHTS_PATH), framework="pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F16"}
+        n = sum(int(torch.tensor(f.get_slice(k).get_shape()).prod()) for k in f.keys())
+    assert n == load_spec("embedded").num_parameters == 3_426_560
+
+
+def test_built_folder_holds_the_shipped_weights(built):
+    from safetensors.torch import load_file
+
+    assert json.loads((built / "kvscope_recipe.json").read_text())["weights"] == "trained"
+    shipped = embedded._trained_state_dict()
+    folder = load_file(str(built / "model.safetensors"))
+    assert folder.keys() == shipped.keys()
+    assert all(torch.equal(folder[k], shipped[k]) and folder[k].dtype == torch.float32 for k in folder)
+
+
+@pytest.fixture
+def weights_copy(tmp_path, monkeypatch):
+    """A private cache and a copy of the shipped weights the test may damage (never the real file)."""
+    monkeypatch.setenv("KVSCOPE_CACHE", str(tmp_path / "cache"))
+    copy = tmp_path / "model.safetensors"
+    copy.write_bytes(embedded.WEIGHTS_PATH.read_bytes())
+    monkeypatch.setattr(embedded, "WEIGHTS_PATH", copy)
+    return copy
+
+
+def _flip_byte(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _assert_random_fallback(says: str, loaded_fallback, messages: list[str]) -> None:
+    assert loaded_fallback.label == RANDOM_WEIGHTS_LABEL == loaded_fallback.spec.label
+    note = messages[-1]  # the last status line, after "ready: ...": it stays on screen
+    assert note.startswith("note: the trained weights") and says in note and "random weights" in note, messages
+    assert "\n" not in note and loaded_fallback.notes == (note,)
+    assert messages[-2].startswith(f"ready: {RANDOM_WEIGHTS_LABEL}")
+    spec = loaded_fallback.spec
+    assert (spec.num_parameters, spec.num_kv_heads, spec.head_dim) == (3_426_560, 8, 32)  # same model, same bytes
+
+
+def test_intact_copy_loads_the_trained_weights(weights_copy):
+    build = embedded_build()
+    assert build.trained and build.note is None and build.label == EMBEDDED_LABEL
+    messages: list[str] = []
+    lm = load_model("embedded", device="cpu", progress=messages.append)
+    assert lm.label == EMBEDDED_LABEL and lm.notes == () and messages[-1].startswith("ready:")
+
+
+def test_missing_weights_fall_back_to_random_and_say_so(weights_copy):
+    weights_copy.unlink()
+    trained_folder = embedded.embedded_cache_root() / f"llama-4x256-{embedded.recipe_digest(True)}"
+    messages: list[str] = []
+    lm = load_model("embedded", device="cpu", progress=messages.append)
+    _assert_random_fallback("is missing", lm, messages)
+    build = embedded_build()
+    assert not build.trained and build.folder != trained_folder
+    assert json.loads((build.folder / "kvscope_recipe.json").read_text())["weights"] == "random"
+    # Random weights write byte-level fragments: few of their words are the corpus's.
+    text = _top_k_text(lm.model, lm.tokenizer, DEFAULT_PROMPT, 120, greedy=False)
+    assert corpus_word_share(text)[0] < 0.7, text
+
+
+def test_damaged_weights_fall_back_to_random_and_say_so(weights_copy):
+    _flip_byte(weights_copy, weights_copy.stat().st_size // 2)  # one byte of one tensor
+    messages: list[str] = []
+    lm = load_model("embedded", device="cpu", progress=messages.append)
+    _assert_random_fallback("is damaged", lm, messages)
+    assert embedded.recipe_digest() == embedded.recipe_digest(False)
+
+
+@pytest.mark.parametrize("damage", ["header", "truncated", "empty"])
+def test_bad_header_falls_back_even_when_the_hash_is_its_own(weights_copy, monkeypatch, damage):
+    """Past the SHA-256 (patched here to the damaged file's own), the safetensors header is checked too."""
+    if damage == "header":
+        _flip_byte(weights_copy, 12)  # inside the header's JSON
+    elif damage == "truncated":
+        weights_copy.write_bytes(weights_copy.read_bytes()[:4096])
+    else:
+        weights_copy.write_bytes(b"")
+    monkeypatch.setattr(embedded, "WEIGHTS_SHA256", hashlib.sha256(weights_copy.read_bytes()).hexdigest())
+    messages: list[str] = []
+    lm = load_model("embedded", device="cpu", progress=messages.append)
+    _assert_random_fallback("not valid safetensors", lm, messages)
+
+
+def test_weights_that_do_not_fit_the_preset_fall_back(weights_copy, monkeypatch):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(weights_copy))
+    tensors.pop("model.norm.weight")
+    save_file(tensors, str(weights_copy))
+    monkeypatch.setattr(embedded, "WEIGHTS_SHA256", hashlib.sha256(weights_copy.read_bytes()).hexdigest())
+    messages: list[str] = []
+    lm = load_model("embedded", device="cpu", progress=messages.append)
+    _assert_random_fallback("does not fit", lm, messages)

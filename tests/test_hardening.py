@@ -312,7 +312,7 @@ def test_model_source_opt_ins_load(models, capsys, monkeypatch, tmp_path):
 def test_settings_gqa_group_count_not_dividing_heads(capsys):
     """`run --attention gqa:3` (8 query heads) and the same in the calculator: one line naming the choices."""
     line = one_line_error(*_cli(capsys, *run_args("embedded", "--attention", "gqa:3"))[::2])
-    assert line == ("kvscope: gqa:3 does not divide 8 query heads of embedded demo model (random weights); "
+    assert line == ("kvscope: gqa:3 does not divide 8 query heads of embedded demo model; "
                     "choose one of gqa:1, gqa:2, gqa:4, gqa:8")
     calc_line = one_line_error(*_cli(capsys, "calc", "--attention", "gqa:3")[::2])
     assert calc_line == line
@@ -351,7 +351,7 @@ def test_settings_max_context_beyond_model_maximum_run(capsys, tmp_path):
     code, out, err = _cli(capsys, *run_args("embedded", "--cache", "static", "--max-context", "100000",
                                              "--record", str(record)))
     assert code == 0, err
-    assert ("-- [note] token 0: max context 100,000 is beyond embedded demo model (random weights)'s maximum of "
+    assert ("-- [note] token 0: max context 100,000 is beyond embedded demo model's maximum of "
             "4,096 tokens (max_position_embeddings): using 4,096") in out
     with RecordingReader(record) as reader:
         samples = list(reader)

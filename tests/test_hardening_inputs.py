@@ -86,7 +86,7 @@ from tests.helpers import hub_offline, one_line_error, run_args  # noqa: F401 - 
 
 pytestmark = pytest.mark.usefixtures("hub_offline")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-EMBEDDED_LABEL = "embedded demo model (random weights)"
+EMBEDDED_LABEL = "embedded demo model"
 
 
 @pytest.fixture(scope="module")

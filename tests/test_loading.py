@@ -114,7 +114,7 @@ def test_half_dtypes_load_on_cpu(tiny_dir, name, expected):
 def test_embedded_loads_by_default_with_progress(embedded_dir):
     messages: list[str] = []
     lm = load_model(device="cpu", progress=messages.append)
-    assert lm.source == "embedded" and lm.label == "embedded demo model (random weights)"
+    assert lm.source == "embedded" and lm.label == "embedded demo model"
     assert lm.spec.num_kv_heads == 8
     assert messages[0] == "reading config…"  # already built by the fixture: no build message
 

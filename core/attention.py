@@ -162,6 +162,8 @@ def mla_twin_config(spec: ModelSpec) -> dict:
         kv_lora_rank=rank, q_lora_rank=None, qk_rope_head_dim=rope, qk_nope_head_dim=spec.head_dim,
         v_head_dim=spec.head_dim, first_k_dense_replace=spec.num_layers,
         max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=spec.tie_word_embeddings,
+        # The model's own activation: some carry parameters (Apertus' xIELU: alpha_p, alpha_n per MLP).
+        hidden_act=str(spec.config.get("hidden_act") or "silu"),
     )
 
 

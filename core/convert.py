@@ -659,7 +659,6 @@ def build_mla_twin(config, seed: int = 0, dtype: torch.dtype | None = None, devi
     sizes = {k: v for k, v in mla_twin_config(spec).items() if k != "model_type"}
     mla_config = DeepseekV3Config(
         **sizes,
-        hidden_act=getattr(text, "hidden_act", None) or "silu",
         rms_norm_eps=getattr(text, "rms_norm_eps", None) or 1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": theta},
         pad_token_id=getattr(text, "pad_token_id", None),

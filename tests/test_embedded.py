@@ -312,3 +312,18 @@ def test_weights_that_do_not_fit_the_preset_fall_back(weights_copy, monkeypatch)
     messages: list[str] = []
     lm = load_model("embedded", device="cpu", progress=messages.append)
     _assert_random_fallback("does not fit", lm, messages)
+
+
+def test_the_window_shows_the_fallback_in_its_badge_and_status_bar(qtbot, thread_window, weights_copy):
+    """On screen: the model badge names the random weights and the status bar says why (no new widget)."""
+    from core.request import RunRequest
+    from tests.helpers import run_in_window
+
+    weights_copy.unlink()
+    shown: list[str] = []
+    thread_window.statusBar().messageChanged.connect(shown.append)
+    run_in_window(qtbot, thread_window, RunRequest(source="embedded", device="cpu", max_new_tokens=4))
+    assert thread_window.last_error == ""
+    assert thread_window.badges["model"].text() == RANDOM_WEIGHTS_LABEL
+    notes = [m for m in shown if m.startswith("note: the trained weights")]
+    assert len(notes) == 1 and "is missing" in notes[0] and "random weights" in notes[0], shown

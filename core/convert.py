@@ -672,7 +672,12 @@ def build_mla_twin(config, seed: int = 0, dtype: torch.dtype | None = None, devi
         model = DeepseekV3ForCausalLM(mla_config)
     if source_model is not None:
         _copy_matching(source_model, model)
-    model.to(device=device, dtype=dtype) if dtype is not None else model.to(device=device)
+    model.to(device=device)
+    if dtype is not None:
+        # Parameters in the run's dtype; buffers stay as built (rotary tables in float32, xIELU's bfloat16
+        # beta/eps), as a loaded model keeps them and as the prediction's meta build counts them.
+        for param in model.parameters():
+            param.data = param.data.to(dtype)
     model.eval()
     return model
 

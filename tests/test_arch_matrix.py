@@ -48,9 +48,6 @@ KNOWN_GAPS: dict[str, str] = {
     "hy_v4": f"{_OWN_CACHE_LAYOUT}: keys and values of different widths, and indexer keys in all layers but the last",
     "mimo_v2_flash": f"{_OWN_CACHE_LAYOUT}: its sliding layers cache their own number of K/V heads "
                      "(swa_num_key_value_heads), the full layers another",
-    **dict.fromkeys(("apertus", "apertus1p5_text"),
-                    f"{_SWITCH_WEIGHTS}: the engine's MLA stand-in casts the xIELU activation's bfloat16 buffers "
-                    "(beta, eps) to the run's dtype, the prediction counts them as built (8 B)"),
     "hrm_text": f"{_SWITCH_WEIGHTS}: HRM runs 2 stacks of layers in cycles, so its cache has more layers than it "
                 "has K/V projections",
     "sarvam_moe": "its q/k/v weights load as views of one fused tensor: after a head switch q_proj alone keeps the "

@@ -145,14 +145,14 @@ def test_switches_travel_as_data_and_old_recordings_read_alike(tmp_path):
     record = tmp_path / "r.jsonl"
     request = RunRequest(max_new_tokens=12, record_path=str(record), settings=RunSettings(),
                          switches=((3, "attention", "gqa:2"), (5, "attention", "mla"), (7, "attention", "mla"),
-                                   (9, "attn_impl", "eager"), (9, "cache", "quantized:4"), (10, "attention", "window:8")))
+                                   (9, "attn_impl", "eager"), (9, "attention", "gqa:3"), (10, "attention", "window:8")))
     emitted = []
     run_generation(request, RunHooks(emit=emitted.append))
     events = [s for s in emitted if s.is_event and s.switch_key]
     assert [(s.event, s.switch_key, s.switch_before, s.switch_after) for s in events] == [
         ("switch", "attention", "mha", "gqa:2"), ("switch", "attention", "gqa:2", "mla"),
         ("note", "attention", "mla", "mla"), ("switch", "attn-impl", "sdpa", "eager"),
-        ("refused", "cache", "dynamic", "quantized:4"),  # MLA's latent: no group size divides it
+        ("refused", "attention", "mla", "gqa:3"),  # 3 groups do not divide 8 query heads
         ("switch", "attention", "mla", "window:8")]
     assert events[0].tokens_rerun is None and events[1].tokens_rerun > 10  # MLA re-runs the tokens
     assert events[5].tokens_rerun == events[1].tokens_rerun + 5  # and so does leaving it

@@ -195,7 +195,7 @@ def test_presenter_mode_round_trip_gives_the_window_back_as_it_was(qtbot, settin
         # The geometry comes back once the normal layout's minimum is in force (a posted event): on a
         # busy machine that can take longer than a fixed wait.
         try:
-            qtbot.waitUntil(lambda: w.width() <= before[0], timeout=2000)
+            qtbot.waitUntil(lambda: w.width() <= before[0] and w.centre_splitter.sizes() == splits, timeout=2000)
         except Exception:  # noqa: BLE001 - reported by the assertion below, with the sizes seen
             pass
         after.append((w.width(), w.height()))

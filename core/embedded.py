@@ -46,7 +46,7 @@ CORPUS_PATH = ASSETS / "embedded" / "corpus.txt"
 #: The trained weights (fp16, tied head stored once), written by scripts/train_embedded.py.
 WEIGHTS_PATH = ASSETS / "embedded" / "model.safetensors"
 #: SHA-256 of the shipped WEIGHTS_PATH: any other bytes are damage, and the build falls back to random weights.
-WEIGHTS_SHA256 = "a56fc48fbb9b402e95310d9c3381288e741c47e452745b6968bf3074a95e7392"
+WEIGHTS_SHA256 = "f27f37857cd62f80fae2d70dcbcbfcf656f24d3c54c8f30faf9564ca715a7cc0"
 SEED = 0
 
 # Special tokens in id order; their ids must equal pad/bos/eos in the preset (checked at build).

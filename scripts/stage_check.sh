@@ -64,7 +64,7 @@ for size in "${SIZES[@]}"; do
   key F11 4; shot 06-presenter
   key F11 3; shot 07-presenter-left
   key ctrl+Tab 3; shot 08-calculator
-  key ctrl+Tab 1
+  key ctrl+shift+Tab 1
   key alt+f 1; shot 09-file-menu
   key Escape 1
   key alt+r 1; shot 10-run-menu

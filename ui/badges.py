@@ -17,9 +17,11 @@ STATE_TEXT = {"idle": "idle", "loading": "\u23f3 loading", "running": "\u25cf ru
 class ElidedLabel(QLabel):
     """One line of text, cut with an ellipsis where it does not fit; ``text()`` stays the whole text."""
 
-    def __init__(self, text: str = "", parent: QWidget | None = None) -> None:
+    def __init__(self, text: str = "", parent: QWidget | None = None, pad: int = 0) -> None:
         super().__init__(parent)
         self._full = ""
+        # Horizontal room the style sheet's padding and border take (not in contentsRect for a QLabel).
+        self.pad = pad
         self.setText(text)
 
     def setText(self, text: str) -> None:  # noqa: N802 - Qt's name
@@ -40,14 +42,14 @@ class ElidedLabel(QLabel):
     def sizeHint(self) -> QSize:  # noqa: N802 - Qt's name: as wide as the whole text wants
         m = self.contentsMargins()
         hint = super().sizeHint()
-        return QSize(max(self.fontMetrics().horizontalAdvance(self._full) + m.left() + m.right() + 2,
+        return QSize(max(self.fontMetrics().horizontalAdvance(self._full) + m.left() + m.right() + self.pad + 2,
                          self.minimumWidth()), hint.height())
 
     def minimumSizeHint(self) -> QSize:  # noqa: N802 - never the text's width: it yields, elided
         return QSize(self.minimumWidth() or 24, super().minimumSizeHint().height())
 
     def _elide(self) -> None:
-        room = max(self.contentsRect().width(), 1)
+        room = max(self.contentsRect().width() - self.pad, 1)
         shown = self.fontMetrics().elidedText(self._full, Qt.TextElideMode.ElideRight, room)
         if shown != super().text():
             super().setText(shown)
@@ -87,7 +89,8 @@ class BadgeRow(QWidget):
                 box.addWidget(label)
             # Every value yields width when the row is narrow (1280x720): cut with an ellipsis, whole in its
             # tooltip, never widening the window past the screen.
-            value = ElidedLabel("\u2014")
+            # QLabel#badge: 10 px of padding and a 1 px border a side; #modelName: 2 px of padding a side.
+            value = ElidedLabel("\u2014", pad=4 if key == "model" else 22)
             value.setObjectName("modelName" if key == "model" else "badge")
             if key == "model":
                 # A long model name yields its width to the plots: one line, elided (the tooltip has it

@@ -261,12 +261,12 @@ class LivePlots(QWidget):
         self._add_curve("kv_observed", self.kv_plot, t, "token", "kv_observed", "observed", z=1)
         self._add_curve("kv_predicted", self.kv_plot, t, "token", "kv_predicted", "predicted", "dash", z=2)
         self._add_curve("device_used", self.mem_plot, m, "time", "device_used", "device used (NVML)")
-        self._add_curve("process_gpu", self.mem_plot, m, "time", "process_gpu", "this process (GPU)")
-        self._add_curve("process_rss", self.mem_plot, m, "time", "process_rss", "this process (RSS)")
+        self._add_curve("process_gpu", self.mem_plot, m, "time", "process_gpu", "process (GPU)")
+        self._add_curve("process_rss", self.mem_plot, m, "time", "process_rss", "process (RSS)")
         self._add_curve("reserved", self.mem_plot, m, "time", "reserved", "allocator reserved")
         self._add_curve("allocated", self.mem_plot, m, "time", "allocated", "allocator allocated")
         self._add_curve("weights", self.mem_plot, m, "time", "weights", "weights", "dot")
-        self._add_curve("kv_share", self.kv_view, m, "time", "kv_share", "KV cache (right axis)", fill=True, z=-1)
+        self._add_curve("kv_share", self.kv_view, m, "time", "kv_share", "KV (right axis)", fill=True, z=-1)
         for key in SAMPLED:
             name = self._curves[key].name
             self._add_curve(f"sampled_{key}", self.mem_plot, self.readings, "time", key, name, color=key)

@@ -60,6 +60,11 @@ class ServersTab(QWidget):
         self.plot.setLabel("left", "KV cache in use")
         self.plot.addLegend(offset=(10, 10))
         self.plot.showGrid(x=True, y=True, alpha=theme.grid_alpha)
+        # Before the first reading: a minute of 0-1 GiB, not pyqtgraph's 0-1 (bytes) x 0-1 (s).
+        self.plot.setXRange(0, 60, padding=0.0)
+        self.plot.setYRange(0, 2**30, padding=0.0)
+        self.plot.getPlotItem().getAxis("bottom").enableAutoSIPrefix(False)
+        self.apply_theme(theme)
         self.table = QTableWidget(0, len(self.HEADERS))
         self.table.setHorizontalHeaderLabels(self.HEADERS)
         self.table.verticalHeader().setVisible(False)
@@ -146,6 +151,7 @@ class ServersTab(QWidget):
             curve_used, curve_capacity = self._curves[r.url]
             curve_used.setData(list(times), list(used), connect="finite")
             curve_capacity.setData(list(times), list(capacity), connect="finite")
+            self.plot.enableAutoRange()  # the empty plot's fixed range gives way to the data
         self._fill_table(readings)
 
     def _fill_table(self, readings: list) -> None:
@@ -178,3 +184,8 @@ class ServersTab(QWidget):
     def apply_theme(self, theme: Theme) -> None:
         self.theme = theme
         self.plot.showGrid(x=True, y=True, alpha=theme.grid_alpha)
+        self.plot.setBackground(theme.background)  # light theme: not a black plot on a white tab
+        for side in ("left", "bottom"):
+            axis = self.plot.getPlotItem().getAxis(side)
+            axis.setTextPen(theme.muted)
+            axis.setPen(theme.muted)

@@ -404,3 +404,26 @@ def test_the_quality_probe_is_a_control_and_travels_in_the_request(qtbot, settin
     assert not w.controls.quality_check.isEnabled()  # a run's setting: locked while it runs
     w.session.set_state("idle")
     w.shutdown()
+
+
+def test_the_badge_names_give_way_before_the_values_do(qtbot, settings):
+    """At 1280 px the row cannot hold 'attention WINDOW:256 kernel sdpa-flash-cpu cache dynamic': the
+    names go (the tooltips still say which is which) and the values stay whole; on a wide window both."""
+    w = MainWindow(settings=settings, start_engine=False)
+    qtbot.addWidget(w)
+    sample = synthetic_samples(2, prompt_tokens=4)[-1].replace(attention="window:256", kernel="sdpa-flash-cpu")
+    for width, names_shown in ((1280, None), (2400, True)):
+        w.resize(width, 800)
+        w.show()
+        qtbot.waitExposed(w)
+        w.add_samples([sample])
+        qtbot.wait(50)
+        badges = w.badge_row.badges
+        assert all(badges[k].text() == shown for k, shown in (("attention", "WINDOW:256"), ("kernel", "sdpa-flash-cpu")))
+        whole = [k for k in ("attention", "kernel", "cache") if badges[k].width() >= badges[k].sizeHint().width()]
+        names = [n.isVisible() for n in w.badge_row.names]
+        if names_shown:
+            assert all(names) and whole == ["attention", "kernel", "cache"]
+        elif not all(names):  # the names went: then every value is whole
+            assert whole == ["attention", "kernel", "cache"]
+    w.shutdown()

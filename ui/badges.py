@@ -48,9 +48,14 @@ class ElidedLabel(QLabel):
     def minimumSizeHint(self) -> QSize:  # noqa: N802 - never the text's width: it yields, elided
         return QSize(self.minimumWidth() or 24, super().minimumSizeHint().height())
 
+    #: Fewer characters than this left after eliding: show nothing rather than a stub ("em…").
+    min_shown = 0
+
     def _elide(self) -> None:
         room = max(self.contentsRect().width() - self.pad, 1)
         shown = self.fontMetrics().elidedText(self._full, Qt.TextElideMode.ElideRight, room)
+        if shown != self._full and len(shown) - 1 < self.min_shown:
+            shown = ""
         if shown != super().text():
             super().setText(shown)
             self.setToolTip(self._full if shown != self._full else self._tip)
@@ -69,6 +74,7 @@ class BadgeRow(QWidget):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.badges: dict[str, ElidedLabel] = {}
+        self.names: list[QLabel] = []  # "attention", "kernel", "cache": shown where the row has room
         row = QHBoxLayout(self)
         row.setContentsMargins(0, 0, 0, 0)
         row.setSpacing(10)
@@ -86,17 +92,22 @@ class BadgeRow(QWidget):
             if name:
                 label = QLabel(name)
                 label.setObjectName("badgeName")
+                # Never part of the row's minimum: where the values need the room (1280x720, presenter
+                # type), the names go (each badge's tooltip still says what it is).
+                label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
                 box.addWidget(label)
+                self.names.append(label)
             # Every value yields width when the row is narrow (1280x720): cut with an ellipsis, whole in its
             # tooltip, never widening the window past the screen.
             # QLabel#badge: 10 px of padding and a 1 px border a side; #modelName: 2 px of padding a side.
             value = ElidedLabel("\u2014", pad=4 if key == "model" else 22)
             value.setObjectName("modelName" if key == "model" else "badge")
             if key == "model":
-                # A long model name yields its width to the plots: one line, elided (the tooltip has it
-                # whole), so the badge row keeps its height at 1280x720 and in presenter mode.
+                # A long model name yields its width to the settings: one line, elided (the tooltip and
+                # the window title have it whole), gone rather than a stub where the row is too narrow.
                 value.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
-                value.setMinimumWidth(80)
+                value.setMinimumWidth(0)
+                value.min_shown = 6
             value.set_tip(tip)
             box.addWidget(value)
             self.badges[key] = value
@@ -116,22 +127,39 @@ class BadgeRow(QWidget):
         self.recording.setVisible(False)
         row.addWidget(self.recording)
 
-    def reserve(self, key: str, texts, point_size: int, most: int = 110) -> None:
+    def resizeEvent(self, event) -> None:  # noqa: N802 - Qt's name
+        super().resizeEvent(event)
+        self._fit_names()
+
+    def _fit_names(self) -> None:
+        """Show the names only when the row can give every value its whole text and each name its own."""
+        layout = self.layout()
+        values = sum(b.sizeHint().width() for k, b in self.badges.items() if k != "model")
+        extras = sum(w.sizeHint().width() for w in (self.loading_bar, self.recording) if w.isVisible())
+        names = sum(n.fontMetrics().horizontalAdvance(n.text()) + 6 for n in self.names)
+        spacing = layout.spacing() * (layout.count() + len(self.names))
+        show = values + extras + names + spacing + 80 <= self.width()  # 80: room for a model name
+        for n in self.names:
+            if n.isVisible() != show and (show or n.isVisibleTo(self)):
+                n.setVisible(show)
+
+    def reserve(self, key: str, texts, point_size: int, most: int = 130) -> None:
         """Keep ``badges[key]`` as wide as the widest of ``texts`` (what it can come to say) in bold type of
-        ``point_size`` (the theme's badge type), at most ``most`` px, so that a switch to a longer setting
-        ('quantized:hqq:4' after 'dynamic') does not shift the row mid-run."""
+        ``point_size`` (the theme's badge type), padding included, at most ``most`` px, so that a switch to
+        a longer setting ('quantized:hqq:4' after 'dynamic') does not shift the row mid-run."""
         font = QFont(self.badges[key].font())
         font.setPointSize(point_size)
         font.setBold(True)
         metrics = QFontMetrics(font)
         widest = max((metrics.horizontalAdvance(t) for t in texts), default=0)
-        # The badge's padding (10 px a side) and border (1 px), and a little slack.
-        self.badges[key].setMinimumWidth(min(widest + 26, most) if widest else 0)
+        label = self.badges[key]
+        self.badges[key].setMinimumWidth(min(widest + label.pad + 4, most) if widest else 0)
 
     def show_settings(self, s: Sample) -> None:
         self.badges["attention"].setText(s.attention.upper())
         self.badges["kernel"].setText(s.kernel or s.attn_impl)
         self.badges["cache"].setText(s.cache)
+        self._fit_names()
 
     def show_state(self, state: str, color: str) -> None:
         self.badges["state"].setText(STATE_TEXT[state])

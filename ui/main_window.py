@@ -505,8 +505,9 @@ class MainWindow(FileActions, QMainWindow):
         """The attention and cache badges as wide as the longest choice they may show."""
         self.badge_row.reserve("attention", [c.upper() for c in self.controls.attention_choices], self.theme.title_pt)
         self.badge_row.reserve("cache", [k for k, _ in self.controls.cache_choices], self.theme.title_pt)
-        # The kernels a CPU or GPU run names most (core/kernels.py measures them).
+        # The kernels a CPU or GPU run names most (core/kernels.py measures them); every run state, whole.
         self.badge_row.reserve("kernel", ["sdpa-flash-cpu", "sdpa-math", "sdpa-flash", "eager"], self.theme.title_pt)
+        self.badge_row.reserve("state", list(STATE_TEXT.values()), self.theme.title_pt, most=400)
 
     def _show_state(self, state: str) -> None:
         self.controls.show_state(state, self.controller is not None, self._cuda_available())
@@ -549,6 +550,7 @@ class MainWindow(FileActions, QMainWindow):
                                   tuple(info.cache_choices) or cache_choices(info.device),
                                   tuple(info.attn_impl_choices) or ATTN_IMPLS)
         self.badge_row.show_model(info)
+        self.setWindowTitle(f"KV Scope \u2014 {info.label}")  # whole here, where the badge row is too narrow
         self._reserve_badges()
         memory = f" \u00b7 {human_bytes(info.total_memory)}" if info.total_memory else ""
         self.status_device.setText(f"{info.device_name}{memory}")

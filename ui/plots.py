@@ -362,7 +362,7 @@ class LivePlots(QWidget):
 
     def _memory_title(self) -> str:
         if self.host_only:
-            return f"Memory vs time <span style='color:{self.theme.warning}'>\u00b7 no GPU</span>"
+            return f"Memory <span style='color:{self.theme.warning}'>\u00b7 no GPU</span>"
         return "Memory vs time"
 
     # ---------------------------------------------------------------------------------------------

@@ -137,8 +137,8 @@ class BadgeRow(QWidget):
         values = sum(b.sizeHint().width() for k, b in self.badges.items() if k != "model")
         extras = sum(w.sizeHint().width() for w in (self.loading_bar, self.recording) if w.isVisible())
         names = sum(n.fontMetrics().horizontalAdvance(n.text()) + 6 for n in self.names)
-        spacing = layout.spacing() * (layout.count() + len(self.names))
-        show = values + extras + names + spacing + 80 <= self.width()  # 80: room for a model name
+        spacing = layout.spacing() * len(self.badges) + 4 * len(self.names)
+        show = values + extras + names + spacing + 40 <= self.width()  # 40: some room for a model name
         for n in self.names:
             if n.isVisible() != show and (show or n.isVisibleTo(self)):
                 n.setVisible(show)

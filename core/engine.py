@@ -111,8 +111,9 @@ class Engine:
         self._reference_cache = None
         self._reference_logits: torch.Tensor | None = None
         self._reference_stale = False
-        # The embedded demo model has random weights: left alone it samples lone UTF-8 continuation
-        # bytes and control characters, which print as U+FFFD or nothing. Its nonsense reads better without them (real models: untouched).
+        # The embedded demo model is tiny (and, as a fallback, random): left alone it can sample lone UTF-8
+        # continuation bytes and control characters, which print as U+FFFD or nothing; its text reads
+        # better without them (real models: untouched).
         self._suppressed = self._broken_byte_tokens() if loaded.label.startswith("embedded demo model") else None
         from core import convert
 

@@ -83,7 +83,7 @@ class Engine:
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.settings = settings.with_(weight_dtype=loaded.dtype, kv_dtype=None)
         #: One line each about a setting the engine adjusted; run_generation emits them as "note" events.
-        self.notes: list[str] = []
+        self.notes: list[str] = list(getattr(loaded, "notes", ()))  # the load's own (the embedded fallback)
         limit = self.spec.max_position_embeddings
         if settings.max_context is not None and settings.max_context > limit:
             # Clamped, not refused: the window remembers its max-context across models, and a

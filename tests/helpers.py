@@ -58,3 +58,27 @@ def one_line_error(code: int, err: str) -> str:
 def run_args(model: str, *extra: str) -> list[str]:
     """``main.py run`` arguments for a short CPU run of ``model``."""
     return ["run", "--model", model, "--device", "cpu", "--tokens", "2", *extra]
+
+
+def one_torch_thread():
+    """A module fixture's body: torch on one thread while the module runs (tiny models are latency-bound;
+    one thread avoids fighting other processes for the cores), the count as before after it."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def fail_the_trial_pass(monkeypatch) -> None:
+    """Make the switch transaction's trial pass fail after it ran (its cache appends included)."""
+    from core.engine import Engine
+
+    real = Engine._trial_step
+
+    def trial(self):
+        real(self)
+        raise RuntimeError("the trial pass failed")
+
+    monkeypatch.setattr(Engine, "_trial_step", trial)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+
+from tests import helpers
 import torch
 from transformers import (
     DeepseekV3Config,
@@ -38,13 +40,7 @@ HAS_QUANTO = importlib.util.find_spec("optimum.quanto") is not None
 HAS_HQQ = importlib.util.find_spec("hqq") is not None
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The tiny models are latency-bound; one thread avoids fighting other processes for cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+_one_thread = pytest.fixture(autouse=True, scope="module")(helpers.one_torch_thread)
 
 
 # ------------------------------------------------------------------------------------------------

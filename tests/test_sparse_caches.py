@@ -18,15 +18,11 @@ from core.measure import cache_bytes
 from core.request import RunRequest
 from core.run import RunHooks, run_generation
 from core.settings import RunSettings, cache_choices, selecting_cache_keys
+from tests import helpers
 from tests import archs
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+_one_thread = pytest.fixture(autouse=True, scope="module")(helpers.one_torch_thread)
 
 
 @pytest.fixture(scope="module")
@@ -133,13 +129,7 @@ def test_a_failed_switch_into_h2o_changes_nothing(embedded, monkeypatch):
     _steps(engine, 3, "dynamic")
     before = (engine.settings, engine.kernel, cache_bytes(engine.cache).logical, engine.seq_len,
               engine.base_model.config._attn_implementation)
-    real = Engine._trial_step
-
-    def trial(self):
-        real(self)
-        raise RuntimeError("the trial pass failed")
-
-    monkeypatch.setattr(Engine, "_trial_step", trial)
+    helpers.fail_the_trial_pass(monkeypatch)
     with pytest.raises(SettingsError, match="nothing was changed"):
         engine.apply("cache", "h2o:4+4")
     monkeypatch.undo()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+
+from tests import helpers
 import torch
 
 from core import convert
@@ -56,13 +58,7 @@ def test_a_switch_that_fails_halfway_changes_nothing(fail_in, monkeypatch):
         # The model gets 1 K/V head but the cache keeps 8: only the trial pass can notice.
         monkeypatch.setattr(convert, "convert_cache_kv_heads", lambda cache, old, new: True)
     else:
-        real = Engine._trial_step
-
-        def trial(self):
-            real(self)
-            raise RuntimeError("the trial pass failed")
-
-        monkeypatch.setattr(Engine, "_trial_step", trial)
+        helpers.fail_the_trial_pass(monkeypatch)
     with pytest.raises(SettingsError, match="nothing was changed"):
         engine.apply("attention", "mqa")
     monkeypatch.undo()

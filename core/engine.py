@@ -4,6 +4,10 @@
 produce one ``Sample``; ``apply(key, value)`` switches attention mode, attention implementation
 or cache strategy between two tokens and returns the event ``Sample`` that marks it.
 ``core.run.run_generation`` drives an Engine for a ``RunRequest``.
+
+Why one file of about 720 lines: the Engine is one object whose parts (prefill, step, the switch
+transaction's checks, the kernel, the quality twin) share its model, cache and settings; the run loop
+is core/run.py, the conversions core/convert.py, the undo core/transaction.py.
 """
 
 from __future__ import annotations

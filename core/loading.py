@@ -14,6 +14,10 @@ Devices and dtypes: ``auto`` picks CUDA, then Apple MPS, then CPU. dtype ``auto`
 own dtype (its config's ``dtype``) on a GPU and fp32 on the CPU (CPU half precision is slow and, for
 bf16 on older CPUs, emulated). fp16 and bf16 on the CPU are allowed on request: torch runs them,
 only slowly; they are useful to see the memory halve, not for speed.
+
+Why one file of about 680 lines: every source (embedded, folder, hub) ends in the same checks before
+any weights load (safetensors only, the header against a meta build, trust_remote_code opt-in) and the
+same user-facing errors; one place keeps those rules from drifting apart.
 """
 
 from __future__ import annotations

@@ -33,6 +33,10 @@ make the rest unplayable, and skipping loses nothing that was readable (``strict
 instead); ``problem()`` says what was skipped in one line. A last line cut off without its
 newline is the mark of a killed writer: it is reported as ``truncated``, not as corruption. A
 replay reads with ``max_text=MAX_TEXT_CHARS``: a text longer than that is cut and marked.
+
+Why one file of about 860 lines: the writer and the reader share the format's every rule (fields, versions,
+bounds), and the reader is the one validator of untrusted recordings; split, the two halves would have to
+repeat the format or import each other's internals.
 """
 
 from __future__ import annotations

@@ -3,6 +3,10 @@
 A spec comes from a preset name (``llama-3-8b``), a local ``config.json`` or model folder, or a hub
 id (config only; needs network or a warm Hugging Face cache). Nothing here allocates weights: the
 parameter count is taken from a model built on the ``meta`` device.
+
+Why one file of about 790 lines: ModelSpec, every spelling of a config's counts, presets, and the memoised
+view of what transformers makes of a config are one job, turning any config into the one spec the
+predictor reads; the transformers side of it lives in core/hf.py.
 """
 
 from __future__ import annotations

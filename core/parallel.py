@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass
 
 from core.attention import SettingsError
-from core.predict import Prediction, _last_true, predict
+from core.predict import Prediction, last_true, predict
 from core.settings import RunSettings, effective_spec
 from core.spec import ModelSpec
 
@@ -235,7 +235,7 @@ def max_context_per_gpu(spec: ModelSpec, settings: RunSettings, parallelism: Par
 
     if not fits(1):
         return None
-    return _last_true(fits, 1, limit)
+    return last_true(fits, 1, limit)
 
 
 # ------------------------------------------------------------------------------------------------

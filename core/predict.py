@@ -148,7 +148,7 @@ def max_context_that_fits(spec: ModelSpec, settings: RunSettings, memory_bytes: 
 
     if not fits(1):
         return None
-    return _last_true(fits, 1, hi_limit)
+    return last_true(fits, 1, hi_limit)
 
 
 def kv_overtakes_weights_at(spec: ModelSpec, settings: RunSettings, limit: int = 1 << 24) -> int | None:
@@ -161,10 +161,10 @@ def kv_overtakes_weights_at(spec: ModelSpec, settings: RunSettings, limit: int =
 
     if not over(limit):
         return None
-    return _last_true(lambda n: not over(n), 0, limit) + 1
+    return last_true(lambda n: not over(n), 0, limit) + 1
 
 
-def _last_true(holds, lo: int, hi: int) -> int:
+def last_true(holds, lo: int, hi: int) -> int:
     """The largest n in [lo, hi] for which ``holds(n)``, given that it holds at ``lo`` and, once it
     fails, fails for every larger n (memory grows with the context). Bisection: log2(hi - lo) calls."""
     if holds(hi):

@@ -103,12 +103,10 @@ class Session:
         self.request: Any = None  # RunRequest of the current/last live run
         self.last_error = ""
         self.last_reading: Any = None  # newest MemoryReading from the sampler
-        self.forecast: OomForecast | None = None
         self.alert_kind = ""  # the alert shown: '', 'error' or 'warning'
         self.switches_pending = 0  # switches sent to the engine and not answered yet
         self.monitor: SpikeMonitor | None = None
         self.monitor_threshold = 0
-        self.origin: float | None = None
         self.plot_readings = False  # True while a live run is on: readings go to the memory plot
         self.readings_until = 0.0
         self.load_started: float | None = None
@@ -122,12 +120,13 @@ class Session:
         self._reset_run()
 
     def _reset_run(self) -> None:
+        """What one run accumulates (also set up here for the first)."""
         self.last_sample: Sample | None = None
         self.decode_tokens = 0
         self.switch_events = 0
         self.spike_count = 0
-        self.forecast = None
-        self.origin = None
+        self.forecast: OomForecast | None = None
+        self.origin: float | None = None  # the monotonic second that is 0 s on the plots
         self._prev_cache: str | None = None
         self._early.clear()
         self._spike_queue.clear()
@@ -167,29 +166,24 @@ class Session:
     # ---- milestones
 
     def begin_live(self, request: Any, device: str | None) -> None:
-        """A live run starts loading ``request`` (memory on ``device`` judged for spikes)."""
-        self.reset()
-        self.mode = "live"
-        self.request = request
-        self.last_error = ""
-        self.switches_pending = 0
-        self.set_state("loading")
-        # Readings from now on belong to this run (the load itself is the first thing to see).
-        self.plot_readings = True
-        self.load_started = self.clock()
-        self.new_monitor(device)
+        """A live run starts loading ``request`` (memory on ``device`` judged for spikes). Readings from
+        now on belong to this run: the load itself is the first thing to see."""
+        self._begin("live", request, device, load_started=self.clock())
 
     def begin_replay(self) -> None:
         """A recording starts playing (its own samples are the memory series: no readings)."""
+        self._begin("replay", None, None, load_started=None)
+
+    def _begin(self, mode: str, request: Any, device: str | None, load_started: float | None) -> None:
         self.reset()
-        self.mode = "replay"
-        self.request = None
+        self.mode = mode
+        self.request = request
         self.last_error = ""
         self.switches_pending = 0
-        self.plot_readings = False
-        self.load_started = None
+        self.plot_readings = mode == "live"
+        self.load_started = load_started
         self.set_state("loading")
-        self.new_monitor(None)
+        self.new_monitor(device)
 
     def new_monitor(self, device: str | None, keep_queue: bool = False) -> None:
         """A fresh spike monitor with ``device``'s threshold (``keep_queue``: readings not yet judged stay)."""

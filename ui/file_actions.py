@@ -12,7 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QFileDialog, QWidget
 
 from ui.screenshot import ScreenshotError, default_path, save_widget
@@ -189,9 +188,7 @@ class FileActions:
         if not self.calculator.warm:
             # Same reason as start_run: the stats use the predictor, which must not import
             # transformers while the calculator's thread does.
-            self.calculator.warm_up()
-            self.session.set_state("loading")
-            self.calculator.warmed.connect(self._start_when_warm, Qt.ConnectionType.SingleShotConnection)
+            self._start_after_warm_up()
             return True
         self._start_replay_now(str(path), float(speed))
         return True

@@ -359,13 +359,18 @@ class MainWindow(FileActions, QMainWindow):
             # Thread mode: transformers may still be importing in the calculator's thread, and importing
             # it from the generation thread at the same time breaks it. Start when that is done (no UI
             # wait). The engine process imports it in its own process: nothing to wait for.
-            self.calculator.warm_up()
-            self.session.set_state("loading")
+            self._start_after_warm_up()
             self.statusBar().showMessage("preparing transformers\u2026")
-            self.calculator.warmed.connect(self._start_when_warm, Qt.ConnectionType.SingleShotConnection)
             return True
         self._start_now(request)
         return True
+
+    def _start_after_warm_up(self) -> None:
+        """Start what was asked (a run or a replay) once the calculator's thread has imported
+        transformers; the window does not wait meanwhile."""
+        self.calculator.warm_up()
+        self.session.set_state("loading")
+        self.calculator.warmed.connect(self._start_when_warm, Qt.ConnectionType.SingleShotConnection)
 
     def _start_when_warm(self) -> None:
         if self.state == "loading" and self.mode == "replay" and self._replay_args is not None:

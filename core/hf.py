@@ -58,13 +58,25 @@ def build_hf_config(cfg: dict[str, Any]):
     model_type = cfg.get("model_type")
     if not model_type:
         return None
-    kwargs = {k: v for k, v in cfg.items() if k not in ("model_type", "_kvscope", "auto_map")}
+    kwargs = {k: v for k, v in _decoded_floats(cfg).items() if k not in ("model_type", "_kvscope", "auto_map")}
     try:
         return AutoConfig.for_model(model_type, **kwargs)
     except Exception as exc:  # an unknown model type (ValueError), or a refusal (StrictDataclassError)
         if is_transformers_refusal(exc):
             raise transformers_refusal(exc) from None
         return None
+
+
+def _decoded_floats(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` as transformers' own reader gives it to a config class: ``save_pretrained`` writes infinity and
+    NaN as ``{"__float__": "Infinity"}`` (``PreTrainedConfig._encode_special_floats``; Mamba-2's
+    ``time_step_limit`` is ``[0.0, inf]``), and ``from_pretrained`` decodes them again
+    (``_dict_from_json_file`` -> ``_decode_special_floats``). A plain JSON read keeps the tag dicts, which the
+    config class's validation refuses ("time_step_limit ... doesn't match any type in list[float]")."""
+    from transformers.configuration_utils import PreTrainedConfig
+
+    decode = getattr(PreTrainedConfig, "_decode_special_floats", None)
+    return decode(cfg) if callable(decode) else cfg
 
 
 @functools.lru_cache(maxsize=64)

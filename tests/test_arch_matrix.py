@@ -37,7 +37,6 @@ SWITCHES = (
 _OWN_CACHE_LAYOUT = ("its cache holds tensors of a shape of its own that the predictor does not know, so calc != the "
                      "real DynamicCache")
 _SWITCH_WEIGHTS = "a live switch changes parameters the weight prediction does not follow (norms or biases per head)"
-_ROUNDTRIP = "transformers 5.24 cannot read back the config.json it saved (time_step_limit holds Infinity)"
 KNOWN_GAPS: dict[str, str] = {
     "cpmant": f"{_OWN_CACHE_LAYOUT}: CPM-Ant prepends its prompt_length learned prompt tokens to every layer's K/V, and a "
               "second forward pass on one DynamicCache fails inside transformers (mask sizes)",
@@ -54,7 +53,6 @@ KNOWN_GAPS: dict[str, str] = {
                   "whole old tensor alive (observed weights count it, the prediction does not)",
     **dict.fromkeys(("zamba", "zamba2"), f"{_SWITCH_WEIGHTS}: one attention block shared by the hybrid layers, "
                                          "its K/V projections 2 x hidden wide"),
-    **dict.fromkeys(("bamba", "falcon_h1", "granitemoehybrid", "mamba2", "nemotron_h"), _ROUNDTRIP),
     "blt": "BLT keeps its layer counts in sub-configs (encoder, global, decoder): transformers 5.24's "
            "DynamicCache(config=...) fails on it (no num_hidden_layers), and so does a folder's load here",
     "fuyu": "calc's weights miss the image-patch projection the text model carries",

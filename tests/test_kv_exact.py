@@ -479,3 +479,19 @@ def test_h2o_without_attention_weights_fails_loudly():
         model(torch.zeros(1, 6, dtype=torch.long), cache=cache, use_cache=True)  # sdpa, no hooks
         with pytest.raises(RuntimeError, match="needs eager attention"):
             model(torch.zeros(1, 1, dtype=torch.long), cache=cache, use_cache=True)
+
+
+def test_calc_reads_a_config_json_transformers_saved_with_infinity(tmp_path):
+    """save_pretrained writes Mamba-2's time_step_limit (0, inf) as [0.0, {"__float__": "Infinity"}] and from_pretrained
+    decodes it; calc reads the same folder as transformers does (it was refused: "doesn't match list[float]")."""
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    config = Mamba2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16,
+                          state_size=8, n_groups=1, chunk_size=16, time_step_limit=(0.0, float("inf")))
+    config.save_pretrained(tmp_path)
+    assert '"__float__": "Infinity"' in (tmp_path / "config.json").read_text()
+    spec = load_spec(str(tmp_path))
+    with torch.device("meta"):
+        model = Mamba2ForCausalLM(Mamba2Config.from_pretrained(tmp_path))
+    assert spec.num_parameters == sum(p.numel() for p in model.parameters())
+    assert spec.layer_states is not None and spec.num_kv_layers == 0

@@ -1,0 +1,263 @@
+"""The models already on the machine (core.installed): the Hugging Face cache, Ollama, LM Studio and added
+folders, built in a temporary home; then the window's Source list and the calculator's model picker."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import huggingface_hub.constants
+import pytest
+from huggingface_hub import scan_cache_dir
+
+from core import installed
+from core.installed import InstalledModel, find_installed
+
+TINY_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 256, "max_position_embeddings": 512, "torch_dtype": "float32"}
+GGUF = b"GGUF\x03\x00\x00\x00"  # listed, never parsed: any bytes after the magic will do
+REV_OLD, REV_NEW = "a" * 40, "b" * 40
+
+
+# ------------------------------------------------------------------------------------------------
+# Building a machine
+
+
+def hf_repo(cache: Path, folder: str, revisions: dict[str, dict[str, bytes]], main: str, mtimes=None) -> Path:
+    """A repo as huggingface_hub stores it: blobs by content hash, snapshots/<rev>/<file> symlinks to them,
+    refs/main naming a revision."""
+    repo = cache / folder
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(main)
+    for rev, files in revisions.items():
+        for name, data in files.items():
+            blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+            blob.write_bytes(data)
+            if mtimes and rev in mtimes:
+                os.utime(blob, (mtimes[rev], mtimes[rev]))
+            link = repo / "snapshots" / rev / name
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(os.path.relpath(blob, link.parent))
+    return repo
+
+
+def ollama_blob(store: Path, data: bytes) -> str:
+    digest = hashlib.sha256(data).hexdigest()
+    (store / "blobs").mkdir(parents=True, exist_ok=True)
+    (store / "blobs" / f"sha256-{digest}").write_bytes(data)
+    return f"sha256:{digest}"
+
+
+def ollama_manifest(store: Path, name: str, layers: list[tuple[str, str]] | bytes) -> None:
+    """manifests/<registry>/<namespace>/<model>/<tag> (``name`` is that path)."""
+    path = store / "manifests" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(layers, bytes):
+        path.write_bytes(layers)
+        return
+    doc = {"schemaVersion": 2, "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
+           "config": {"mediaType": "application/vnd.docker.container.image.v1+json", "digest": "sha256:" + "0" * 64},
+           "layers": [{"mediaType": media, "digest": digest, "size": 1} for media, digest in layers]}
+    path.write_text(json.dumps(doc))
+
+
+def write(path: Path, data: bytes | str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(data, str):
+        path.write_text(data)
+    else:
+        path.write_bytes(data)
+    return path
+
+
+@pytest.fixture
+def machine(tmp_path, monkeypatch):
+    """A home with every kind of store, some of it broken. Returns the folders and the added folder."""
+    tmp_path = tmp_path.resolve()
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    hf_home = home / ".cache" / "huggingface"
+    cache = hf_home / "hub"
+    # huggingface_hub reads its environment once, at import: the constant is what it (and we) use.
+    monkeypatch.setenv("HF_HOME", str(hf_home))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    store = tmp_path / "ollama-store"
+    monkeypatch.setenv("OLLAMA_MODELS", str(store))
+
+    config = json.dumps(TINY_LLAMA).encode()
+    hf_repo(cache, "models--HuggingFaceTB--SmolLM2-135M",
+            {REV_OLD: {"config.json": config, "model.safetensors": b"old" * 10},
+             REV_NEW: {"config.json": config + b" ", "model.safetensors": b"new" * 100, "tokenizer.json": b"{}"}},
+            main=REV_NEW, mtimes={REV_OLD: 1_600_000_000, REV_NEW: 1_700_000_000})
+    hf_repo(cache, "models--org--tokenizer-only", {REV_OLD: {"tokenizer.json": b"{}"}}, main=REV_OLD)
+    hf_repo(cache, "datasets--org--data", {REV_OLD: {"config.json": config}}, main=REV_OLD)
+    hf_repo(cache, "models--bartowski--Tiny-GGUF",
+            {REV_OLD: {"Tiny-Q4_K_M.gguf": GGUF + b"q4" * 50, "mmproj-Tiny-f16.gguf": GGUF, "README.md": b"#"}},
+            main=REV_OLD)
+    # A model whose only config.json sits in a subfolder (a sentence-transformers module): not a model.
+    hf_repo(cache, "models--org--pooling-only", {REV_OLD: {"1_Pooling/config.json": b'{"word_embedding_dimension": 8}'}},
+            main=REV_OLD)
+
+    model = ollama_blob(store, GGUF + b"m" * 1000)
+    params = ollama_blob(store, json.dumps({"num_ctx": 8192, "stop": ["<|eot_id|>"]}).encode())
+    bad_params = ollama_blob(store, b"{not json")
+    other = ollama_blob(store, GGUF + b"o" * 500)
+    M, P = installed.OLLAMA_MODEL, installed.OLLAMA_PARAMS
+    ollama_manifest(store, "registry.ollama.ai/library/llama3.2/1b", [(M, model), (P, params)])
+    ollama_manifest(store, "registry.ollama.ai/library/llama3.2/latest", [(M, model)])
+    ollama_manifest(store, "registry.ollama.ai/someone/tuned/q4", [(M, other), (P, bad_params)])
+    ollama_manifest(store, "hf.co/bartowski/SmolLM2-GGUF/Q8_0", [(M, other)])
+    ollama_manifest(store, "registry.ollama.ai/library/broken/latest", b"{this is not json")
+    ollama_manifest(store, "registry.ollama.ai/library/gone/latest", [(M, "sha256:" + "f" * 64)])
+    ollama_manifest(store, "registry.ollama.ai/library/escape/latest", [(M, "sha256:../../../../etc/passwd")])
+    ollama_manifest(store, "registry.ollama.ai/library/upper/latest", [(M, model.upper().replace("SHA256", "sha256"))])
+    ollama_manifest(store, "registry.ollama.ai/library/no-layers/latest", b'{"layers": {"a": 1}}')
+    # Valid JSON naming a real blob, but far larger than any manifest: not read.
+    huge = json.dumps({"layers": [{"mediaType": M, "digest": model}]}) + " " * installed.MAX_MANIFEST_BYTES
+    ollama_manifest(store, "registry.ollama.ai/library/huge/latest", huge.encode())
+    os.mkfifo(store / "manifests" / "registry.ollama.ai" / "library" / "llama3.2" / "fifo")  # never opened
+
+    lms = home / ".lmstudio" / "models"
+    write(lms / "lmstudio-community" / "Qwen-GGUF" / "Qwen-Q4_K_M.gguf", GGUF + b"q" * 300)
+    write(lms / "lmstudio-community" / "Qwen-GGUF" / "mmproj-Qwen-f16.gguf", GGUF)
+    write(lms / "big" / "Big-GGUF" / "Big-Q4-00001-of-00002.gguf", GGUF + b"1" * 100)
+    write(lms / "big" / "Big-GGUF" / "Big-Q4-00002-of-00002.gguf", GGUF + b"2" * 100)
+    write(lms / "mlx-community" / "Tiny-4bit" / "config.json", json.dumps(TINY_LLAMA))
+    write(lms / "mlx-community" / "Tiny-4bit" / "model.safetensors", b"w" * 64)
+    write(home / ".cache" / "lm-studio" / "models" / "TheBloke" / "Old-GGUF" / "old.Q4_0.gguf", GGUF + b"x" * 10)
+
+    added = tmp_path / "my-models"
+    write(added / "org" / "tiny-llama" / "config.json", json.dumps(TINY_LLAMA))
+    write(added / "org" / "tiny-llama" / "model.safetensors", b"w" * 200)
+    write(added / "org" / "tiny-llama" / "1_Pooling" / "config.json", json.dumps(TINY_LLAMA))  # inside a model
+    write(added / "notes" / "config.json", '{"theme": "dark"}')  # some app's config, not a model's
+    write(added / "loose.gguf", GGUF + b"l" * 20)
+    write(added / "a" / "b" / "c" / "d" / "e" / "too-deep.gguf", GGUF)
+    write(added / ".trash" / "deleted.gguf", GGUF)
+    os.mkfifo(added / "pipe.gguf")
+    (added / "loop").symlink_to(added)  # a folder that contains itself
+    return {"home": home, "cache": cache, "store": store, "lms": lms, "added": added}
+
+
+def rows(models: list[InstalledModel], m) -> list[tuple]:
+    """The models with paths shortened to the fixture's names, for exact comparisons."""
+    names = {str(m["cache"]): "HF", str(m["store"]): "OLLAMA", str(m["lms"]): "LMS", str(m["added"]): "ADDED",
+             str(m["home"]): "HOME"}
+    out = []
+    for x in models:
+        source = x.source
+        for path, name in names.items():
+            source = source.replace(path, name)
+        out.append((x.label, source, x.kind, x.origin, x.size_bytes, x.num_ctx))
+    return out
+
+
+SMOL_SIZE = len(json.dumps(TINY_LLAMA)) + 1 + 300 + 2
+EXPECTED = [
+    ("bartowski/Tiny-GGUF/Tiny-Q4_K_M.gguf", f"HF/models--bartowski--Tiny-GGUF/snapshots/{REV_OLD}/Tiny-Q4_K_M.gguf",
+     "gguf", "hf-cache", 108, None),
+    ("HuggingFaceTB/SmolLM2-135M", f"HF/models--HuggingFaceTB--SmolLM2-135M/snapshots/{REV_NEW}", "hf", "hf-cache",
+     SMOL_SIZE, None),
+    ("hf.co/bartowski/SmolLM2-GGUF:Q8_0", "OLLAMA/blobs/sha256-", "gguf", "ollama", 508, None),
+    ("llama3.2:1b", "OLLAMA/blobs/sha256-", "gguf", "ollama", 1008, 8192),
+    ("llama3.2:latest", "OLLAMA/blobs/sha256-", "gguf", "ollama", 1008, None),
+    ("someone/tuned:q4", "OLLAMA/blobs/sha256-", "gguf", "ollama", 508, None),
+    ("Big-Q4-00001-of-00002.gguf", "LMS/big/Big-GGUF/Big-Q4-00001-of-00002.gguf", "gguf", "lm-studio", 216, None),
+    ("old.Q4_0.gguf", "HOME/.cache/lm-studio/models/TheBloke/Old-GGUF/old.Q4_0.gguf", "gguf", "lm-studio", 18, None),
+    ("Qwen-Q4_K_M.gguf", "LMS/lmstudio-community/Qwen-GGUF/Qwen-Q4_K_M.gguf", "gguf", "lm-studio", 308, None),
+    ("Tiny-4bit", "LMS/mlx-community/Tiny-4bit", "hf", "lm-studio", len(json.dumps(TINY_LLAMA)) + 64, None),
+    ("loose.gguf", "ADDED/loose.gguf", "gguf", "folder", 28, None),
+    ("org/tiny-llama", "ADDED/org/tiny-llama", "hf", "folder", len(json.dumps(TINY_LLAMA)) + 200, None),
+]
+
+
+def shortened(found):
+    """Ollama blob names are content hashes: compared by prefix (the blob itself is checked elsewhere)."""
+    return [r[:1] + (r[1][:len("OLLAMA/blobs/sha256-")] if r[1].startswith("OLLAMA/") else r[1],) + r[2:]
+            for r in found]
+
+
+# ------------------------------------------------------------------------------------------------
+# core.installed
+
+
+def test_the_hf_cache_layout_is_huggingface_hubs_own(machine):
+    info = scan_cache_dir(machine["cache"])
+    assert not info.warnings
+    assert sorted(r.repo_id for r in info.repos) == ["HuggingFaceTB/SmolLM2-135M", "bartowski/Tiny-GGUF", "org/data",
+                                                    "org/pooling-only", "org/tokenizer-only"]
+
+
+def test_every_store_is_listed_exactly(machine):
+    found = find_installed(extra_folders=[str(machine["added"]), str(machine["added"] / "no-such-folder")])
+    assert shortened(rows(found, machine)) == EXPECTED
+    by_label = {m.label: m for m in found}
+    store = machine["store"]
+    blob = Path(by_label["llama3.2:1b"].source)
+    assert blob.parent == store / "blobs" and blob.read_bytes().startswith(GGUF)
+    assert by_label["llama3.2:latest"].source == by_label["llama3.2:1b"].source  # two tags, one blob
+    assert by_label["someone/tuned:q4"].source == by_label["hf.co/bartowski/SmolLM2-GGUF:Q8_0"].source
+    assert by_label["llama3.2:1b"].describe() == "llama3.2:1b \u00b7 Ollama \u00b7 1008 B \u00b7 num_ctx 8,192"
+    assert (Path(by_label["HuggingFaceTB/SmolLM2-135M"].source) / "config.json").is_file()
+
+
+def test_the_default_ollama_store_is_in_the_home_folder(machine, monkeypatch):
+    monkeypatch.delenv("OLLAMA_MODELS")
+    assert not [m for m in find_installed() if m.origin == "ollama"]
+    default = machine["home"] / ".ollama" / "models"
+    default.parent.mkdir()
+    machine["store"].rename(default)
+    assert [m.label for m in find_installed() if m.origin == "ollama"] == [
+        "hf.co/bartowski/SmolLM2-GGUF:Q8_0", "llama3.2:1b", "llama3.2:latest", "someone/tuned:q4"]
+    other = machine["home"].parent / "elsewhere"
+    (other / ".ollama").mkdir(parents=True)
+    default.rename(other / ".ollama" / "models")
+    assert len([m for m in find_installed(home=other) if m.origin == "ollama"]) == 4  # home= is honoured
+
+
+def test_an_added_folder_that_is_a_store_already_is_listed_once(machine):
+    found = find_installed(extra_folders=[machine["lms"], machine["added"] / "org" / "tiny-llama"])
+    labels = [(m.label, m.origin) for m in found if m.origin in ("lm-studio", "folder")]
+    assert labels == [("Big-Q4-00001-of-00002.gguf", "lm-studio"), ("old.Q4_0.gguf", "lm-studio"),
+                      ("Qwen-Q4_K_M.gguf", "lm-studio"), ("Tiny-4bit", "lm-studio"), ("tiny-llama", "folder")]
+
+
+def test_nothing_installed_is_an_empty_list(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("OLLAMA_MODELS", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "no-cache"))
+    assert find_installed() == []
+    assert find_installed(extra_folders=["", "~nosuchuser/x", tmp_path / "missing", "\0bad"]) == []
+
+
+def test_a_broken_cache_and_unreadable_entries_never_raise(machine, monkeypatch):
+    cache = machine["cache"]
+    # A dangling snapshot link: huggingface_hub reports the repo as corrupt; the others are still listed.
+    (cache / "models--org--dangling" / "snapshots" / REV_OLD).mkdir(parents=True)
+    (cache / "models--org--dangling" / "snapshots" / REV_OLD / "config.json").symlink_to("../../blobs/nothing")
+    write(cache / "not-a-repo", b"")
+    write(machine["store"] / "manifests" / "registry.ollama.ai" / "stray-file", b"")
+    found = find_installed()
+    assert "HuggingFaceTB/SmolLM2-135M" in [m.label for m in found]
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(machine["store"] / "blobs" / "x"))  # a file's child
+    assert [m.origin for m in find_installed()][:1] == ["ollama"]
+
+    def boom(*_a, **_k):
+        raise RuntimeError("a bug in one source")
+
+    monkeypatch.setattr(installed, "_ollama", boom)
+    assert "ollama" not in {m.origin for m in find_installed()} and find_installed()  # the rest still comes
+
+
+def test_walks_are_bounded(machine, monkeypatch):
+    monkeypatch.setattr(installed, "MAX_ENTRIES", 3)
+    found = [m for m in find_installed(extra_folders=[machine["added"]]) if m.origin == "folder"]
+    assert len(found) <= 3
+    monkeypatch.setattr(installed, "MAX_MODELS", 2)
+    assert len(find_installed()) == 2

@@ -17,7 +17,14 @@ setup: $(STAMP)
 run: setup
 	$(PY) main.py
 
-test: setup
+# The llama.cpp extra builds llama.cpp from source (minutes, once: pip caches the wheel); only the tests need it.
+LLAMACPP_STAMP := $(VENV)/.llamacpp-installed
+
+$(LLAMACPP_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[quant,dev,llamacpp]'
+	touch $(LLAMACPP_STAMP)
+
+test: setup $(LLAMACPP_STAMP)
 	QT_QPA_PLATFORM=offscreen $(PY) -m pytest -q
 
 lint: setup

@@ -1,0 +1,324 @@
+"""The llama.cpp runtime: what llama.cpp allocates for the KV cache when a model loads (the prepayment).
+
+The rules are llama.cpp's own, read in the source that llama-cpp-python 0.3.36 vendors (llama.cpp commit
+0c1e570, 2026-10-01); tests/test_llamacpp.py checks them against that llama.cpp, loaded for real:
+
+- ``src/llama-context.cpp``: n_ctx = the trained context when 0; n_ctx = GGML_PAD(n_ctx, 256); with
+  ``kv_unified`` one stream of n_ctx cells, else n_seq_max streams of n_ctx_seq = GGML_PAD(n_ctx /
+  n_seq_max, 256) cells each (and n_ctx = n_ctx_seq x n_seq_max). n_batch = min(n_ctx, n_batch), n_ubatch =
+  min(n_batch, n_ubatch). A quantized V cache needs flash attention (auto turns it on, off refuses); a
+  quantized K or V type's block must divide every layer's head size.
+- ``src/llama-kv-cache.cpp``: per layer that has K/V, K is [n_embd_k_gqa, kv_size, n_stream] and V
+  [n_embd_v_gqa, kv_size, n_stream] in the cache types (ggml row size: elements / block x block bytes);
+  without flash attention V is stored transposed, padded to the widest layer's V when widths differ. MLA
+  (deepseek2) caches K only: the latent plus the rotary part, kv_lora_rank + n_rot wide.
+- ``src/llama-kv-cache-iswa.cpp``: a model with sliding-window layers gets two caches: the full layers'
+  n_ctx_seq cells, and the window layers' GGML_PAD(min(n_ctx_seq, n_swa x (unified ? n_seq_max : 1) +
+  n_ubatch), 256) cells (n_ctx_seq with ``swa_full``).
+- ``src/llama-model.cpp`` ``dev_layer``: with -ngl N the last N layers (and the output with N > layers) sit
+  on the GPU, with their K/V when ``offload_kqv``; the token embedding stays on the CPU.
+
+Every cell is allocated (and zeroed) at load and the buffer never changes size: the whole context is paid
+for before the first token. "Used" bytes are the cells that hold tokens so far.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from core.attention import SettingsError
+from core.spec import NO_KV, SLIDING_ATTENTION, ModelSpec, human_bytes
+
+LLAMA_CPP_COMMIT = "0c1e570"
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+LLAMA_CPP_VERSION = f"llama.cpp {LLAMA_CPP_COMMIT} (vendored by llama-cpp-python {LLAMA_CPP_PYTHON_VERSION})"
+#: The KV cache types llama.cpp accepts (common/arg.cpp ``kv_cache_types``), ggml's (block, bytes per block).
+CACHE_TYPES: dict[str, tuple[int, int]] = {
+    "f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20),
+    "iq4_nl": (32, 18), "q5_0": (32, 22), "q5_1": (32, 24),
+}
+QUANTIZED = {"q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"}
+PAD = 256
+MAX_CONTEXT = 1 << 30
+
+
+def _pad(n: int, to: int = PAD) -> int:
+    return (n + to - 1) // to * to
+
+
+def cache_type(name: str) -> str:
+    key = str(name).strip().lower()
+    if key not in CACHE_TYPES:
+        raise SettingsError(f"unknown llama.cpp cache type {name!r}; use one of {', '.join(CACHE_TYPES)}")
+    return key
+
+
+def row_bytes(ggml_type: str, elements: int) -> int:
+    """``ggml_row_size``: bytes of ``elements`` values of a ggml type (a whole number of blocks)."""
+    block, size = CACHE_TYPES[ggml_type]
+    if elements % block:
+        raise SettingsError(f"cache type {ggml_type} stores blocks of {block} values, which do not divide a row of "
+                            f"{elements}")
+    return elements // block * size
+
+
+@dataclass(frozen=True)
+class LlamaCppOptions:
+    """llama.cpp's context options that decide the KV cache, spelled as llama-server's flags."""
+
+    n_ctx: int = 4096  # -c (0: the trained context)
+    n_seq_max: int = 1  # -np / --parallel
+    kv_unified: bool = False  # --kv-unified
+    type_k: str = "f16"  # --cache-type-k
+    type_v: str = "f16"  # --cache-type-v
+    flash_attn: str = "auto"  # -fa on|off|auto
+    swa_full: bool = False  # --swa-full
+    n_batch: int = 2048  # -b
+    n_ubatch: int = 512  # -ub
+    n_gpu_layers: int = -1  # -ngl (-1: every layer)
+    offload_kqv: bool = True  # --no-kv-offload sets False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "type_k", cache_type(self.type_k))
+        object.__setattr__(self, "type_v", cache_type(self.type_v))
+        fa = str(self.flash_attn).strip().lower()
+        fa = {"1": "on", "true": "on", "enabled": "on", "0": "off", "false": "off", "disabled": "off"}.get(fa, fa)
+        if fa not in ("on", "off", "auto"):
+            raise SettingsError(f"--flash-attn {self.flash_attn!r}: use on, off or auto")
+        object.__setattr__(self, "flash_attn", fa)
+        if not (0 <= self.n_ctx <= MAX_CONTEXT):
+            raise SettingsError(f"context {self.n_ctx} is outside 0-{MAX_CONTEXT:,} tokens")
+        if not (1 <= self.n_seq_max <= 256):  # LLAMA_MAX_SEQ
+            raise SettingsError(f"--parallel {self.n_seq_max}: llama.cpp takes 1 to 256 sequences")
+        if self.n_batch < 1 or self.n_ubatch < 1:
+            raise SettingsError("batch sizes must be positive")
+
+
+@dataclass(frozen=True)
+class KvBuffer:
+    """One of llama.cpp's KV caches (the full layers', or the window layers')."""
+
+    name: str  # "full" or "sliding window"
+    cells: int  # kv_size: cells per stream
+    streams: int
+    layers: tuple[int, ...]
+    k_bytes: int
+    v_bytes: int
+    row_bytes: int  # K + V bytes of one cell over this cache's layers
+    layer_rows: tuple[int, ...]  # the same, per layer
+    window: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.k_bytes + self.v_bytes
+
+    def log_line(self, type_k: str, type_v: str, n_seq_max: int) -> str:
+        """llama.cpp's own ``llama_kv_cache: size = ...`` line for this cache."""
+        mib = 1024.0 * 1024.0
+        return (f"llama_kv_cache: size = {self.total / mib:7.2f} MiB ({self.cells:6d} cells, {len(self.layers):3d} layers, "
+                f"{n_seq_max:2d}/{self.streams} seqs), K ({type_k}): {self.k_bytes / mib:7.2f} MiB, "
+                f"V ({type_v}): {self.v_bytes / mib:7.2f} MiB")
+
+
+@dataclass(frozen=True)
+class LlamaCppPlan:
+    model: str
+    options: LlamaCppOptions
+    n_ctx: int  # after llama.cpp's padding
+    n_ctx_seq: int
+    n_ubatch: int
+    flash_attn: bool
+    buffers: tuple[KvBuffer, ...]
+    n_layer: int
+    weights: int | None  # bytes of the file's tensors (None: not a GGUF)
+    weights_gpu: int | None
+    gpu_layers: tuple[int, ...]  # layers whose weights (and K/V with offload_kqv) sit on the GPU
+    notes: tuple[str, ...] = ()
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(b.total for b in self.buffers)
+
+    @property
+    def kv_gpu_bytes(self) -> int:
+        """The K/V of the layers on the GPU (none with --no-kv-offload)."""
+        if not self.options.offload_kqv:
+            return 0
+        on = set(self.gpu_layers)
+        return sum(sum(r for il, r in zip(b.layers, b.layer_rows) if il in on) * b.cells * b.streams for b in self.buffers)
+
+    def used_bytes(self, tokens: int, sequences: int = 1) -> int:
+        """Bytes of the cells that hold ``tokens`` tokens in each of ``sequences`` sequences: every token in a
+        full layer, at most the window (plus the batch being decoded) in a window layer."""
+        used = 0
+        for b in self.buffers:
+            keep = tokens if not b.window else min(tokens, b.window + 1)
+            used += b.row_bytes * min(keep, b.cells) * min(sequences, b.streams or 1) if b.streams > 1 else \
+                b.row_bytes * min(keep * sequences, b.cells)
+        return used
+
+    def to_json(self) -> dict:
+        o = self.options
+        return {
+            "runtime": "llama.cpp", "llama_cpp_version": LLAMA_CPP_VERSION, "n_ctx": self.n_ctx,
+            "n_ctx_seq": self.n_ctx_seq, "n_seq_max": o.n_seq_max, "kv_unified": o.kv_unified, "type_k": o.type_k,
+            "type_v": o.type_v, "flash_attn": self.flash_attn, "swa_full": o.swa_full, "n_ubatch": self.n_ubatch,
+            "n_gpu_layers": len(self.gpu_layers), "kv_cache_bytes": self.kv_bytes, "kv_gpu_bytes": self.kv_gpu_bytes,
+            "weights_bytes": self.weights, "weights_gpu_bytes": self.weights_gpu,
+            "caches": [{"name": b.name, "cells": b.cells, "streams": b.streams, "layers": len(b.layers),
+                        "k_bytes": b.k_bytes, "v_bytes": b.v_bytes, "bytes_per_cell": b.row_bytes,
+                        "window": b.window or None} for b in self.buffers],
+            "notes": list(self.notes),
+        }
+
+
+@dataclass(frozen=True)
+class _Layer:
+    il: int
+    k: int  # elements of one K row
+    v: int  # elements of one V row (0: MLA, K only)
+    head_k: int
+    head_v: int
+    swa: bool
+
+
+def _layers_of(source) -> tuple[list[_Layer], int, int, str, str]:
+    """(layers with K/V, n_layer, n_swa, architecture, name) of a GgufModel or a ModelSpec."""
+    from core.gguf import OWN_CACHE, GgufModel
+
+    if isinstance(source, GgufModel):
+        g = source
+        if g.arch in OWN_CACHE:
+            raise SettingsError(f"{g.path.name}: llama.cpp gives {g.arch} a cache of its own (recurrent, hybrid, "
+                                "indexed or compressed), whose allocation KV Scope does not follow yet")
+        if g.swa_chunked and g.n_swa:
+            raise SettingsError(f"{g.path.name}: {g.arch}'s chunked attention cache is not followed by KV Scope yet")
+        layers = []
+        for il in range(g.n_layer):
+            if not g.has_kv(il) or g.n_head_kv[il] == 0:
+                continue
+            # n_embd_k_gqa(il); an MLA file stores key_length = kv_lora_rank + n_rot and one KV head, and no V.
+            layers.append(_Layer(il, g.k_width(il), 0 if g.is_mla else g.v_width(il), g.head_k_of(il), g.head_v_of(il),
+                                 g.is_swa[il]))
+        return layers, g.n_layer, g.n_swa, g.arch, g.path.name
+    spec: ModelSpec = source
+    layers = []
+    for il, kind in enumerate(spec.layer_types):
+        if kind == NO_KV:
+            continue
+        if spec.is_mla:
+            rope = spec.qk_rope_head_dim or 0
+            layers.append(_Layer(il, spec.kv_lora_rank + rope, 0, spec.kv_lora_rank + rope, spec.kv_lora_rank, False))
+        else:
+            w = spec.num_kv_heads * spec.head_dim
+            layers.append(_Layer(il, w, w, spec.head_dim, spec.head_dim, kind == SLIDING_ATTENTION))
+    return layers, spec.num_layers, spec.sliding_window or 0, spec.model_type, spec.label
+
+
+def plan(source, options: LlamaCppOptions | None = None, n_ctx_train: int | None = None) -> LlamaCppPlan:
+    """What llama.cpp allocates for ``source`` (a ``core.gguf.GgufModel`` or a ``ModelSpec``) under ``options``."""
+    from core.gguf import GgufModel
+
+    o = options or LlamaCppOptions()
+    layers, n_layer, n_swa, arch, name = _layers_of(source)
+    trained = n_ctx_train or (source.n_ctx_train if isinstance(source, GgufModel) else source.max_position_embeddings)
+    n_ctx_user = o.n_ctx or trained
+    if not n_ctx_user:
+        raise SettingsError(f"{name}: no context given and the file names no trained context (context_length)")
+    notes = []
+    n_batch = min(n_ctx_user, o.n_batch)
+    n_ubatch = min(n_batch, o.n_ubatch)
+    n_ctx = _pad(n_ctx_user)
+    if o.kv_unified:
+        n_ctx_seq, streams = n_ctx, 1
+    else:
+        n_ctx_seq = _pad(n_ctx // o.n_seq_max)
+        if n_ctx_seq == 0:
+            raise SettingsError(f"context {n_ctx_user} is too small for {o.n_seq_max} sequences")
+        n_ctx, streams = n_ctx_seq * o.n_seq_max, o.n_seq_max
+    if n_ctx != n_ctx_user:
+        notes.append(f"context {n_ctx_user:,} becomes {n_ctx:,} cells: llama.cpp pads it to a multiple of {PAD}"
+                     + ("" if o.kv_unified or o.n_seq_max == 1 else
+                        f" per sequence ({o.n_seq_max} x {n_ctx_seq:,})"))
+    quant_v = o.type_v in QUANTIZED
+    if o.flash_attn == "off" and quant_v:
+        raise SettingsError(f"a quantized V cache ({o.type_v}) needs flash attention: llama.cpp refuses it with "
+                            "-fa off (use -fa on or auto)")
+    flash = o.flash_attn != "off"
+    if o.flash_attn == "auto":
+        notes.append("flash attention auto: llama.cpp turns it on where the device supports it (assumed here)")
+    is_mla = any(layer.v == 0 for layer in layers)
+    for layer in layers:
+        for kind, head, typ in (("K", layer.head_k, o.type_k), ("V", layer.head_v, o.type_v)):
+            block = CACHE_TYPES[typ][0]
+            if flash and typ in QUANTIZED and head % block and (kind == "K" or not is_mla):
+                raise SettingsError(f"{kind} cache type {typ} stores blocks of {block}, which do not divide the head "
+                                    f"size {head} of layer {layer.il}: llama.cpp refuses this context")
+    v_trans = not flash
+    v_max = max((layer.v for layer in layers), default=0)
+    if v_trans and len({layer.v for layer in layers}) > 1:
+        notes.append(f"V widths differ between layers and flash attention is off: llama.cpp pads every V row to {v_max}")
+    groups: list[tuple[str, list[_Layer], int, int]] = []
+    swa_layers = [layer for layer in layers if layer.swa]
+    full_layers = [layer for layer in layers if not layer.swa]
+    if swa_layers and n_swa:
+        size_swa = n_ctx_seq if o.swa_full else _pad(min(n_ctx_seq, n_swa * (o.n_seq_max if o.kv_unified else 1) + n_ubatch))
+        groups = [("full", full_layers, n_ctx_seq, 0), ("sliding window", swa_layers, size_swa, n_swa)]
+        if not o.swa_full:
+            notes.append(f"{len(swa_layers)} window layers keep {size_swa:,} cells (window {n_swa:,} + ubatch "
+                         f"{n_ubatch}, padded to {PAD}); --swa-full would give them {n_ctx_seq:,}")
+    else:
+        groups = [("full", layers, n_ctx_seq, 0)]
+    buffers = []
+    for label, group, cells, window in groups:
+        k_rows = [row_bytes(o.type_k, layer.k) for layer in group]
+        v_rows = [row_bytes(o.type_v, v_max if v_trans else layer.v) if layer.v else 0 for layer in group]
+        buffers.append(KvBuffer(label, cells, streams, tuple(layer.il for layer in group), sum(k_rows) * cells * streams,
+                                sum(v_rows) * cells * streams, sum(k_rows) + sum(v_rows),
+                                tuple(k + v for k, v in zip(k_rows, v_rows)), window))
+    if is_mla:
+        notes.append("MLA: llama.cpp caches the latent and the rotary key (K only, no V)")
+    ngl = n_layer + 1 if o.n_gpu_layers < 0 else min(o.n_gpu_layers, n_layer + 1)
+    gpu_layers = tuple(range(max(0, n_layer - ngl), n_layer))
+    weights = weights_gpu = None
+    if isinstance(source, GgufModel):
+        weights = source.weight_bytes
+        on = set(gpu_layers)
+        weights_gpu = sum(t.n_bytes for t in source.tensors if t.layer is not None and t.layer in on)
+        if ngl > n_layer:  # the output layer too (and the output norm)
+            weights_gpu += sum(t.n_bytes for t in source.tensors if t.layer is None and not t.name.startswith("token_embd"))
+    return LlamaCppPlan(name, o, n_ctx, n_ctx_seq, n_ubatch, flash, tuple(buffers), n_layer, weights, weights_gpu,
+                        gpu_layers, tuple(notes))
+
+
+def render(p: LlamaCppPlan, trained: int | None = None) -> list[str]:
+    """Lines for ``calc --runtime llama.cpp``: the settings as llama.cpp takes them, each cache, the totals."""
+    o = p.options
+    lines = [
+        f"llama.cpp's KV allocation ({LLAMA_CPP_VERSION}: src/llama-context.cpp, src/llama-kv-cache.cpp, "
+        "src/llama-kv-cache-iswa.cpp):",
+        f"  -c {o.n_ctx or trained or p.n_ctx} -np {o.n_seq_max}{' --kv-unified' if o.kv_unified else ''} "
+        f"--cache-type-k {o.type_k} --cache-type-v {o.type_v} -fa {o.flash_attn}{' --swa-full' if o.swa_full else ''} "
+        f"-ub {o.n_ubatch} -ngl {'all' if o.n_gpu_layers < 0 else o.n_gpu_layers}",
+        f"  n_ctx {p.n_ctx:,}, n_ctx_seq {p.n_ctx_seq:,}, flash attention {'on' if p.flash_attn else 'off'}",
+    ]
+    for b in p.buffers:
+        lines.append(f"  {b.name:>14} cache: {b.cells:,} cells x {b.streams} stream{'s' if b.streams != 1 else ''} x "
+                     f"{len(b.layers)} layers x {b.row_bytes // max(1, len(b.layers)):,} B per layer per cell = "
+                     f"{b.total:,} B ({human_bytes(b.total)})")
+    lines.append(f"  KV cache allocated at load: {p.kv_bytes:,} B ({human_bytes(p.kv_bytes)}), the same from the "
+                 "first token to the last (prepaid)")
+    if p.weights is not None:
+        lines.append(f"  weights (the file's tensors): {p.weights:,} B ({human_bytes(p.weights)})")
+        if o.n_gpu_layers >= 0:
+            lines.append(f"  -ngl {o.n_gpu_layers}: {len(p.gpu_layers)} of {p.n_layer} layers on the GPU: weights "
+                         f"{p.weights_gpu:,} B, KV {p.kv_gpu_bytes:,} B there; the rest in system memory")
+    for note in p.notes:
+        lines.append(f"  {note}")
+    return lines
+
+
+def kv_math_check(p: LlamaCppPlan) -> bool:
+    """Every cache's bytes are its cells x streams x bytes per cell (an invariant the tests rely on)."""
+    return all(b.total == b.row_bytes * b.cells * b.streams for b in p.buffers) and math.isfinite(p.kv_bytes)

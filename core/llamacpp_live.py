@@ -1,0 +1,204 @@
+"""The real llama.cpp, through llama-cpp-python's C API: load a GGUF with given context options, and read back
+what llama.cpp allocated for its KV cache.
+
+llama-cpp-python 0.3.36 has no function that returns the KV bytes. What llama.cpp does say, exactly:
+
+- its log, at context creation: per cache ``llama_kv_cache: size = X MiB (C cells, L layers, S/N seqs),
+  K (type): X MiB, V (type): X MiB`` (cells and layers exact, sizes to 0.01 MiB) and per device
+  ``CPU KV buffer size = X MiB``;
+- ``llama_state_seq_get_size``: a sequence's state grows, per token, by the K/V bytes of one cell in every
+  cache plus 12 bytes of cell metadata per cache (position, sequence count, sequence id:
+  ``llama_kv_cache::state_write_meta``), so two sizes one token apart give the bytes per cell exactly;
+- ``llama_memory_seq_pos_max``: the cells a sequence uses.
+
+``observe()`` puts them together: cells x streams x bytes per cell is the allocation, byte for byte, and
+each logged MiB figure must agree with it to the log's rounding. The log callback is process-wide in
+llama.cpp, so one capture serves every load in the process (a lock keeps loads one at a time).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from core.attention import SettingsError
+from core.llamacpp import LlamaCppOptions
+
+MIB = 1024 * 1024
+#: ``llama_kv_cache::state_write_meta`` per cell of one sequence: pos (int32), n_seq_id (uint32), seq_id (int32).
+CELL_META_BYTES = 12
+_SIZE_LINE = re.compile(
+    r"llama_kv_cache: size =\s*([\d.]+) MiB \(\s*(\d+) cells,\s*(\d+) layers,\s*(\d+)/(\d+) seqs\), "
+    r"K \((\w+)\):\s*([\d.]+) MiB, V \((\w+)\):\s*([\d.]+) MiB")
+_BUFFER_LINE = re.compile(r"llama_kv_cache:\s+(\S+) KV buffer size =\s*([\d.]+) MiB")
+
+_lock = threading.Lock()
+_log: list[str] = []
+_callback = None
+
+
+def available() -> str | None:
+    """None if llama-cpp-python imports, else why not (for the window and the CLI to say)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - a broken build raises OSError, not ImportError
+        return (f"llama-cpp-python is not installed ({type(exc).__name__}); install it with "
+                "pip install 'llama-cpp-python==0.3.36' (builds llama.cpp from source, a few minutes)")
+    return None
+
+
+def _capture():
+    global _callback
+    import llama_cpp
+
+    if _callback is None:
+        @ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+        def callback(level, text, user):  # noqa: ARG001
+            if text:
+                _log.append(text.decode("utf-8", "replace"))
+
+        _callback = callback
+        llama_cpp.llama_log_set(_callback, ctypes.c_void_p(0))
+        llama_cpp.llama_backend_init()
+    return llama_cpp
+
+
+@dataclass(frozen=True)
+class LoggedCache:
+    """One ``llama_kv_cache: size = ...`` line."""
+
+    size_mib: float
+    cells: int
+    layers: int
+    n_seq_max: int
+    streams: int
+    type_k: str
+    k_mib: float
+    type_v: str
+    v_mib: float
+
+
+def parse_log(text: str) -> tuple[list[LoggedCache], list[tuple[str, float]]]:
+    caches = [LoggedCache(float(m[1]), int(m[2]), int(m[3]), int(m[4]), int(m[5]), m[6], float(m[7]), m[8], float(m[9]))
+              for m in _SIZE_LINE.finditer(text)]
+    buffers = [(m[1], float(m[2])) for m in _BUFFER_LINE.finditer(text)]
+    return caches, buffers
+
+
+_FA = {"on": "LLAMA_FLASH_ATTN_TYPE_ENABLED", "off": "LLAMA_FLASH_ATTN_TYPE_DISABLED", "auto": "LLAMA_FLASH_ATTN_TYPE_AUTO"}
+
+
+def _ggml_type(llama_cpp, name: str) -> int:
+    return int(getattr(llama_cpp, f"GGML_TYPE_{name.upper()}"))
+
+
+class LlamaCppContext:
+    """A GGUF loaded into llama.cpp with ``options``: the model, one context, and what its load logged."""
+
+    def __init__(self, path: str | Path, options: LlamaCppOptions | None = None, n_threads: int = 1):
+        self.options = o = options or LlamaCppOptions()
+        self.path = Path(path)
+        llama_cpp = _capture()
+        self._ll = llama_cpp
+        with _lock:
+            start = len(_log)
+            mp = llama_cpp.llama_model_default_params()
+            mp.n_gpu_layers = o.n_gpu_layers if o.n_gpu_layers >= 0 else 999
+            self.model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mp)
+            if not self.model:
+                raise SettingsError(f"llama.cpp could not load {self.path.name}: {self._last_error(start)}")
+            cp = llama_cpp.llama_context_default_params()
+            cp.n_ctx, cp.n_seq_max, cp.kv_unified = o.n_ctx, o.n_seq_max, o.kv_unified
+            cp.n_batch, cp.n_ubatch = o.n_batch, o.n_ubatch
+            cp.type_k, cp.type_v = _ggml_type(llama_cpp, o.type_k), _ggml_type(llama_cpp, o.type_v)
+            cp.flash_attn_type = getattr(llama_cpp, _FA[o.flash_attn])
+            cp.swa_full, cp.offload_kqv = o.swa_full, o.offload_kqv
+            cp.n_threads = cp.n_threads_batch = n_threads
+            self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
+            if not self.ctx:
+                reason = self._last_error(start)
+                llama_cpp.llama_model_free(self.model)
+                self.model = None
+                raise SettingsError(f"llama.cpp refused the context for {self.path.name}: {reason}")
+            self.log = "".join(_log[start:])
+        self.caches, self.buffers = parse_log(self.log)
+        self.memory = llama_cpp.llama_get_memory(self.ctx)
+        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
+
+    @staticmethod
+    def _last_error(start: int) -> str:
+        lines = [line.strip() for line in "".join(_log[start:]).splitlines() if "error" in line.lower() or "failed" in line]
+        return lines[-1] if lines else "see llama.cpp's log"
+
+    @property
+    def n_ctx(self) -> int:
+        return int(self._ll.llama_n_ctx(self.ctx))
+
+    def decode(self, tokens: list[int], pos: int, seq: int = 0) -> None:
+        """Feed ``tokens`` at positions ``pos``... of sequence ``seq``; raise on llama.cpp's refusal."""
+        ll = self._ll
+        batch = ll.llama_batch_init(len(tokens), 0, 1)
+        try:
+            for i, tok in enumerate(tokens):
+                batch.token[i] = tok
+                batch.pos[i] = pos + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = seq
+                batch.logits[i] = i == len(tokens) - 1
+            batch.n_tokens = len(tokens)
+            rc = ll.llama_decode(self.ctx, batch)
+        finally:
+            ll.llama_batch_free(batch)
+        if rc != 0:
+            raise SettingsError(f"llama.cpp could not decode ({'the context is full' if rc == 1 else f'code {rc}'})")
+
+    def used_cells(self, seq: int = 0) -> int:
+        return int(self._ll.llama_memory_seq_pos_max(self.memory, seq)) + 1
+
+    def state_size(self, seq: int = 0) -> int:
+        return int(self._ll.llama_state_seq_get_size(self.ctx, seq))
+
+    def clear(self) -> None:
+        self._ll.llama_memory_clear(self.memory, True)
+
+    def close(self) -> None:
+        if getattr(self, "ctx", None):
+            self._ll.llama_free(self.ctx)
+            self.ctx = None
+        if getattr(self, "model", None):
+            self._ll.llama_model_free(self.model)
+            self.model = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What llama.cpp allocated, from its own figures."""
+
+    caches: tuple[LoggedCache, ...]
+    bytes_per_cell: int  # K + V of one cell over every cache (state growth per token, metadata removed)
+    buffers: tuple[tuple[str, float], ...]
+
+    @property
+    def cells(self) -> tuple[int, ...]:
+        return tuple(c.cells for c in self.caches)
+
+
+def observe(path: str | Path, options: LlamaCppOptions | None = None) -> Observed:
+    """Load ``path`` into llama.cpp, read its KV log lines, and measure the bytes per cell from two tokens."""
+    with LlamaCppContext(path, options) as ctx:
+        bos = 1
+        ctx.decode([bos], 0)
+        one = ctx.state_size()
+        ctx.decode([bos], 1)
+        two = ctx.state_size()
+        per_cell = two - one - CELL_META_BYTES * len(ctx.caches)
+        return Observed(tuple(ctx.caches), per_cell, tuple(ctx.buffers))

@@ -655,7 +655,7 @@ def _checked_counts(cfg: dict[str, Any], name: str) -> dict[str, Any]:
 def spec_from_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
     """Derive a ModelSpec from a config dict. Raises SpecError with a specific message on bad fields."""
     meta = cfg.get("_kvscope") if isinstance(cfg.get("_kvscope"), dict) else {}
-    cfg = _text_config(cfg)
+    whole, cfg = cfg, _text_config(cfg)
     _require_layer_count(cfg, name)
     archs = cfg.get("architectures") or []
     if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for a in archs):
@@ -684,6 +684,16 @@ def spec_from_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
     if SLIDING_ATTENTION not in types:
         window = None
     facts = view.facts
+    towers = [k for k, v in whole.items() if isinstance(v, dict) and k.endswith("_config")
+              and k not in ("text_config", "quantization_config")]
+    if whole is not cfg and not towers and not meta.get("view"):
+        # The text model inside a class of its own and no media tower beside it (Fuyu's image-patch projection,
+        # Gemma 4 assistant's projections): run loads that whole class, so the weights are the whole model's.
+        # (A vision or audio tower, Gemma 3's, stays out: calc counts the language model.)
+        try:
+            facts = config_view(whole).facts or facts
+        except SpecError:
+            pass
     if facts is None:
         n_params = _estimate_parameters(cfg, layers, hidden, heads, kv_heads, head_dim, vocab, tied)
         buffer_bytes, kv_bias, supports_sdpa = 0, bool(cfg.get("attention_bias")), True

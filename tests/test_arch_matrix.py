@@ -55,9 +55,11 @@ KNOWN_GAPS: dict[str, str] = {
                                          "its K/V projections 2 x hidden wide"),
     "blt": "BLT keeps its layer counts in sub-configs (encoder, global, decoder): transformers 5.24's "
            "DynamicCache(config=...) fails on it (no num_hidden_layers), and so does a folder's load here",
-    "fuyu": "calc's weights miss the image-patch projection the text model carries",
-    "gemma4_assistant": "calc's weights differ from the loaded assistant model (a drafter with its own heads)",
-    "gemma4_unified_assistant": "calc's weights differ from the loaded assistant model (a drafter with its own heads)",
+    **dict.fromkeys(("gemma4_assistant", "gemma4_unified_assistant"),
+                    "a drafter for assisted decoding, not a model that generates on its own: its forward takes the "
+                    "target model's inputs_embeds and shared_kv_states and raises without them "
+                    "(modeling_gemma4_assistant.py:166 and modeling_gemma4_unified_assistant.py:173: 'inputs_embeds and shared_kv_states cannot be None'), and "
+                    "it caches nothing of its own (use_cache=False); calc's weights are exact"),
     "minimax": "MiniMax brings a cache class of its own and refuses transformers' DynamicCache",
     "xlstm": "xLSTM keeps recurrent state, not a KV cache (no rnn_state on DynamicCache)",
 }

@@ -25,7 +25,8 @@ class CliError(Exception):
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="embedded",
-                   help="preset name (e.g. llama-3-8b), local config.json / model folder, or hub id (default: embedded)")
+                   help="preset name (e.g. llama-3-8b), local config.json / model folder, a .gguf file, or hub id "
+                        "(default: embedded)")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
     p.add_argument("--dtype", default=None, help="weights dtype: fp32, fp16, bf16 (default: the model's)")
     p.add_argument("--attention", default=None, help="mha | gqa:N | mqa | mla | window:W (default: as the model is built)")
@@ -55,6 +56,32 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quality-probe", action="store_true",
                    help="also run every token through a full-cache twin and report top-1 agreement and KL of the "
                         "next-token distributions (costs a second forward pass and a second cache; off by default)")
+
+
+def _add_llamacpp_options(p: argparse.ArgumentParser) -> None:
+    """llama.cpp's context options, spelled as llama-server's flags (``--runtime llama.cpp``)."""
+    g = p.add_argument_group("--runtime llama.cpp (llama-server's flags)")
+    g.add_argument("--cache-type-k", "-ctk", default="f16", help="K cache type: f32, f16, bf16, q8_0, q4_0, q4_1, "
+                                                              "iq4_nl, q5_0, q5_1 (default f16)")
+    g.add_argument("--cache-type-v", "-ctv", default="f16", help="V cache type, as --cache-type-k; quantized V needs "
+                                                              "flash attention (default f16)")
+    g.add_argument("--flash-attn", "-fa", default="auto", help="on | off | auto (default auto)")
+    g.add_argument("--parallel", "-np", type=int, default=1, help="parallel sequences (default 1)")
+    g.add_argument("--kv-unified", action="store_true", help="one KV buffer shared by all sequences")
+    g.add_argument("--swa-full", action="store_true", help="full-size cache for sliding-window layers")
+    g.add_argument("--ubatch-size", "-ub", type=int, default=512, help="physical batch size (default 512)")
+    g.add_argument("--batch-size", "-b", type=int, default=2048, help="logical batch size (default 2048)")
+    g.add_argument("--n-gpu-layers", "-ngl", type=int, default=-1, help="layers on the GPU (default: all)")
+    g.add_argument("--no-kv-offload", action="store_true", help="keep the KV cache in system memory")
+
+
+def _llamacpp_options(args: argparse.Namespace, n_ctx: int):
+    from core.llamacpp import LlamaCppOptions
+
+    return LlamaCppOptions(n_ctx=n_ctx, n_seq_max=args.parallel, kv_unified=args.kv_unified, type_k=args.cache_type_k,
+                           type_v=args.cache_type_v, flash_attn=args.flash_attn, swa_full=args.swa_full,
+                           n_batch=args.batch_size, n_ubatch=args.ubatch_size, n_gpu_layers=args.n_gpu_layers,
+                           offload_kqv=not args.no_kv_offload)
 
 
 def _add_metrics_options(p: argparse.ArgumentParser) -> None:
@@ -126,8 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     calc.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                       help="split each layer over N GPUs, vLLM's way (KV heads split, replicated past their count)")
     calc.add_argument("--pipeline-parallel", type=int, default=1, metavar="M", help="split the layers over M GPU stages")
-    calc.add_argument("--runtime", default="transformers", choices=("transformers", "vllm"),
-                      help="vllm: also the KV blocks, tokens and concurrency vLLM 0.33.0 would have (needs --gpu-memory)")
+    calc.add_argument("--runtime", default="transformers", choices=("transformers", "vllm", "llama.cpp"),
+                      help="vllm: also the KV blocks, tokens and concurrency vLLM 0.33.0 would have (needs --gpu-memory); "
+                           "llama.cpp: what llama.cpp allocates at load for each --context (a .gguf --model gives "
+                           "its exact weights)")
     calc.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
                       help="--runtime vllm: vLLM's gpu_memory_utilization (default 0.92, vLLM 0.33.0's)")
     calc.add_argument("--block-size", type=int, default=None, help="--runtime vllm: tokens per KV block (default 16)")
@@ -141,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "'Available KV cache memory'): no estimate enters")
     calc.add_argument("--cudagraph-memory", default=None, metavar="SIZE",
                       help="--runtime vllm: CUDA graphs per GPU (default 512MiB, an estimate; 0 for --enforce-eager)")
+    _add_llamacpp_options(calc)
     calc.add_argument("--json", action="store_true", help="print one JSON object")
 
     run = sub.add_parser("run", help="generate in the terminal with a live table of observed vs predicted memory")
@@ -240,6 +270,12 @@ def cmd_calc(args: argparse.Namespace) -> int:
     spec = load_spec(args.model)
     settings = _settings_from(args)
     gpu = parse_size(args.gpu_memory) if args.gpu_memory else None
+    if args.runtime == "llama.cpp":
+        from core.llamacpp import calculate_llamacpp, render_llamacpp_json, render_llamacpp_table
+
+        result = calculate_llamacpp(args.model, spec, contexts, lambda n: _llamacpp_options(args, n), gpu)
+        print(render_llamacpp_json(result) if args.json else render_llamacpp_table(result))
+        return 0
     from core.parallel import Parallelism
 
     parallelism = Parallelism(args.tensor_parallel, args.pipeline_parallel)

@@ -27,7 +27,7 @@ import numpy as np
 from core.spec import _cache_dir
 
 #: Bump when the embedded model's GGUF would change (names, types, metadata).
-GGUF_EXPORT_VERSION = 1
+GGUF_EXPORT_VERSION = 2
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -144,9 +144,9 @@ class GgufVocab:
         writer.add_add_bos_token(True)
 
 
-def export_llama_folder(folder: Path, out: Path, name: str = "") -> Path:
+def export_llama_folder(folder: Path, out: Path, name: str = "", outtype: str = "f16") -> Path:
     """A Llama-architecture Hugging Face folder (config.json, model.safetensors, tokenizer.json) as a GGUF:
-    weights in their stored float type (F16 or F32), 1-D tensors in F32."""
+    matrices in ``outtype`` (f16 or f32, as convert_hf_to_gguf.py --outtype), 1-D tensors in F32."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -173,7 +173,7 @@ def export_llama_folder(folder: Path, out: Path, name: str = "") -> Path:
             new = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
             if new is None:
                 raise ValueError(f"{folder}: no GGUF name for tensor {hf_name}")
-            yield new, array.astype(np.float32) if array.ndim == 1 else array
+            yield new, array.astype(np.float32 if array.ndim == 1 or outtype == "f32" else np.float16)
 
     metadata = {
         "general.name": name or folder.name,

@@ -7,7 +7,7 @@ The rules are llama.cpp's own, read in the source that llama-cpp-python 0.3.36 v
   ``kv_unified`` one stream of n_ctx cells, else n_seq_max streams of n_ctx_seq = GGML_PAD(n_ctx /
   n_seq_max, 256) cells each (and n_ctx = n_ctx_seq x n_seq_max). n_batch = min(n_ctx, n_batch), n_ubatch =
   min(n_batch, n_ubatch). A quantized V cache needs flash attention (auto turns it on, off refuses); a
-  quantized K or V type's block must divide every layer's head size.
+  quantized K or V type's block must divide every layer's head size; an MLA model takes one type for K and V.
 - ``src/llama-kv-cache.cpp``: per layer that has K/V, K is [n_embd_k_gqa, kv_size, n_stream] and V
   [n_embd_v_gqa, kv_size, n_stream] in the cache types (ggml row size: elements / block x block bytes);
   without flash attention V is stored transposed, padded to the widest layer's V when widths differ. MLA
@@ -249,6 +249,9 @@ def plan(source, options: LlamaCppOptions | None = None, n_ctx_train: int | None
     if o.flash_attn == "auto":
         notes.append("flash attention auto: llama.cpp turns it on where the device supports it (assumed here)")
     is_mla = any(layer.v == 0 for layer in layers)
+    if is_mla and o.type_k != o.type_v:
+        raise SettingsError(f"an MLA model takes one cache type for K and V: llama.cpp refuses K {o.type_k} with "
+                            f"V {o.type_v} (give both the same)")
     for layer in layers:
         for kind, head, typ in (("K", layer.head_k, o.type_k), ("V", layer.head_v, o.type_v)):
             block = CACHE_TYPES[typ][0]
@@ -322,3 +325,84 @@ def render(p: LlamaCppPlan, trained: int | None = None) -> list[str]:
 def kv_math_check(p: LlamaCppPlan) -> bool:
     """Every cache's bytes are its cells x streams x bytes per cell (an invariant the tests rely on)."""
     return all(b.total == b.row_bytes * b.cells * b.streams for b in p.buffers) and math.isfinite(p.kv_bytes)
+
+
+# --------------------------------------------------------------------------------------------
+# calc --runtime llama.cpp
+
+
+@dataclass(frozen=True)
+class LlamaCppCalc:
+    model: str
+    gguf: bool  # weights are the file's tensors (else the spec's parameters in fp16, as an F16 conversion)
+    plans: tuple[LlamaCppPlan, ...]
+    contexts: tuple[int, ...]
+    weights: int
+    gpu_memory: int | None
+    max_context: int | None
+    trained: int
+
+    def rows(self) -> list[dict]:
+        return [{"context": c, "kv_cache_bytes": p.kv_bytes, "weights_bytes": self.weights, "activation_bytes": None,
+                 "total_bytes": p.kv_bytes + self.weights} for c, p in zip(self.contexts, self.plans)]
+
+
+def calculate_llamacpp(source: str, spec: ModelSpec, contexts: list[int], options_for, gpu_memory: int | None = None
+                       ) -> LlamaCppCalc:
+    """One llama.cpp plan per context (``options_for(n_ctx)`` gives the options); with ``gpu_memory``, the largest
+    context whose weights and KV on the GPU fit in it (llama.cpp's compute buffers come on top: not predicted)."""
+    from core.gguf import is_gguf_source, read_gguf
+    from core.predict import last_true
+
+    model = read_gguf(source) if is_gguf_source(source) else spec
+    plans = tuple(plan(model, options_for(n)) for n in contexts)
+    gguf = model is not spec
+    weights = model.weight_bytes if gguf else int(spec.num_parameters * 2)
+    trained = model.n_ctx_train if gguf else spec.max_position_embeddings
+    fits = None
+    if gpu_memory:
+        def on_gpu(n: int) -> int:
+            p = plan(model, options_for(n))
+            w = p.weights_gpu if p.weights_gpu is not None else weights
+            return w + p.kv_gpu_bytes
+
+        if on_gpu(1) <= gpu_memory:
+            fits = last_true(lambda n: on_gpu(n) <= gpu_memory, 1, MAX_CONTEXT)
+    return LlamaCppCalc(spec.label, gguf, plans, tuple(contexts), weights, gpu_memory, fits, trained)
+
+
+def render_llamacpp_json(r: LlamaCppCalc) -> str:
+    import json
+
+    return json.dumps({"model": r.model, "runtime": "llama.cpp", "llama_cpp_version": LLAMA_CPP_VERSION,
+                       "weights_exact": r.gguf, "rows": r.rows(), "llama_cpp": [p.to_json() for p in r.plans],
+                       "gpu_memory": r.gpu_memory, "max_context": r.max_context})
+
+
+def render_llamacpp_table(r: LlamaCppCalc) -> str:
+    lines = [f"{r.model}: llama.cpp runtime ({LLAMA_CPP_VERSION})",
+             "weights: the GGUF file's tensors, exact" if r.gguf else
+             "weights: the parameters at 2 bytes (an F16 GGUF); give a .gguf file for its exact tensor bytes", ""]
+    header = ("context", "cells", "KV allocated at load", "weights", "weights + KV")
+    table = [header]
+    for c, p in zip(r.contexts, r.plans):
+        cells = " + ".join(f"{b.cells:,}" + (f" x{b.streams}" if b.streams > 1 else "") for b in p.buffers)
+        table.append((f"{c:,}", cells, f"{p.kv_bytes:,} B ({human_bytes(p.kv_bytes)})",
+                      f"{r.weights:,} B ({human_bytes(r.weights)})",
+                      f"{p.kv_bytes + r.weights:,} B ({human_bytes(p.kv_bytes + r.weights)})"))
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for i, row in enumerate(table):
+        lines.append("  ".join(cell.rjust(widths[j]) for j, cell in enumerate(row)))
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    lines.append("")
+    lines += render(r.plans[-1], r.trained)[1:]
+    if r.gpu_memory is not None:
+        if r.max_context is None:
+            lines.append(f"Does not fit in {human_bytes(r.gpu_memory)} even at 1 token.")
+        else:
+            lines.append(f"Largest context whose weights and KV fit in {human_bytes(r.gpu_memory)}: {r.max_context:,} "
+                         "tokens (llama.cpp's compute buffers come on top).")
+    lines.append("llama.cpp allocates the whole context's KV cache when the model loads: the context is paid for "
+                 "before the first token.")
+    return "\n".join(lines)

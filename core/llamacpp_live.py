@@ -37,6 +37,8 @@ _BUFFER_LINE = re.compile(r"llama_kv_cache:\s+(\S+) KV buffer size =\s*([\d.]+) 
 
 _lock = threading.Lock()
 _log: list[str] = []
+_errors: list[tuple[int, str]] = []  # (index in _log, text) of llama.cpp's error-level lines
+GGML_LOG_LEVEL_ERROR = 4
 _callback = None
 
 
@@ -58,7 +60,10 @@ def _capture():
         @ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
         def callback(level, text, user):  # noqa: ARG001
             if text:
-                _log.append(text.decode("utf-8", "replace"))
+                line = text.decode("utf-8", "replace")
+                if level == GGML_LOG_LEVEL_ERROR:
+                    _errors.append((len(_log), line.strip()))
+                _log.append(line)
 
         _callback = callback
         llama_cpp.llama_log_set(_callback, ctypes.c_void_p(0))
@@ -92,7 +97,10 @@ _FA = {"on": "LLAMA_FLASH_ATTN_TYPE_ENABLED", "off": "LLAMA_FLASH_ATTN_TYPE_DISA
 
 
 def _ggml_type(llama_cpp, name: str) -> int:
-    return int(getattr(llama_cpp, f"GGML_TYPE_{name.upper()}"))
+    """ggml's type number (gguf's GGMLQuantizationType is the same enum; llama_cpp names only some of them)."""
+    from gguf import GGMLQuantizationType
+
+    return int(GGMLQuantizationType[name.upper()])
 
 
 class LlamaCppContext:
@@ -130,8 +138,11 @@ class LlamaCppContext:
 
     @staticmethod
     def _last_error(start: int) -> str:
-        lines = [line.strip() for line in "".join(_log[start:]).splitlines() if "error" in line.lower() or "failed" in line]
-        return lines[-1] if lines else "see llama.cpp's log"
+        """llama.cpp's own reason: its last error-level line since ``start`` (without the function name)."""
+        lines = [text for i, text in _errors if i >= start and text]
+        if not lines:
+            return "llama.cpp gave no reason"
+        return lines[-1].split(": ", 1)[-1] if ": " in lines[-1] else lines[-1]
 
     @property
     def n_ctx(self) -> int:

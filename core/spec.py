@@ -245,8 +245,8 @@ def read_config_json(path: Path) -> dict[str, Any]:
     return data
 
 
-EMPTY_MODEL_NAME = ("empty model name; give a preset name, a model folder or config.json, a hub id (org/name), "
-                    "or embedded")
+EMPTY_MODEL_NAME = ("empty model name; give a preset name, a model folder or config.json, a .gguf file, a hub id "
+                    "(org/name), or embedded")
 
 
 def check_model_name(source: Any) -> str:
@@ -728,7 +728,11 @@ def spec_from_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
 
 
 def load_spec(source: str = EMBEDDED_PRESET) -> ModelSpec:
-    """ModelSpec for a preset name, local config/folder, or hub id. Raises SpecError."""
+    """ModelSpec for a preset name, local config/folder, a GGUF file (``core.gguf``) or hub id. Raises SpecError."""
+    from core.gguf import is_gguf_source, load_gguf_spec
+
+    if is_gguf_source(check_model_name(source)):
+        return load_gguf_spec(str(source).strip())
     name, cfg = load_config_dict(source)
     return spec_from_config(cfg, name)
 

@@ -82,23 +82,27 @@ class InstalledModel:
 
 
 def find_installed(home: Path | None = None, extra_folders: Iterable[str | Path] = (),
-                   hf_cache: str | Path | None = None) -> list[InstalledModel]:
+                   hf_cache: str | Path | None = None, origins: Iterable[str] = ORIGINS) -> list[InstalledModel]:
     """Every model found: the Hugging Face cache, Ollama, LM Studio, then ``extra_folders``, each sorted by
     label. A file or folder reached twice (an added folder that is LM Studio's) is listed once, first.
 
     ``home``: where ``~/.ollama`` and ``~/.lmstudio`` are (default: the user's home). ``hf_cache``: the
     Hugging Face hub cache (default: huggingface_hub's own ``HF_HUB_CACHE``, which follows HF_HUB_CACHE and
-    HF_HOME). ``$OLLAMA_MODELS``, when set, is Ollama's store, as for Ollama itself. Never raises.
+    HF_HOME). ``$OLLAMA_MODELS``, when set, is Ollama's store, as for Ollama itself. ``origins``: look only
+    there (the window lists the stores that need no import of huggingface_hub first). Never raises.
     """
     home = Path(home) if home is not None else Path.home()
     found: list[InstalledModel] = []
-    groups = (
-        lambda: _hf_cache(hf_cache),
-        lambda: _ollama(_ollama_root(home)),
-        lambda: _lm_studio(home),
-        lambda: _folders(extra_folders),
-    )
-    for group in groups:
+    groups = {
+        "hf-cache": lambda: _hf_cache(hf_cache),
+        "ollama": lambda: _ollama(_ollama_root(home)),
+        "lm-studio": lambda: _lm_studio(home),
+        "folder": lambda: _folders(extra_folders),
+    }
+    wanted = set(origins)
+    for origin, group in groups.items():
+        if origin not in wanted:
+            continue
         try:
             found.extend(sorted(group(), key=lambda m: (m.label.lower(), m.label, m.source)))
         except Exception:  # a bug here must not cost the user the other sources

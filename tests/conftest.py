@@ -17,6 +17,14 @@ os.environ.setdefault("HF_MODULES_CACHE", str(ROOT / ".pytest_cache" / "hf-modul
 # Tests never reach the Hugging Face Hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The window lists the models in the home folder (~/.ollama, ~/.lmstudio) and the Hugging Face cache
+# (core.installed): tests get an empty home of this checkout's own, so none sees the developer's models.
+# Set before huggingface_hub is imported (it reads HF_HUB_CACHE once); a test builds its own stores.
+_HOME = ROOT / ".pytest_cache" / "home"
+_HOME.mkdir(parents=True, exist_ok=True)
+os.environ["HOME"] = str(_HOME)
+os.environ["HF_HUB_CACHE"] = str(_HOME / ".cache" / "huggingface" / "hub")
+os.environ.pop("OLLAMA_MODELS", None)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -12,8 +12,12 @@ import huggingface_hub.constants
 import pytest
 from huggingface_hub import scan_cache_dir
 
+from PySide6.QtCore import Qt
+
 from core import installed
 from core.installed import InstalledModel, find_installed
+from core.request import RunRequest
+from core.spec import SpecError
 
 TINY_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -261,3 +265,126 @@ def test_walks_are_bounded(machine, monkeypatch):
     assert len(found) <= 3
     monkeypatch.setattr(installed, "MAX_MODELS", 2)
     assert len(find_installed()) == 2
+
+
+# ------------------------------------------------------------------------------------------------
+# The window's Source list and the calculator's model picker (real Qt, offscreen)
+
+
+def scanned(qtbot, installed) -> None:
+    qtbot.waitUntil(lambda: installed.scanned and not installed.busy, timeout=30_000)
+
+
+def smol(m) -> str:
+    return str(m["cache"] / "models--HuggingFaceTB--SmolLM2-135M" / "snapshots" / REV_NEW)
+
+
+def test_the_calculator_lists_installed_models_after_the_presets_and_loads_one(qtbot, machine, settings):
+    from core.spec import preset_names
+    from ui.calculator import CalculatorTab
+
+    settings.setValue("model_folders", [str(machine["added"])])
+    tab = CalculatorTab()
+    qtbot.addWidget(tab)
+    tab.restore_settings(settings)
+    scanned(qtbot, tab.installed)
+    combo = tab.model_combo
+    presets = preset_names()
+    n = len(presets)
+    assert [combo.itemText(i) for i in range(n)] == list(presets)
+    assert combo.itemText(n) == "" and combo.itemData(n) is None  # the separator
+    listed = [(combo.itemText(i), combo.itemData(i)) for i in range(n + 1, combo.count())]
+    assert listed == [(m.describe(), m.source) for m in find_installed(extra_folders=[machine["added"]])]
+    assert ("llama3.2:1b \u00b7 Ollama \u00b7 1008 B \u00b7 num_ctx 8,192" in dict(listed))
+
+    i = combo.findData(smol(machine))
+    combo.setCurrentIndex(i)
+    combo.activated.emit(i)  # what a click on the entry does
+    qtbot.waitUntil(lambda: tab.spec is not None and tab.spec.num_layers == 2, timeout=60_000)
+    assert tab.current_source() == smol(machine)
+    assert combo.currentText() == "HuggingFaceTB/SmolLM2-135M \u00b7 Hugging Face cache \u00b7 " + installed_size(machine)
+    tab.save_settings(settings)
+    assert settings.value("calculator/model") == smol(machine)  # the path, not the entry's text
+    tab.shutdown()
+
+
+def installed_size(m) -> str:
+    from core.spec import human_bytes
+
+    return human_bytes(SMOL_SIZE)
+
+
+def test_a_typed_installed_name_loads_that_model(qtbot, machine, settings):
+    from ui.calculator import CalculatorTab
+
+    settings.setValue("model_folders", [str(machine["added"])])
+    tab = CalculatorTab()
+    qtbot.addWidget(tab)
+    tab.restore_settings(settings)
+    scanned(qtbot, tab.installed)
+    tab.model_combo.setEditText("org/tiny-llama")
+    tab.load_model(tab.model_combo.currentText())  # what Enter does
+    qtbot.waitUntil(lambda: tab.spec is not None and tab.spec.num_layers == 2, timeout=60_000)
+    assert tab.current_source() == str(machine["added"] / "org" / "tiny-llama")
+    tab.shutdown()
+
+
+def test_the_source_list_offers_installed_models_and_an_added_folder(qtbot, machine, settings, tmp_path):
+    from ui.controls import SOURCES, saved_folders
+    from ui.main_window import MainWindow
+
+    settings.setValue("model_folders", [str(machine["added"])])
+    w = MainWindow(settings=settings, start_engine=False)
+    qtbot.addWidget(w)
+    c = w.controls
+    scanned(qtbot, c.installed)
+    assert c.installed is w.calculator.installed  # one scan, both lists
+    assert [c.source_combo.itemData(i) for i in range(c.source_combo.count())] == list(SOURCES)
+    combo = c.installed_combo
+    expected = find_installed(extra_folders=[machine["added"]])
+    assert [(combo.itemText(i), combo.itemData(i)) for i in range(combo.count())] == [
+        (m.describe(), m.source) for m in expected]
+
+    c.source_combo.setCurrentIndex(SOURCES.index("installed"))
+    assert c.source_stack.currentIndex() == SOURCES.index("installed") and not c.source_stack.isHidden()
+    i = combo.findData(smol(machine))
+    combo.setCurrentIndex(i)
+    combo.activated.emit(i)
+    assert w.build_request().source == smol(machine)  # the snapshot folder, as every model entry point takes it
+    assert "Hugging Face cache" in combo.itemData(i, Qt.ItemDataRole.ToolTipRole)
+    assert smol(machine) in combo.itemData(i, Qt.ItemDataRole.ToolTipRole)
+
+    more = tmp_path / "more"
+    write(more / "sub" / "new-Q8_0.gguf", GGUF + b"n" * 4)
+    c.add_model_folder(str(more))  # what "Add folder..." does once the folder is chosen
+    qtbot.waitUntil(lambda: combo.currentData() == str(more / "sub" / "new-Q8_0.gguf"), timeout=30_000)
+    assert saved_folders(settings) == [str(machine["added"]), str(more)]
+    assert w.calculator.model_combo.findData(str(more / "sub" / "new-Q8_0.gguf")) >= 0  # listed there too
+    assert w.build_request().source == str(more / "sub" / "new-Q8_0.gguf")
+    w.save_settings()
+    w.shutdown()
+
+    again = MainWindow(settings=settings, start_engine=False)  # remembered: the kind, the model, the folders
+    qtbot.addWidget(again)
+    assert again.controls.source_combo.currentData() == "installed"
+    assert again.build_request().source == str(more / "sub" / "new-Q8_0.gguf")  # before the scan is back, too
+    scanned(qtbot, again.controls.installed)
+    assert again.controls.installed_combo.currentText() == "sub/new-Q8_0.gguf \u00b7 added folder \u00b7 12 B"
+    again.apply_request(RunRequest(source=smol(machine)))
+    assert again.controls.source_combo.currentData() == "installed"
+    assert again.controls.installed_combo.currentData() == smol(machine)
+    again.shutdown()
+
+
+def test_with_nothing_installed_the_list_says_so(qtbot, settings):
+    from ui.main_window import MainWindow
+
+    w = MainWindow(settings=settings, start_engine=False)  # the tests' own empty home (conftest)
+    qtbot.addWidget(w)
+    scanned(qtbot, w.controls.installed)
+    combo = w.controls.installed_combo
+    assert [combo.itemText(i) for i in range(combo.count())] == ["None found: add a folder"]
+    w.controls.source_combo.setCurrentIndex(1)
+    with pytest.raises(SpecError, match="pick an installed model"):
+        w.controls.build_request()
+    w.shutdown()

@@ -41,6 +41,7 @@ from core.longlived import freeze_long_lived
 from core.spec import ModelSpec, SpecError, human_bytes, load_spec, parse_size, preset_names
 from core.calc import kv_formula
 from core.parallel import Parallelism, max_context_per_gpu, predict_parallel
+from ui.controls import IMPORT_LOCK, InstalledModels
 from ui.forms import form_box
 from ui.axes import BytesAxis, format_count, format_tokens
 from ui.theme import Theme, theme as make_theme
@@ -60,6 +61,8 @@ GPU_LAYOUTS = ((1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (8, 2))
 
 
 TIMES = " \u00d7 "
+#: Marks the model combo's entries that list installed models (and their separator), to refill them.
+INSTALLED_ROLE = Qt.ItemDataRole.UserRole + 1
 
 
 def _gpus_text(tp: int, pp: int) -> str:
@@ -90,7 +93,8 @@ class _WarmJob(QRunnable):
         try:
             # Loading the embedded preset's spec goes through AutoConfig, the meta-device model build
             # and cache_utils: all of transformers that a spec load or a model load starts from.
-            load_spec("embedded")
+            with IMPORT_LOCK:  # not while the installed-model scan imports huggingface_hub
+                load_spec("embedded")
             # The window's long-lived objects (Qt, pyqtgraph, torch, transformers) are all alive now:
             # out of the collector's walks, so full collections stop pausing the UI thread.
             freeze_long_lived()
@@ -250,10 +254,13 @@ class CalculatorTab(QWidget):
         self.model_combo = QComboBox()
         self.model_combo.setEditable(True)
         self.model_combo.addItems(preset_names())
-        self.model_combo.setToolTip("A preset, a path to a config.json or a model folder, or a Hugging Face hub id "
-                                    "(org/name; the config alone is fetched). Press Enter to load.")
+        self._preset_count = self.model_combo.count()
+        self.installed: InstalledModels | None = None  # the models on this machine, listed after the presets
+        self.model_combo.setToolTip("A preset, a model already on this machine (after the presets), a path to a "
+                                    "config.json, a model folder or a .gguf file, or a Hugging Face hub id\n(org/name; "
+                                    "the config alone is fetched). Press Enter to load.")
         self.model_combo.lineEdit().returnPressed.connect(lambda: self.load_model(self.model_combo.currentText()))
-        self.model_combo.activated.connect(lambda _i: self.load_model(self.model_combo.currentText()))
+        self.model_combo.activated.connect(self._model_activated)
         browse = QPushButton("Config\u2026")
         browse.setToolTip("Choose a config.json (or a model folder's config)")
         browse.clicked.connect(self._browse)
@@ -422,9 +429,67 @@ class CalculatorTab(QWidget):
         self.warm = True
         self.warmed.emit()
 
+    # ---- the installed models (after the presets)
+
+    def use_installed(self, installed: InstalledModels) -> None:
+        """List ``installed``'s models after the presets (and follow it as it finds more)."""
+        if self.installed is installed:
+            return
+        if self.installed is not None:
+            self.installed.changed.disconnect(self._fill_installed)
+        self.installed = installed
+        installed.changed.connect(self._fill_installed)
+        self._fill_installed()
+
+    def _fill_installed(self) -> None:
+        combo = self.model_combo
+        current = self.current_source()
+        text = combo.currentText()
+        combo.blockSignals(True)
+        try:
+            for i in reversed(range(combo.count())):
+                if combo.itemData(i, INSTALLED_ROLE):
+                    combo.removeItem(i)
+            models = self.installed.models if self.installed is not None else []
+            at = self._preset_count
+            if models:
+                combo.insertSeparator(at)
+                combo.setItemData(at, True, INSTALLED_ROLE)
+            for k, m in enumerate(models, start=at + 1):
+                combo.insertItem(k, m.describe(), m.source)
+                combo.setItemData(k, True, INSTALLED_ROLE)
+                combo.setItemData(k, f"{m.describe()}\n{m.source}", Qt.ItemDataRole.ToolTipRole)
+            i = combo.findData(current) if current else -1
+            if i >= 0:
+                combo.setCurrentIndex(i)
+            else:
+                combo.setEditText(text)
+        finally:
+            combo.blockSignals(False)
+
+    def current_source(self) -> str:
+        """What the model combo names: an installed entry's path, else the text (a preset, path or hub id)."""
+        combo = self.model_combo
+        i = combo.currentIndex()
+        if i >= 0 and combo.itemData(i) and combo.itemText(i) == combo.currentText():
+            return str(combo.itemData(i))
+        return combo.currentText().strip()
+
+    def _model_activated(self, index: int) -> None:
+        self.load_model(str(self.model_combo.itemData(index) or self.model_combo.itemText(index)))
+
+    def _resolve(self, source: str) -> str:
+        """A typed installed model's name or entry text ('llama3.2:1b') is that model's path."""
+        if self.installed is not None:
+            for m in self.installed.models:
+                if source in (m.label, m.describe()):
+                    return m.source
+        return source
+
     def load_model(self, source: str) -> None:
-        """Load a spec (preset, config path, hub id) in the background; the tab updates when it arrives."""
-        source = source.strip()
+        """Load a spec (preset, config path, model folder, GGUF file, installed model's name, hub id) in the
+        background; the tab updates when it arrives."""
+        source = self._resolve(source.strip())
         if not source:
             return
         if source in self._specs:
@@ -433,7 +498,10 @@ class CalculatorTab(QWidget):
         self.warm_up()
         self._request_id += 1
         self.model_status.setText(f"loading {source}\u2026")
-        if self.model_combo.currentText() != source:
+        listed = self.model_combo.findData(source)
+        if listed >= 0:
+            self.model_combo.setCurrentIndex(listed)
+        elif self.model_combo.currentText() != source:
             self.model_combo.setCurrentText(source)
         self.pool.start(_SpecJob(self._request_id, source, self._signals))
         self._pending_source = source
@@ -689,7 +757,7 @@ class CalculatorTab(QWidget):
 
     def save_settings(self, s: QSettings) -> None:
         s.beginGroup("calculator")
-        s.setValue("model", self.model_combo.currentText())
+        s.setValue("model", self.current_source())
         if self.spec is not None:
             s.setValue("context", int(self.context.value()))
         for name, slider in (("batch", self.batch), ("dtype", self.dtype), ("kv_dtype", self.kv_dtype),
@@ -729,9 +797,13 @@ class CalculatorTab(QWidget):
                 pass  # settings from another version: keep the defaults
 
         self.spec_loaded.connect(apply)
+        self.use_installed(InstalledModels.for_settings(s))
+        self.installed.refresh()  # the window's controls asked already: the same scan is not started twice
         self.model_combo.setCurrentText(model)
         self.load_model(model)
 
     def shutdown(self, timeout_ms: int = 3000) -> None:
-        """Wait for a spec load in flight (the pool thread must not outlive the window)."""
+        """Wait for a spec load and a scan for installed models in flight (no pool thread may outlive the window)."""
         self.pool.waitForDone(timeout_ms)
+        if self.installed is not None:
+            self.installed.wait(timeout_ms)

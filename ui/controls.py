@@ -8,22 +8,34 @@ follow what the engine reports, never what was asked for.
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
 from pathlib import Path
 
-from PySide6.QtCore import QSettings, Qt, Signal
+from PySide6.QtCore import QObject, QRunnable, QSettings, Qt, QThreadPool, Signal
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QFileDialog, QGroupBox, QHBoxLayout, QLabel, QLineEdit,
                                QPlainTextEdit, QPushButton, QScrollArea, QSpinBox, QStackedWidget, QVBoxLayout,
                                QWidget)
 
 from core.attention import parse_attention
 from core.caches import parse_cache
+from core.installed import ORIGINS, InstalledModel, find_installed
 from core.request import DEFAULT_PROMPT, RunRequest
 from core.sample import Sample
 from core.settings import ATTN_IMPLS, RunSettings, attention_choices, cache_choices, parse_attn_impl
 from core.spec import SpecError, human_bytes, load_spec, parse_size
 from ui.forms import form_box
 
-SOURCES = ("embedded", "folder", "hub")
+log = logging.getLogger(__name__)
+
+SOURCES = ("embedded", "installed", "folder", "hub")
+#: The QSettings key (top level: the calculator reads it too) of the folders the user added to look for models in.
+FOLDERS_KEY = "model_folders"
+#: One pool thread at a time imports huggingface_hub / transformers: the calculator's warm-up (transformers)
+#: and the installed-model scan (huggingface_hub, which transformers imports too) must not initialise the
+#: same packages from two threads at once.
+IMPORT_LOCK = threading.Lock()
 #: New tokens at first start: a run long enough to watch and to press every key in (the embedded model's
 #: context is 4,096 tokens); the window remembers the user's own choice after that.
 FIRST_START_TOKENS = 3000
@@ -31,6 +43,109 @@ CONTROLS_MIN_W = 300
 KEYS_HELP = "1\u20135 attention \u00b7 F flash \u00b7 C cache \u00b7 Space pause \u00b7 F11 presenter \u00b7 Ctrl+S screenshot"
 #: The axes a live switch changes, in the command line's spelling.
 SWITCH_KEYS = ("attention", "attn-impl", "cache")
+
+
+def saved_folders(s: QSettings) -> list[str]:
+    """The model folders the user added (QSettings ``model_folders``), whatever form the file holds them in."""
+    value = s.value(FOLDERS_KEY, [])
+    if isinstance(value, str):
+        value = [value]
+    elif not isinstance(value, (list, tuple)):
+        return []
+    return list(dict.fromkeys(str(v) for v in value if v))
+
+
+class _ScanJob(QRunnable):
+    """``find_installed`` off the GUI thread: the stores that need no import first, then all of them."""
+
+    def __init__(self, serial: int, home: Path, folders: tuple[str, ...], found) -> None:
+        super().__init__()
+        self.serial, self.home, self.folders, self.found = serial, home, folders, found
+
+    def run(self) -> None:
+        try:
+            quick = [o for o in ORIGINS if o != "hf-cache"]
+            self.found.emit(self.serial, find_installed(self.home, self.folders, origins=quick), False)
+            with IMPORT_LOCK:  # scanning the Hugging Face cache imports huggingface_hub (about 0.2 s)
+                import huggingface_hub.constants  # noqa: F401
+                from huggingface_hub import scan_cache_dir  # noqa: F401
+            self.found.emit(self.serial, find_installed(self.home, self.folders), True)
+        except Exception:  # find_installed never raises; a dead scan must still end
+            log.exception("looking for installed models")
+            self.found.emit(self.serial, None, True)
+
+
+class InstalledModels(QObject):
+    """The models already on this machine (``core.installed.find_installed``), looked for off the GUI thread.
+
+    ``for_settings(s)`` gives the one of a settings file: the window's Source list and the calculator's
+    picker share it, so a folder added in one is listed in both. ``changed``: ``models`` is new."""
+
+    changed = Signal()
+    _found = Signal(int, object, bool)  # scan serial, list of InstalledModel (None: failed), whether complete
+
+    NAME = "kvscope-installed-models"
+
+    def __init__(self, settings: QSettings | None = None, parent: QObject | None = None) -> None:
+        super().__init__(parent if parent is not None else settings)
+        self.setObjectName(self.NAME)
+        self.settings = settings
+        self.folders: tuple[str, ...] = tuple(saved_folders(settings)) if settings is not None else ()
+        self.models: list[InstalledModel] = []
+        self.scanned = False  # a complete scan has come back
+        self._serial = 0
+        self._done = 0
+        self._key: tuple | None = None
+        self._pool = QThreadPool(self)
+        self._pool.setMaxThreadCount(1)
+        self._found.connect(self._on_found)
+
+    @classmethod
+    def for_settings(cls, s: QSettings) -> "InstalledModels":
+        found = s.findChild(QObject, cls.NAME)
+        return found if isinstance(found, cls) else cls(s)
+
+    @property
+    def busy(self) -> bool:
+        """A scan is under way."""
+        return self._done != self._serial
+
+    def refresh(self) -> None:
+        """Look again (off the GUI thread); the same look already under way is not started twice."""
+        home = Path.home()
+        key = (self.folders, str(home), os.environ.get("OLLAMA_MODELS"), os.environ.get("HF_HUB_CACHE"),
+               os.environ.get("HF_HOME"))
+        if self.busy and key == self._key:
+            return
+        self._serial += 1
+        self._key = key
+        self._pool.start(_ScanJob(self._serial, home, self.folders, self._found))
+
+    def add_folder(self, folder: str) -> None:
+        """Look in ``folder`` too, from now on (saved in the settings) and at once."""
+        folder = str(folder)
+        if folder not in self.folders:
+            self.folders = (*self.folders, folder)
+            if self.settings is not None:
+                self.settings.setValue(FOLDERS_KEY, list(self.folders))
+        self.refresh()
+
+    def find(self, source: str) -> InstalledModel | None:
+        return next((m for m in self.models if m.source == source), None)
+
+    def wait(self, timeout_ms: int = 3000) -> bool:
+        """Wait for a scan in flight (the pool thread must not outlive the window)."""
+        return self._pool.waitForDone(timeout_ms)
+
+    def _on_found(self, serial: int, models, complete: bool) -> None:
+        if serial != self._serial:
+            return  # a newer look was asked for meanwhile
+        if models is not None:
+            self.models = list(models)
+        if complete:
+            self._done = serial
+            self.scanned = True
+        self.changed.emit()
 
 
 def _default_attention_choices() -> tuple[str, ...]:
@@ -58,11 +173,29 @@ class ControlsPanel(QScrollArea):
     def _build(self) -> None:
         self.source_combo = QComboBox()
         self.source_combo.addItem("Embedded demo model", "embedded")
+        self.source_combo.addItem("Installed model", "installed")
         self.source_combo.addItem("Local folder", "folder")
         self.source_combo.addItem("Hugging Face hub id", "hub")
         self.source_combo.setToolTip("Embedded: a tiny Llama-shaped model built offline, always available.\n"
-                                     "Local folder: a saved transformers model.\nHub id: org/name, downloaded "
-                                     "(or from the local Hugging Face cache).")
+                                     "Installed model: one already on this machine (the Hugging Face cache, Ollama, "
+                                     "LM Studio, folders you add).\nLocal folder: a saved transformers model, or a "
+                                     ".gguf file.\nHub id: org/name, downloaded (or from the local Hugging Face cache).")
+        self.installed: InstalledModels | None = None  # bound to the window's settings in restore()
+        self._installed_wanted = ""  # the installed model to show once the scan has listed it
+        self.installed_combo = QComboBox()
+        self.installed_combo.setToolTip("The models found on this machine: name \u00b7 where \u00b7 size")
+        self.installed_combo.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.installed_combo.setMinimumContentsLength(8)
+        self.installed_combo.activated.connect(self._installed_chosen)
+        self.add_folder_button = QPushButton("Add folder\u2026")
+        self.add_folder_button.setToolTip("Look for models (GGUF files, transformers folders) in a folder of yours too; "
+                                          "remembered")
+        self.add_folder_button.clicked.connect(self._ask_folder)
+        installed_row = QWidget()
+        ir = QHBoxLayout(installed_row)
+        ir.setContentsMargins(0, 0, 0, 0)
+        ir.addWidget(self.installed_combo, 1)
+        ir.addWidget(self.add_folder_button)
         self.folder_edit = QLineEdit()
         self.folder_edit.setPlaceholderText("/path/to/model folder")
         browse = QPushButton("\u2026")
@@ -77,6 +210,7 @@ class ControlsPanel(QScrollArea):
         self.hub_edit.setPlaceholderText("org/name, e.g. HuggingFaceTB/SmolLM2-135M")
         self.source_stack = QStackedWidget()
         self.source_stack.addWidget(QWidget())
+        self.source_stack.addWidget(installed_row)
         self.source_stack.addWidget(folder_row)
         self.source_stack.addWidget(self.hub_edit)
         self.source_combo.currentIndexChanged.connect(self.source_stack.setCurrentIndex)
@@ -177,6 +311,72 @@ class ControlsPanel(QScrollArea):
         for key in SWITCH_KEYS:
             self.combo(key).activated.connect(lambda _i, k=key: self._activated(k))
         self.fill_choices()
+        self._fill_installed()
+
+    # ---- installed models
+
+    def use_installed(self, installed: InstalledModels) -> None:
+        """List ``installed``'s models (and follow it as it finds more)."""
+        if self.installed is installed:
+            return
+        if self.installed is not None:
+            self.installed.changed.disconnect(self._fill_installed)
+        self.installed = installed
+        installed.changed.connect(self._fill_installed)
+        self._fill_installed()
+
+    def _installed_chosen(self, _index: int) -> None:
+        self._installed_wanted = self.installed_combo.currentData() or ""
+
+    def _fill_installed(self) -> None:
+        """Refill the installed-model combo from the scan, keeping the model chosen (if it is still there)."""
+        combo = self.installed_combo
+        wanted = self._installed_wanted or combo.currentData() or ""
+        models = self.installed.models if self.installed is not None else []
+        combo.blockSignals(True)
+        try:
+            combo.clear()
+            for m in models:
+                combo.addItem(m.describe(), m.source)
+                kind = "GGUF file" if m.kind == "gguf" else "transformers model folder"
+                combo.setItemData(combo.count() - 1, f"{m.describe()}\n{kind}: {m.source}", Qt.ItemDataRole.ToolTipRole)
+            if wanted and combo.findData(wanted) < 0 and Path(wanted).exists():
+                combo.addItem(Path(wanted).name, wanted)  # chosen before; the scan has not (yet) listed it
+                combo.setItemData(combo.count() - 1, wanted, Qt.ItemDataRole.ToolTipRole)
+            if combo.count() == 0:
+                busy = self.installed is None or not self.installed.scanned
+                combo.addItem("Looking for models\u2026" if busy else "None found: add a folder", None)
+                combo.model().item(0).setEnabled(False)
+            i = combo.findData(wanted) if wanted else -1
+            combo.setCurrentIndex(max(i, 0))
+        finally:
+            combo.blockSignals(False)
+
+    def _ask_folder(self) -> None:
+        folder = QFileDialog.getExistingDirectory(self, "A folder with models", str(Path.home()))
+        if folder:
+            self.add_model_folder(folder)
+
+    def add_model_folder(self, folder: str) -> None:
+        """Look for models in ``folder`` too (remembered); its first model is chosen once found."""
+        if self.installed is None:
+            self.use_installed(InstalledModels(parent=self))
+        self._after_scan_choose = str(folder)
+        self.installed.changed.connect(self._choose_in_added_folder, Qt.ConnectionType.UniqueConnection)
+        self.installed.add_folder(folder)
+
+    def _choose_in_added_folder(self) -> None:
+        if self.installed is None or not self.installed.scanned or self.installed.busy:
+            return
+        self.installed.changed.disconnect(self._choose_in_added_folder)
+        root = os.path.realpath(self._after_scan_choose)
+        for i in range(self.installed_combo.count()):
+            source = self.installed_combo.itemData(i)
+            real = os.path.realpath(source) if source else ""
+            if real == root or real.startswith(root.rstrip(os.sep) + os.sep):
+                self.installed_combo.setCurrentIndex(i)
+                self._installed_wanted = source
+                break
 
     # ---- choices
 
@@ -281,7 +481,11 @@ class ControlsPanel(QScrollArea):
     def build_request(self) -> RunRequest:
         """The RunRequest the controls describe. Raises SpecError (SettingsError) with a user message."""
         kind = self.source_combo.currentData()
-        if kind == "folder":
+        if kind == "installed":
+            source = self.installed_combo.currentData() or ""
+            if not source:
+                raise SpecError("pick an installed model (or add a folder that holds models)")
+        elif kind == "folder":
             source = self.folder_edit.text().strip()
             if not source:
                 raise SpecError("choose a model folder (or pick the embedded demo model)")
@@ -316,12 +520,16 @@ class ControlsPanel(QScrollArea):
     def apply_request(self, request: RunRequest) -> None:
         """Show a RunRequest's choices in the controls (from the command line)."""
         if request.source == "embedded":
-            self.source_combo.setCurrentIndex(0)
+            self.source_combo.setCurrentIndex(SOURCES.index("embedded"))
+        elif self.installed_combo.findData(request.source) >= 0:
+            self.source_combo.setCurrentIndex(SOURCES.index("installed"))
+            self.installed_combo.setCurrentIndex(self.installed_combo.findData(request.source))
+            self._installed_wanted = request.source
         elif Path(request.source).expanduser().exists():
-            self.source_combo.setCurrentIndex(1)
+            self.source_combo.setCurrentIndex(SOURCES.index("folder"))
             self.folder_edit.setText(request.source)
         else:
-            self.source_combo.setCurrentIndex(2)
+            self.source_combo.setCurrentIndex(SOURCES.index("hub"))
             self.hub_edit.setText(request.source)
         self.device_combo.setCurrentText(request.device)
         if self.dtype_combo.findText(request.dtype) < 0:
@@ -374,6 +582,7 @@ class ControlsPanel(QScrollArea):
             self.source_stack.setVisible(self.source_combo.currentIndex() != 0)
             self.folder_edit.setText(str(s.value("folder", "") or ""))
             self.hub_edit.setText(str(s.value("hub_id", "") or ""))
+            self._installed_wanted = str(s.value("installed", "") or "")
             for combo, key in ((self.device_combo, "device"), (self.dtype_combo, "dtype")):
                 value = s.value(key)
                 if value and combo.findText(str(value)) >= 0:
@@ -390,12 +599,15 @@ class ControlsPanel(QScrollArea):
             self.prompt_edit.setPlainText(str(s.value("prompt") or DEFAULT_PROMPT))
         finally:
             s.endGroup()
+        self.use_installed(InstalledModels.for_settings(s))
+        self.installed.refresh()
 
     def save(self, s: QSettings) -> None:
         s.beginGroup("run")
         s.setValue("source_kind", self.source_combo.currentData())
         s.setValue("folder", self.folder_edit.text())
         s.setValue("hub_id", self.hub_edit.text())
+        s.setValue("installed", self.installed_combo.currentData() or self._installed_wanted or "")
         s.setValue("device", self.device_combo.currentText())
         s.setValue("dtype", self.dtype_combo.currentText())
         s.setValue("attention", self.attention_combo.currentData() or "")

@@ -15,8 +15,9 @@ The rules are llama.cpp's own, read in the source that llama-cpp-python 0.3.36 v
 - ``src/llama-kv-cache-iswa.cpp``: a model with sliding-window layers gets two caches: the full layers'
   n_ctx_seq cells, and the window layers' GGML_PAD(min(n_ctx_seq, n_swa x (unified ? n_seq_max : 1) +
   n_ubatch), 256) cells (n_ctx_seq with ``swa_full``).
-- ``src/llama-model.cpp`` ``dev_layer``: with -ngl N the last N layers (and the output with N > layers) sit
-  on the GPU, with their K/V when ``offload_kqv``; the token embedding stays on the CPU.
+- ``src/llama-model.cpp`` ``load_tensors``: with -ngl N, the layers from n_layer + 1 - N on and the output
+  layer (first of all) sit on the GPU, with their K/V when ``offload_kqv``; the token embedding stays on the
+  CPU (a tied output is a second copy of it, on the GPU). A build without a GPU keeps everything on the CPU.
 
 Every cell is allocated (and zeroed) at load and the buffer never changes size: the whole context is paid
 for before the first token. "Used" bytes are the cells that hold tokens so far.
@@ -282,15 +283,26 @@ def plan(source, options: LlamaCppOptions | None = None, n_ctx_train: int | None
                                 tuple(k + v for k, v in zip(k_rows, v_rows)), window))
     if is_mla:
         notes.append("MLA: llama.cpp caches the latent and the rotary key (K only, no V)")
-    ngl = n_layer + 1 if o.n_gpu_layers < 0 else min(o.n_gpu_layers, n_layer + 1)
-    gpu_layers = tuple(range(max(0, n_layer - ngl), n_layer))
+    # llama_model::load_tensors: i_gpu_start = max(n_layer_all + 1 - ngl, 0); layers from there, and the output
+    # layer (index n_layer_all) first of all, go to the GPU; the input layer (token embedding) never does.
+    n_all = source.n_layer_all if isinstance(source, GgufModel) else n_layer
+    ngl = n_all + 1 if o.n_gpu_layers < 0 else min(o.n_gpu_layers, n_all + 1)
+    gpu_start = max(n_all + 1 - ngl, 0)
+    gpu_layers = tuple(range(gpu_start, n_all))
+    output_on_gpu = ngl >= 1
     weights = weights_gpu = None
     if isinstance(source, GgufModel):
         weights = source.weight_bytes
         on = set(gpu_layers)
         weights_gpu = sum(t.n_bytes for t in source.tensors if t.layer is not None and t.layer in on)
-        if ngl > n_layer:  # the output layer too (and the output norm)
-            weights_gpu += sum(t.n_bytes for t in source.tensors if t.layer is None and not t.name.startswith("token_embd"))
+        if output_on_gpu:
+            out = [t for t in source.tensors if t.layer is None and not t.name.startswith("token_embd")]
+            weights_gpu += sum(t.n_bytes for t in out)
+            if not any(t.name == "output.weight" for t in out):  # tied: TENSOR_DUPLICATED, a second copy on the GPU
+                dup = sum(t.n_bytes for t in source.tensors if t.name == "token_embd.weight")
+                weights_gpu += dup
+                if o.n_gpu_layers != 0:
+                    notes.append(f"tied output: llama.cpp loads the token embedding twice, {dup:,} B more on the GPU")
     return LlamaCppPlan(name, o, n_ctx, n_ctx_seq, n_ubatch, flash, tuple(buffers), n_layer, weights, weights_gpu,
                         gpu_layers, tuple(notes))
 
@@ -315,8 +327,10 @@ def render(p: LlamaCppPlan, trained: int | None = None) -> list[str]:
     if p.weights is not None:
         lines.append(f"  weights (the file's tensors): {p.weights:,} B ({human_bytes(p.weights)})")
         if o.n_gpu_layers >= 0:
-            lines.append(f"  -ngl {o.n_gpu_layers}: {len(p.gpu_layers)} of {p.n_layer} layers on the GPU: weights "
-                         f"{p.weights_gpu:,} B, KV {p.kv_gpu_bytes:,} B there; the rest in system memory")
+            out = "the output layer and " if o.n_gpu_layers >= 1 else ""
+            lines.append(f"  -ngl {o.n_gpu_layers} (a GPU build): {out}{len(p.gpu_layers)} of {p.n_layer} repeating layers "
+                         f"on the GPU: weights {p.weights_gpu:,} B, KV {p.kv_gpu_bytes:,} B there; the rest in system "
+                         "memory")
     for note in p.notes:
         lines.append(f"  {note}")
     return lines

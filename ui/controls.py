@@ -15,8 +15,8 @@ from pathlib import Path
 
 from PySide6.QtCore import QObject, QRunnable, QSettings, Qt, QThreadPool, Signal
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QFileDialog, QGroupBox, QHBoxLayout, QLabel, QLineEdit,
-                               QPlainTextEdit, QPushButton, QScrollArea, QSpinBox, QStackedWidget, QVBoxLayout,
-                               QWidget)
+                               QPlainTextEdit, QPushButton, QScrollArea, QSpinBox, QStackedWidget, QToolButton,
+                               QVBoxLayout, QWidget)
 
 from core.attention import parse_attention
 from core.caches import parse_cache
@@ -187,9 +187,11 @@ class ControlsPanel(QScrollArea):
         self.installed_combo.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
         self.installed_combo.setMinimumContentsLength(8)
         self.installed_combo.activated.connect(self._installed_chosen)
-        self.add_folder_button = QPushButton("Add folder\u2026")
-        self.add_folder_button.setToolTip("Look for models (GGUF files, transformers folders) in a folder of yours too; "
-                                          "remembered")
+        # A narrow button: the panel is 300 px at 720p and the model's name needs the room.
+        self.add_folder_button = QToolButton()
+        self.add_folder_button.setText("+")
+        self.add_folder_button.setToolTip("Add folder\u2026: look for models (GGUF files, transformers model folders) "
+                                          "in a folder of yours too (remembered)")
         self.add_folder_button.clicked.connect(self._ask_folder)
         installed_row = QWidget()
         ir = QHBoxLayout(installed_row)

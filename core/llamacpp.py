@@ -399,9 +399,12 @@ def render_llamacpp_table(r: LlamaCppCalc) -> str:
              "weights: the parameters at 2 bytes (an F16 GGUF); give a .gguf file for its exact tensor bytes", ""]
     header = ("context", "cells", "KV allocated at load", "weights", "weights + KV")
     table = [header]
+    beyond = False
     for c, p in zip(r.contexts, r.plans):
         cells = " + ".join(f"{b.cells:,}" + (f" x{b.streams}" if b.streams > 1 else "") for b in p.buffers)
-        table.append((f"{c:,}", cells, f"{p.kv_bytes:,} B ({human_bytes(p.kv_bytes)})",
+        mark = "*" if r.trained and c > r.trained else ""
+        beyond = beyond or bool(mark)
+        table.append((f"{c:,}{mark}", cells, f"{p.kv_bytes:,} B ({human_bytes(p.kv_bytes)})",
                       f"{r.weights:,} B ({human_bytes(r.weights)})",
                       f"{p.kv_bytes + r.weights:,} B ({human_bytes(p.kv_bytes + r.weights)})"))
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
@@ -410,6 +413,8 @@ def render_llamacpp_table(r: LlamaCppCalc) -> str:
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
     lines.append("")
+    if beyond:
+        lines += [f"* beyond the model's trained context of {r.trained:,} tokens (llama.cpp warns, and allocates it)", ""]
     lines += render(r.plans[-1], r.trained)[1:]
     if r.gpu_memory is not None:
         if r.max_context is None:

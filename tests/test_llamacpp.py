@@ -151,3 +151,33 @@ def test_the_buffer_never_grows(gguf_files):
         assert ctx.used_cells() == 501
         assert predicted.used_bytes(501) == predicted.buffers[0].row_bytes * 501
         assert predicted.used_bytes(2000) == predicted.kv_bytes  # capped at the allocation
+
+
+def test_embedded_gguf_generates_what_transformers_generates():
+    """The embedded model's GGUF (core.gguf_write) is the same model: same tokens for the prompt and the same 30
+    greedy tokens through llama.cpp as through transformers (Q/K permuted right, the vocabulary and merges intact)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from core.embedded import embedded_model_dir
+    from core.gguf_write import embedded_gguf
+
+    folder = embedded_model_dir()
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    prompt = "The KV cache"
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        hf = model.generate(ids, max_new_tokens=30, do_sample=False)[0, ids.shape[1]:].tolist()
+    llm = llama_cpp.Llama(model_path=str(embedded_gguf()), n_ctx=256, n_threads=1, verbose=False)
+    try:
+        tokens = llm.tokenize(prompt.encode(), add_bos=True, special=True)
+        assert tokens == ids[0].tolist()
+        out = []
+        for t in llm.generate(tokens, temp=0.0, top_k=1):
+            out.append(t)
+            if len(out) == 30:
+                break
+    finally:
+        llm.close()
+    assert out == hf, (tok.decode(hf), tok.decode(out))

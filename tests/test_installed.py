@@ -267,6 +267,24 @@ def test_walks_are_bounded(machine, monkeypatch):
     assert len(find_installed()) == 2
 
 
+def test_origins_limit_the_look(machine):
+    found = find_installed(extra_folders=[machine["added"]], origins=("ollama", "folder"))
+    assert {m.origin for m in found} == {"ollama", "folder"}
+    assert [m.label for m in found if m.origin == "folder"] == ["loose.gguf", "org/tiny-llama"]
+
+
+@pytest.mark.parametrize("params, num_ctx", [
+    ({"num_ctx": 4096}, 4096), ({"num_ctx": 4096.0}, 4096), ({"num_ctx": True}, None), ({"num_ctx": -1}, None),
+    ({"num_ctx": "4096"}, None), ({"num_ctx": 1.5}, None), ([4096], None), ({"temperature": 0.2}, None)])
+def test_num_ctx_is_only_a_positive_whole_number(tmp_path, monkeypatch, params, num_ctx):
+    store = tmp_path / "store"
+    monkeypatch.setenv("OLLAMA_MODELS", str(store))
+    model = ollama_blob(store, GGUF)
+    ollama_manifest(store, "registry.ollama.ai/library/m/t",
+                    [(installed.OLLAMA_MODEL, model), (installed.OLLAMA_PARAMS, ollama_blob(store, json.dumps(params).encode()))])
+    assert [(m.label, m.num_ctx) for m in find_installed(home=tmp_path, origins=("ollama",))] == [("m:t", num_ctx)]
+
+
 # ------------------------------------------------------------------------------------------------
 # The window's Source list and the calculator's model picker (real Qt, offscreen)
 

@@ -63,16 +63,23 @@ class _ScanJob(QRunnable):
         self.serial, self.home, self.folders, self.found = serial, home, folders, found
 
     def run(self) -> None:
+        models = None
         try:
             quick = [o for o in ORIGINS if o != "hf-cache"]
-            self.found.emit(self.serial, find_installed(self.home, self.folders, origins=quick), False)
+            self._emit(find_installed(self.home, self.folders, origins=quick), False)
             with IMPORT_LOCK:  # scanning the Hugging Face cache imports huggingface_hub (about 0.2 s)
                 import huggingface_hub.constants  # noqa: F401
                 from huggingface_hub import scan_cache_dir  # noqa: F401
-            self.found.emit(self.serial, find_installed(self.home, self.folders), True)
-        except Exception:  # find_installed never raises; a dead scan must still end
+            models = find_installed(self.home, self.folders)
+        except Exception:  # find_installed never raises; a dead scan must still say it ended
             log.exception("looking for installed models")
-            self.found.emit(self.serial, None, True)
+        self._emit(models, True)
+
+    def _emit(self, models, complete: bool) -> None:
+        try:
+            self.found.emit(self.serial, models, complete)
+        except RuntimeError:  # its window has closed meanwhile
+            pass
 
 
 class InstalledModels(QObject):
@@ -129,9 +136,6 @@ class InstalledModels(QObject):
             if self.settings is not None:
                 self.settings.setValue(FOLDERS_KEY, list(self.folders))
         self.refresh()
-
-    def find(self, source: str) -> InstalledModel | None:
-        return next((m for m in self.models if m.source == source), None)
 
     def wait(self, timeout_ms: int = 3000) -> bool:
         """Wait for a scan in flight (the pool thread must not outlive the window)."""
@@ -602,6 +606,7 @@ class ControlsPanel(QScrollArea):
         finally:
             s.endGroup()
         self.use_installed(InstalledModels.for_settings(s))
+        self._fill_installed()  # the model saved, listed before the scan is back
         self.installed.refresh()
 
     def save(self, s: QSettings) -> None:

@@ -4,9 +4,10 @@ A spec is loaded in a pool thread (the first one imports transformers, which tak
 after that every slider move recomputes in well under a frame: ``core.predict.predict`` is about
 0.1 ms, the chart is 72 of those and "the largest context that fits" is a binary search.
 
-About 690 lines, one tab: its inputs (a model, sliders), its outputs (the numbers, the formula from
+About 800 lines, one tab: its inputs (a model, sliders), its outputs (the numbers, the formula from
 ``core.calc.kv_formula``, the stacked chart) and the background spec loads are one widget's parts;
-the arithmetic is all in ``core`` (predict, calc).
+the arithmetic is all in ``core`` (predict, calc). The models on this machine come from the controls'
+scan (``ui.controls.InstalledModels``, shared through the window's settings).
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ It turns what the user chose into a ``RunRequest`` (``build_request``) and shows
 running engine's settings (``apply_request``, ``show_settings``). It decides nothing about a run:
 the window forwards a combo the user changed (``switch_asked``) and the buttons; the combos then
 follow what the engine reports, never what was asked for.
+
+"Installed model" lists what ``core.installed`` finds on this machine; ``InstalledModels`` looks off the
+GUI thread, once for the window's settings, and the calculator's picker shows the same list.
 """
 
 from __future__ import annotations

@@ -355,6 +355,7 @@ class LlamaCppCalc:
     gpu_memory: int | None
     max_context: int | None
     trained: int
+    by_type: tuple[tuple[str, int], ...] = ()  # a GGUF's tensor bytes per ggml type, largest first
 
     def rows(self) -> list[dict]:
         return [{"context": c, "kv_cache_bytes": p.kv_bytes, "weights_bytes": self.weights, "activation_bytes": None,
@@ -382,20 +383,22 @@ def calculate_llamacpp(source: str, spec: ModelSpec, contexts: list[int], option
 
         if on_gpu(1) <= gpu_memory:
             fits = last_true(lambda n: on_gpu(n) <= gpu_memory, 1, MAX_CONTEXT)
-    return LlamaCppCalc(spec.label, gguf, plans, tuple(contexts), weights, gpu_memory, fits, trained)
+    by_type = tuple(model.bytes_by_type().items()) if gguf else ()
+    return LlamaCppCalc(spec.label, gguf, plans, tuple(contexts), weights, gpu_memory, fits, trained, by_type)
 
 
 def render_llamacpp_json(r: LlamaCppCalc) -> str:
     import json
 
     return json.dumps({"model": r.model, "runtime": "llama.cpp", "llama_cpp_version": LLAMA_CPP_VERSION,
-                       "weights_exact": r.gguf, "rows": r.rows(), "llama_cpp": [p.to_json() for p in r.plans],
+                       "weights_exact": r.gguf, "weights_by_type": dict(r.by_type), "rows": r.rows(), "llama_cpp": [p.to_json() for p in r.plans],
                        "gpu_memory": r.gpu_memory, "max_context": r.max_context})
 
 
 def render_llamacpp_table(r: LlamaCppCalc) -> str:
     lines = [f"{r.model}: llama.cpp runtime ({LLAMA_CPP_VERSION})",
-             "weights: the GGUF file's tensors, exact" if r.gguf else
+             "weights: the GGUF file's tensors, exact: " + ", ".join(f"{t} {human_bytes(n)}" for t, n in r.by_type)
+             if r.gguf else
              "weights: the parameters at 2 bytes (an F16 GGUF); give a .gguf file for its exact tensor bytes", ""]
     header = ("context", "cells", "KV allocated at load", "weights", "weights + KV")
     table = [header]

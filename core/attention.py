@@ -75,10 +75,12 @@ def _with_kv_heads(spec: ModelSpec, kv_heads: int) -> ModelSpec:
     if spec.is_mla:
         # Expanding MLA to per-head K/V: K is nope+rope wide, V is v_head_dim wide (DeepSeek's layout).
         return replace(spec, num_kv_heads=kv_heads, head_dim=(spec.qk_nope_head_dim or 0) + (spec.qk_rope_head_dim or 0),
-                       kv_lora_rank=None)
+                       kv_lora_rank=None, layer_kv=None)
     bias = 1 if spec.kv_bias else 0
     delta = 2 * spec.num_kv_layers * (kv_heads - spec.num_kv_heads) * spec.head_dim * (spec.hidden_size + bias)
-    spec = replace(spec, num_kv_heads=kv_heads, num_parameters=spec.num_parameters + delta)
+    # A head change makes every layer compute kv_heads heads of head_dim: the model's own per-layer shapes are gone.
+    layer_kv = spec.layer_kv if kv_heads == spec.num_kv_heads else None
+    spec = replace(spec, num_kv_heads=kv_heads, num_parameters=spec.num_parameters + delta, layer_kv=layer_kv)
     return full_attention(spec) if spec.num_full_layers == 0 else spec
 
 
@@ -188,7 +190,7 @@ class MLA(AttentionMode):
             facts = None
         # The twin is a DeepseekV3 in every layer: full attention everywhere, no linear-attention states.
         return replace(full_attention(spec), layer_types=(FULL_ATTENTION,) * spec.num_layers, layer_states=None,
-                       kv_lora_rank=rank, qk_rope_head_dim=rope,
+                       layer_kv=None, kv_lora_rank=rank, qk_rope_head_dim=rope,
                        qk_nope_head_dim=spec.head_dim, v_head_dim=spec.head_dim,
                        num_parameters=facts.parameters if facts else spec.num_parameters,
                        buffer_bytes=facts.buffer_bytes if facts else spec.buffer_bytes, kv_bias=False)

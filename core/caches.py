@@ -50,6 +50,10 @@ def kv_layout(spec: ModelSpec) -> tuple[LayerKV, ...]:
         shape = dict(heads=spec.num_kv_heads, k_dim=spec.head_dim, v_dim=spec.v_head_dim or spec.head_dim)
     # DynamicIndexedLayer / StaticIndexedLayer: indexer keys [b, tokens, index_head_dim] beside K/V.
     extra = int(spec.indexer_head_dim or 0)
+    if spec.layer_kv is not None:
+        # Layers that differ from the counts (core.spec.ModelSpec.layer_kv): each as transformers' cache holds it.
+        return tuple(LayerKV(heads=h, k_dim=k, v_dim=v, extra=e, window=spec.sliding_window if t == SLIDING_ATTENTION
+                             else None) for t, (h, k, v, e) in zip(spec.layer_types, spec.layer_kv) if t != NO_KV)
     return tuple(
         LayerKV(window=spec.sliding_window if t == SLIDING_ATTENTION else None,
                 extra=extra if t == INDEXED_ATTENTION else 0, **shape) for t in spec.layer_types if t != NO_KV

@@ -60,6 +60,7 @@ __all__ = [
     "DynamicTruncatedLayer",
     "build_mla_twin",
     "cache_heads",
+    "check_kv_projections",
     "convert_cache",
     "convert_cache_kv_heads",
     "convert_cache_window",
@@ -153,8 +154,54 @@ def kv_heads_of(model: nn.Module) -> int:
     config = _text_config(model)
     counts = {attn.k_proj.out_features // _head_dim(attn, config) for attn in _attention_modules(model)}
     if len(counts) != 1:
-        raise SettingsError(f"the attention layers disagree on their KV-head count: {sorted(counts)}")
+        raise SettingsError(f"{type(model).__name__}'s attention layers compute different numbers of K/V heads "
+                            f"({' and '.join(map(str, sorted(counts)))}): one head count for every layer would change "
+                            "the model, not regroup its heads")
     return counts.pop()
+
+
+def check_kv_projections(model: nn.Module, kv_layers: int, hidden_size: int) -> None:
+    """Refuse (SettingsError) a K/V head change whose weights the prediction cannot follow.
+
+    The prediction (``core.attention._with_kv_heads``) counts, per K/V head added or removed, one ``hidden_size``-wide
+    row of ``k_proj`` and of ``v_proj`` (``head_dim`` outputs each) in each of the ``kv_layers`` layers that cache
+    K/V. That holds when each such layer owns its projections and they read the hidden state; it does not when
+    projections serve several cache layers (one attention block shared by a hybrid's layers, Zamba; layers run in
+    cycles, HRM) or read something wider (Zamba 2's shared block reads the hidden state and the embeddings)."""
+    modules = _attention_modules(model)
+    name = type(model).__name__
+    projections = {id(attn.k_proj.weight) for attn in modules}
+    if len(projections) != kv_layers:
+        raise SettingsError(f"{name}'s {kv_layers} layers that cache K/V share {len(projections)} K/V projection(s) "
+                            "(one attention block reused by several layers, or layers run more than once): a head "
+                            "change there cannot be predicted layer by layer")
+    config = _text_config(model)
+    for attn in modules:
+        width = {attn.k_proj.in_features, attn.v_proj.in_features}
+        if width != {hidden_size}:
+            raise SettingsError(f"{name}'s K/V projections read {' and '.join(map(str, sorted(width)))} features, not "
+                                f"its hidden size ({hidden_size}): a head change there cannot be predicted from the "
+                                "hidden size")
+        head_dim = _head_dim(attn, config)
+        if attn.v_proj.out_features != attn.k_proj.out_features or attn.k_proj.out_features % head_dim:
+            raise SettingsError(f"{name}'s keys and values are of different widths ({attn.k_proj.out_features} and "
+                                f"{attn.v_proj.out_features} per token): its heads cannot be regrouped as "
+                                f"{head_dim}-wide K/V heads")
+
+
+def _own_storage(attn: nn.Module) -> None:
+    """Give every other parameter of ``attn`` that is a view of the same tensor as its K/V projections a tensor of its
+    own. transformers loads some checkpoints' fused q/k/v weight as three views of one tensor (Sarvam-MoE): once
+    k_proj and v_proj are replaced, q_proj alone would keep the whole fused tensor alive (its K/V rows included)."""
+    fused = {p.untyped_storage().data_ptr() for proj in (attn.k_proj, attn.v_proj) for p in proj.parameters()
+             if p.device.type != "meta"}
+    for full_name, param in list(attn.named_parameters()):
+        owner_name, _, leaf = full_name.rpartition(".")
+        owner = attn.get_submodule(owner_name) if owner_name else attn
+        if owner in (attn.k_proj, attn.v_proj) or param.device.type == "meta":
+            continue
+        if param.untyped_storage().data_ptr() in fused:
+            setattr(owner, leaf, nn.Parameter(param.detach().clone(), requires_grad=False))
 
 
 def _regroup_linear(proj: nn.Linear, old_heads: int, new_heads: int, head_dim: int) -> None:
@@ -193,6 +240,7 @@ def set_kv_heads(model: nn.Module, kv_heads: int) -> bool:
             old = attn.k_proj.out_features // head_dim
             if old != kv_heads:
                 exact = exact and _is_exact(old, kv_heads)
+                _own_storage(attn)
                 _regroup_linear(attn.k_proj, old, kv_heads, head_dim)
                 _regroup_linear(attn.v_proj, old, kv_heads, head_dim)
             attn.num_key_value_groups = q_heads // kv_heads

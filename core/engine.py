@@ -178,6 +178,8 @@ class Engine:
                                 f"sliding-window layers, so {mode.key} is not available for it")
         if not isinstance(mode, MLA) and eff.num_kv_heads != self.spec.num_kv_heads:
             convert.kv_heads_of(self.base_model)  # SettingsError with the reason: fused QKV, MLA, MHA-only
+            # ... or projections shared by several layers, or wider than the hidden state (the prediction's premise).
+            convert.check_kv_projections(self.base_model, self.spec.num_kv_layers, self.spec.hidden_size)
         if isinstance(strategy, Quantized):
             sliding = eff.num_sliding_layers
             if sliding:
@@ -314,7 +316,13 @@ class Engine:
             return "mla"
         target = eff.num_kv_heads
         exact = True
-        if target != self.spec.num_kv_heads or convert.kv_heads_of(self.base_model) != target:
+        try:
+            current = convert.kv_heads_of(self.base_model)
+        except SettingsError:
+            # No regroupable heads (fused QKV) or layers of different head counts (MiMo-V2-Flash): _check_target
+            # refuses head changes for such a model, so its projections are still its own, as the target needs.
+            current = None
+        if target != self.spec.num_kv_heads or current not in (None, target):
             exact = convert.set_kv_heads(self.base_model, target)
         self.model = self._layer_pattern_model(eff)
         self.mode = mode

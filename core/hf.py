@@ -21,7 +21,7 @@ from typing import Any
 from core.longlived import freeze_long_lived
 from core.spec import (FULL_ATTENTION, INDEXED_ATTENTION, NO_KV, SLIDING_ATTENTION, ConfigView, ModelFacts, is_plain_int,
                         is_transformers_refusal, transformers_refusal)
-from core.states import LayerState
+from core.states import KVShape, LayerState
 
 _lock = threading.Lock()
 _ready = False
@@ -188,25 +188,42 @@ def _meta_nonzero():
         return contextlib.nullcontext()
 
 
-def probe_states(hf_config, types: tuple[str, ...] | None) -> tuple[tuple[str, ...] | None, tuple[LayerState, ...] | None]:
+def _kv_shape(layer) -> KVShape:
+    """What one probed cache layer holds per token (``core.states.KVShape``): keys [b, h, t, dk], values
+    [b, h, t, dv], indexer keys [b, t, di]; keys and values of different head counts are one "head" each wide."""
+    import torch
+
+    keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+    if not (isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor) and keys.dim() == values.dim() == 4):
+        return (0, 0, 0, 0)
+    index = getattr(layer, "indexer_keys", None)
+    extra = int(index.shape[-1]) if isinstance(index, torch.Tensor) and index.dim() == 3 else 0
+    if keys.shape[1] == values.shape[1]:
+        return (int(keys.shape[1]), int(keys.shape[-1]), int(values.shape[-1]), extra)
+    return (1, int(keys.shape[1] * keys.shape[-1]), int(values.shape[1] * values.shape[-1]), extra)
+
+
+def probe_states(hf_config, types: tuple[str, ...] | None) -> tuple[tuple[str, ...] | None, tuple[LayerState, ...] | None,
+                                                                    tuple[KVShape, ...] | None]:
     """What each cache layer holds beside K/V, per sequence, measured on the meta device (``core.states``),
-    and the layer kinds corrected by what the layers really cache (a layer that stays empty after a
-    forward pass caches nothing: GPT-1, RWKV keep no K/V). ``(types, None)``: the probe cannot say
-    (the model does not run on meta, or brings a cache of its own), or no layer holds states.
+    the layer kinds corrected by what the layers really cache (a layer that stays empty after a
+    forward pass caches nothing: GPT-1, RWKV keep no K/V), and each layer's K/V shape (``_kv_shape``).
+    ``(types, None, None)``: the probe cannot say (the model does not run on meta, or brings a cache of its
+    own); states None: no layer holds any.
 
     One forward pass of a bfloat16 model: a state in bfloat16 follows the model's dtype (``elements``); one
     in another dtype (float32) is kept in it whatever the model's (``fixed_bytes``)."""
     import torch
 
     if types is None:
-        return types, None
+        return types, None, None
     try:
         cache = _probe_cache(hf_config, torch.bfloat16)
     except Exception:  # data-dependent ops on meta (nonzero), a cache class of its own, no causal-LM class...
-        return types, None
+        return types, None, None
     layers = getattr(cache, "layers", None)
     if not isinstance(layers, list) or len(layers) != len(types):
-        return types, None
+        return types, None, None
     found_types, states = list(types), []
     for i, kind in enumerate(types):
         held = _layer_states(layers[i])
@@ -216,7 +233,34 @@ def probe_states(hf_config, types: tuple[str, ...] | None) -> tuple[tuple[str, .
             found_types[i] = NO_KV
     if not any(s.elements or s.fixed_bytes for s in states):
         states = None
-    return tuple(found_types), None if states is None else tuple(states)
+    shapes = tuple(_kv_shape(layer) if kind != NO_KV else (0, 0, 0, 0) for layer, kind in zip(layers, found_types))
+    return tuple(found_types), None if states is None else tuple(states), shapes
+
+
+def _shapes_beyond_formula(cfg: dict[str, Any], types: tuple[str, ...] | None,
+                           shapes: tuple[KVShape, ...] | None) -> tuple[KVShape, ...] | None:
+    """The probed per-layer K/V shapes where some layer differs from what ``core.caches.kv_layout`` derives from the
+    config's counts (a spec without ``layer_kv``); None where every layer agrees (nearly every model: their views,
+    presets' included, stay as they were) or the counts cannot be read (the spec refuses the config then)."""
+    from core.caches import kv_layout
+    from core.spec import SpecError, _checked_counts, _text_config
+    from core.spec import ModelSpec
+
+    if types is None or shapes is None:
+        return None
+    try:
+        counts = _checked_counts(_text_config(cfg), "model")
+    except SpecError:
+        return None
+    formula = kv_layout(ModelSpec(
+        name="model", model_type="", num_layers=len(types), num_query_heads=counts["heads"],
+        num_kv_heads=counts["kv_heads"], head_dim=counts["head_dim"], hidden_size=counts["hidden"],
+        vocab_size=counts["vocab"], tie_word_embeddings=False, max_position_embeddings=counts["max_pos"],
+        dtype="float32", num_parameters=0, layer_types=types,
+        indexer_head_dim=counts["indexer"] if INDEXED_ATTENTION in types else None, **counts["mla"]))
+    probed = [s for s, kind in zip(shapes, types) if kind != NO_KV]
+    derived = [(kv.heads, kv.k_dim, kv.v_dim, kv.extra) for kv in formula]
+    return None if probed == derived else shapes
 
 
 def compute_view(key: str) -> ConfigView:
@@ -225,8 +269,9 @@ def compute_view(key: str) -> ConfigView:
     hf_config = build_hf_config(cfg)
     if hf_config is None:
         return ConfigView(known=False)
-    types, states = probe_states(hf_config, hf_layer_types(hf_config))
+    types, states, shapes = probe_states(hf_config, hf_layer_types(hf_config))
     # Tied output head: what transformers' tying reads (a missing field is False), where config.json names nothing.
     tied = None if "tie_word_embeddings" in cfg else bool(getattr(hf_config.get_text_config(decoder=True),
                                                                   "tie_word_embeddings", False))
-    return ConfigView(True, types, hf_sliding_window(hf_config), meta_facts(key), states, tied)
+    return ConfigView(True, types, hf_sliding_window(hf_config), meta_facts(key), states, tied,
+                      _shapes_beyond_formula(cfg, types, shapes))

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.states import LayerState, states_from_json
+from core.states import KVShape, LayerState, kv_shapes_from_json, states_from_json
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 PRESETS_DIR = ASSETS / "presets"
@@ -127,6 +127,10 @@ class ModelSpec:
     indexer_head_dim: int | None = None  # DSA indexer keys cached per token in indexed layers
     supports_sdpa: bool = True  # False where transformers runs the model with eager only (Gemma 2)
     layer_states: tuple[LayerState, ...] | None = None  # per layer, beside K/V (core.states)
+    #: Per layer, the K/V transformers' cache really holds (core.states.KVShape), where the layers differ from
+    #: what the counts above give (MiMo-V2-Flash's sliding layers with twice the K/V heads, HY-V4's last layer
+    #: without indexer keys); None: every layer as the counts say (core.caches.kv_layout).
+    layer_kv: tuple[KVShape, ...] | None = None
     config: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @property
@@ -453,6 +457,7 @@ class ConfigView:
     #: that does not say (its class's default, where transformers' tying reads a missing one as False); None
     #: where config.json says.
     tied: bool | None = None
+    kv_shapes: tuple[KVShape, ...] | None = None  # per layer, where the counts' formula does not hold (ModelSpec.layer_kv)
 
     def to_json(self) -> dict[str, Any]:
         f = self.facts
@@ -460,7 +465,8 @@ class ConfigView:
                 "layer_types": list(self.layer_types) if self.layer_types is not None else None,
                 "sliding_window": self.sliding_window,
                 "facts": None if f is None else [f.parameters, f.buffer_bytes, int(f.kv_bias), int(f.supports_sdpa)],
-                "states": None if self.states is None else [s.to_json() for s in self.states], "tied": self.tied}
+                "states": None if self.states is None else [s.to_json() for s in self.states], "tied": self.tied,
+                "kv_shapes": None if self.kv_shapes is None else [list(s) for s in self.kv_shapes]}
 
     @classmethod
     def from_json(cls, data: Any) -> "ConfigView | None":
@@ -474,6 +480,9 @@ class ConfigView:
         if states is False or states is not None and (types is None or len(states) != len(types)) \
                 or not (data.get("tied") is None or isinstance(data.get("tied"), bool)):
             return None
+        shapes = kv_shapes_from_json(data.get("kv_shapes"))  # absent (a preset's view stored before): none
+        if shapes is False or shapes is not None and (types is None or len(shapes) != len(types)):
+            return None
         if not isinstance(data.get("known"), bool) \
                 or not (types is None or isinstance(types, list) and all(t in kinds for t in types)) \
                 or not (window is None or is_plain_int(window) and window > 0) \
@@ -482,7 +491,7 @@ class ConfigView:
             return None
         return cls(data["known"], None if types is None else tuple(types), window,
                    None if facts is None else ModelFacts(facts[0], facts[1], bool(facts[2]), bool(facts[3])), states,
-                   data.get("tied"))
+                   data.get("tied"), shapes)
 
 
 def is_plain_int(value: Any) -> bool:
@@ -514,7 +523,7 @@ def config_key(cfg: dict[str, Any]) -> str:
 
 #: What a memoised view means: bumped when ``core.hf.compute_view`` learns more of a config, so views
 #: memoised before (which read linear-attention layers as full attention, say) are found again.
-VIEW_SCHEMA = 3
+VIEW_SCHEMA = 4
 
 
 def config_view(cfg: dict[str, Any], shipped: Any = None) -> ConfigView:
@@ -720,6 +729,7 @@ def spec_from_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
         indexer_head_dim=counts["indexer"] if INDEXED_ATTENTION in types else None,
         layer_types=types,
         layer_states=view.states if view.states is not None and len(view.states) == len(types) else None,
+        layer_kv=view.kv_shapes if view.kv_shapes is not None and len(view.kv_shapes) == len(types) else None,
         sliding_window=window,
         display_name=str(meta.get("display_name", "")) if meta else "",
         config=cfg,

@@ -67,3 +67,21 @@ def states_from_json(data: Any) -> tuple[LayerState, ...] | None | bool:
         return False
     states = tuple(LayerState.from_json(d) for d in data)
     return False if any(s is None for s in states) else states
+
+
+#: One cache layer's K/V as transformers' cache holds it: (heads, key width, value width, indexer-key width) per
+#: token, i.e. keys [b, heads, t, key width], values [b, heads, t, value width], indexer keys [b, t, indexer width];
+#: (0, 0, 0, 0) for a layer that caches no K/V.
+KVShape = tuple[int, int, int, int]
+
+
+def kv_shapes_from_json(data: Any) -> tuple[KVShape, ...] | None | bool:
+    """The per-layer K/V shapes stored in a view: a tuple, None (none stored: the spec's formula holds), or False
+    (damaged)."""
+    if data is None:
+        return None
+    if not isinstance(data, list) or not all(
+            isinstance(d, list) and len(d) == 4 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                                        for v in d) for d in data):
+        return False
+    return tuple(tuple(d) for d in data)

@@ -36,7 +36,6 @@ SWITCHES = (
 # is expected to fail (strict: a fix makes the test pass and this list must shrink). Grouped by cause.
 _OWN_CACHE_LAYOUT = ("its cache holds tensors of a shape of its own that the predictor does not know, so calc != the "
                      "real DynamicCache")
-_SWITCH_WEIGHTS = "a live switch changes parameters the weight prediction does not follow (norms or biases per head)"
 KNOWN_GAPS: dict[str, str] = {
     "cpmant": f"{_OWN_CACHE_LAYOUT}: CPM-Ant prepends its prompt_length learned prompt tokens to every layer's K/V, and a "
               "second forward pass on one DynamicCache fails inside transformers (mask sizes)",
@@ -44,22 +43,14 @@ KNOWN_GAPS: dict[str, str] = {
                    "the windowed K/V",
     "dory": f"{_OWN_CACHE_LAYOUT}: Dory's config lists every layer twice (attention, then mlp) and its cache does "
             "not follow the layer_types transformers reads from it",
-    "hy_v4": f"{_OWN_CACHE_LAYOUT}: keys and values of different widths, and indexer keys in all layers but the last",
-    "mimo_v2_flash": f"{_OWN_CACHE_LAYOUT}: its sliding layers cache their own number of K/V heads "
-                     "(swa_num_key_value_heads), the full layers another",
-    "hrm_text": f"{_SWITCH_WEIGHTS}: HRM runs 2 stacks of layers in cycles, so its cache has more layers than it "
-                "has K/V projections",
-    "sarvam_moe": "its q/k/v weights load as views of one fused tensor: after a head switch q_proj alone keeps the "
-                  "whole old tensor alive (observed weights count it, the prediction does not)",
-    **dict.fromkeys(("zamba", "zamba2"), f"{_SWITCH_WEIGHTS}: one attention block shared by the hybrid layers, "
-                                         "its K/V projections 2 x hidden wide"),
     "blt": "BLT keeps its layer counts in sub-configs (encoder, global, decoder): transformers 5.24's "
            "DynamicCache(config=...) fails on it (no num_hidden_layers), and so does a folder's load here",
     **dict.fromkeys(("gemma4_assistant", "gemma4_unified_assistant"),
                     "a drafter for assisted decoding, not a model that generates on its own: its forward takes the "
                     "target model's inputs_embeds and shared_kv_states and raises without them "
-                    "(modeling_gemma4_assistant.py:166 and modeling_gemma4_unified_assistant.py:173: 'inputs_embeds and shared_kv_states cannot be None'), and "
-                    "it caches nothing of its own (use_cache=False); calc's weights are exact"),
+                    "(modeling_gemma4_assistant.py:166, modeling_gemma4_unified_assistant.py:173: 'inputs_embeds and "
+                    "shared_kv_states cannot be None'), and it caches nothing of its own (use_cache=False); calc's "
+                    "weights are exact"),
     "minimax": "MiniMax brings a cache class of its own and refuses transformers' DynamicCache",
     "xlstm": "xLSTM keeps recurrent state, not a KV cache (no rnn_state on DynamicCache)",
 }

@@ -495,3 +495,28 @@ def test_calc_reads_a_config_json_transformers_saved_with_infinity(tmp_path):
         model = Mamba2ForCausalLM(Mamba2Config.from_pretrained(tmp_path))
     assert spec.num_parameters == sum(p.numel() for p in model.parameters())
     assert spec.layer_states is not None and spec.num_kv_layers == 0
+
+
+def test_layers_of_their_own_shapes_are_predicted_as_transformers_caches_them():
+    """MiMo-V2-Flash's sliding layers compute twice the K/V heads of its full layers, and its values are narrower than
+    its keys: the spec carries each layer's shape as the meta-device probe found it (ModelSpec.layer_kv), and the
+    prediction follows it at every token, past the window too."""
+    from transformers import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
+
+    config = MiMoV2FlashConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                               v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, sliding_window=6,
+                               layer_types=["full_attention", "sliding_attention"], mlp_layer_types=["dense", "dense"])
+    model = _seeded(lambda: MiMoV2FlashForCausalLM(config))
+    spec = spec_from_config(config.to_dict(), "mimo")
+    assert spec.layer_kv == ((2, 16, 8, 0), (4, 16, 8, 0))
+    settings = RunSettings(weight_dtype="float32")
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(torch.arange(4).unsqueeze(0), cache=cache, use_cache=True)
+        assert cache_bytes(cache).logical == kv_bytes(spec, settings, 4)
+        for n in range(5, 12):
+            model(torch.tensor([[n]]), cache=cache, use_cache=True)
+            assert cache_bytes(cache).logical == kv_bytes(spec, settings, n)
+    # A head change makes every layer alike (1 head of 16 for K and V): 10 tokens in the full layer, 5 in the sliding one.
+    assert kv_bytes(spec, settings.with_(attention=parse_attention("mqa")), 10) == (10 + 5) * (16 + 16) * 4

@@ -162,3 +162,37 @@ def test_switches_travel_as_data_and_old_recordings_read_alike(tmp_path):
                                                      "tokens_rerun": None})
     assert (legacy.switch_key, legacy.switch_before, legacy.switch_after, legacy.tokens_rerun) == \
         ("attention", "gqa:2", "mla", events[1].tokens_rerun)
+
+
+def test_a_head_switch_frees_q_k_v_loaded_as_views_of_one_fused_tensor():
+    """transformers loads some checkpoints' fused q/k/v weight as three views of one tensor (Sarvam-MoE): after the
+    K/V projections are replaced, q_proj gets a tensor of its own, so the fused one (old K/V rows included) is freed
+    and the weights are what the prediction says."""
+    engine = _engine()
+    with torch.no_grad():
+        for layer in engine.base_model.model.layers:
+            attn = layer.self_attn
+            parts = (attn.q_proj, attn.k_proj, attn.v_proj)
+            fused = torch.cat([p.weight.detach() for p in parts])
+            start = 0
+            for proj in parts:
+                rows = proj.weight.shape[0]
+                proj.weight = torch.nn.Parameter(fused[start:start + rows], requires_grad=False)
+                start += rows
+    event = engine.apply("attention", "mqa")
+    assert event.event == "switch" and event.weights_bytes == event.weights_predicted
+    attn = engine.base_model.model.layers[0].self_attn
+    assert attn.q_proj.weight.untyped_storage().nbytes() == attn.q_proj.weight.numel() * attn.q_proj.weight.element_size()
+    assert all(s.kv_bytes_observed == s.kv_bytes_predicted for s in _next_tokens(engine, 2))
+
+
+def test_a_head_switch_is_refused_where_layers_share_their_k_v_projections():
+    """One attention block serving several layers (Zamba's shared block, HRM's cycles): the prediction counts K/V rows
+    per layer, the model has fewer, so the switch is refused before anything changes, saying why."""
+    engine = _engine()
+    first, second = (layer.self_attn for layer in engine.base_model.model.layers[:2])
+    second.k_proj, second.v_proj = first.k_proj, first.v_proj
+    before = _fingerprint(engine)
+    with pytest.raises(SettingsError, match="share .* K/V projection"):
+        engine.apply("attention", "mqa")
+    assert _fingerprint(engine) == before

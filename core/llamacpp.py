@@ -428,3 +428,54 @@ def render_llamacpp_table(r: LlamaCppCalc) -> str:
     lines.append("llama.cpp allocates the whole context's KV cache when the model loads: the context is paid for "
                  "before the first token.")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# The calculator's llama.cpp runtime: a Prediction per context, as core.predict gives for transformers.
+
+
+def gguf_of(spec: ModelSpec):
+    """The GgufModel a spec was read from (``core.gguf``), or None for a config's spec."""
+    from core.gguf import read_gguf
+
+    path = spec.config.get("gguf") if isinstance(spec.config, dict) else None
+    return read_gguf(path) if path else None
+
+
+def options_for(context: int, cache: str = "f16", n_seq_max: int = 1) -> LlamaCppOptions:
+    """llama-server's defaults with one cache type for K and V (flash attention auto: a quantized V takes it on)."""
+    return LlamaCppOptions(n_ctx=context, type_k=cache, type_v=cache, n_seq_max=n_seq_max)
+
+
+def predict_llamacpp(spec: ModelSpec, context: int, cache: str = "f16", n_seq_max: int = 1):
+    """llama.cpp's allocation for ``context`` as a ``core.predict.Prediction``: weights (a GGUF's tensor bytes, else
+    the parameters at 2 bytes) and the KV allocated at load; llama.cpp's compute buffers are not predicted (None)."""
+    from core.predict import MemoryBreakdown, Prediction
+
+    model = gguf_of(spec) or spec
+    p = plan(model, options_for(context, cache, n_seq_max))
+    weights = p.weights if p.weights is not None else int(spec.num_parameters * 2)
+    return Prediction(context=context, breakdown=MemoryBreakdown(weights=weights, kv_cache=p.kv_bytes, activations=None),
+                      activations_prefill=0, activations_decode=0,
+                      kv_bytes_per_token=sum(b.row_bytes for b in p.buffers))  # one cell in each cache per token
+
+
+def max_context_llamacpp(spec: ModelSpec, memory: int, cache: str = "f16", limit: int = MAX_CONTEXT) -> int | None:
+    """The largest context whose weights and allocated KV fit in ``memory`` (None: not even one token)."""
+    from core.predict import last_true
+
+    def fits(n: int) -> bool:
+        return predict_llamacpp(spec, n, cache).total <= memory
+
+    if not fits(1):
+        return None
+    return last_true(fits, 1, limit)
+
+
+def formula_llamacpp(spec: ModelSpec, context: int, cache: str = "f16") -> str:
+    """The allocation in words, one line per cache: cells x layers x bytes per layer per cell."""
+    p = plan(gguf_of(spec) or spec, options_for(context, cache))
+    lines = [f"{b.cells:,} cells \u00d7 {len(b.layers)} layers \u00d7 {b.row_bytes // max(1, len(b.layers)):,} B "
+             f"({b.name}) = {b.total:,} B" for b in p.buffers]
+    lines.append(f"allocated at load: {p.kv_bytes:,} B ({human_bytes(p.kv_bytes)}), prepaid for all {p.n_ctx:,} cells")
+    return "\n".join(lines)

@@ -161,3 +161,32 @@ def test_several_gpus_show_the_busiest_gpus_share_and_what_fits_on_every_one(cal
     assert calc.state.max_fit == fit and "every one of 4 GPUs" in calc.fits_label.text()
     calc.gpus_combo.setCurrentIndex(0)
     assert calc.state.total == whole
+
+
+def test_llamacpp_runtime_shows_the_allocation_at_load(calc, llama, tmp_path):
+    """Runtime llama.cpp: the KV is what llama.cpp allocates for the context (padded to 256 cells), the same
+    whatever is generated; a GGUF model's weights are its tensor bytes; the Cache list holds llama.cpp's types."""
+    from core.gguf import read_gguf
+    from core.llamacpp import LlamaCppOptions, max_context_llamacpp, plan
+    from tests import gguf_models
+
+    calc.set_context(4096)
+    calc.runtime_combo.setCurrentIndex(calc.runtime_combo.findData("llama.cpp"))
+    assert [calc.cache_combo.itemText(i) for i in range(3)] == ["f32", "f16", "bf16"]
+    assert calc.cache_combo.currentText() == "f16" and not calc.batch.isEnabled()
+    assert calc.state.kv == 536_870_912 and calc.numbers["activations"].text() == "not predicted"
+    calc.cache_combo.setCurrentText("q8_0")
+    assert calc.state.kv == plan(llama, LlamaCppOptions(n_ctx=4096, type_k="q8_0", type_v="q8_0")).kv_bytes
+    assert calc.state.max_fit == max_context_llamacpp(llama, 24 * 1024**3, "q8_0", calc._context_values[-1])
+    assert "cells" in calc.formula_label.text() and "allocated at load" in calc.formula_label.text()
+    path = gguf_models.gemma3(tmp_path / "g.gguf")
+    spec = load_spec(str(path))
+    calc.set_spec(spec)
+    calc.set_context(1024)
+    g = read_gguf(path)
+    expected = plan(g, LlamaCppOptions(n_ctx=1024, type_k="q8_0", type_v="q8_0"))
+    assert calc.state.kv == expected.kv_bytes and calc.state.weights == g.weight_bytes
+    assert "sliding window" in calc.formula_label.text()
+    calc.runtime_combo.setCurrentIndex(calc.runtime_combo.findData("transformers"))
+    assert calc.cache_combo.currentText() == "dynamic" and calc.batch.isEnabled()
+    assert calc.state.kv == kv_bytes(spec, calc.current_settings(), 1024)

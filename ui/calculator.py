@@ -42,6 +42,7 @@ from core.longlived import freeze_long_lived
 from core.spec import ModelSpec, SpecError, human_bytes, load_spec, parse_size, preset_names
 from core.calc import kv_formula
 from core.parallel import Parallelism, max_context_per_gpu, predict_parallel
+from core.llamacpp import CACHE_TYPES, formula_llamacpp, max_context_llamacpp, predict_llamacpp
 from ui.controls import IMPORT_LOCK, InstalledModels
 from ui.forms import form_box
 from ui.axes import BytesAxis, format_count, format_tokens
@@ -299,6 +300,16 @@ class CalculatorTab(QWidget):
                                    "With more than one, the numbers, the chart and what fits are the busiest GPU's; "
                                    "GPU memory is per GPU.")
         self.gpus_combo.currentIndexChanged.connect(lambda _i: self._settings_changed())
+        # The runtime: transformers' caches grow per token; llama.cpp allocates the whole context at load
+        # (core.llamacpp, its rules). Under llama.cpp the Cache list holds its cache types (K = V).
+        self.runtime_combo = QComboBox()
+        self.runtime_combo.addItem("transformers (grows per token)", "transformers")
+        self.runtime_combo.addItem("llama.cpp (allocated at load)", "llama.cpp")
+        self.runtime_combo.setToolTip("transformers: the cache holds the tokens so far (a dynamic cache).\n"
+                                      "llama.cpp (LM Studio, Ollama): the whole context's KV cache is allocated when the "
+                                      "model loads, padded to 256 cells; a .gguf model gives its exact weights.")
+        self.runtime_combo.currentIndexChanged.connect(lambda _i: self._runtime_changed())
+        self._transformers_cache = "dynamic"
 
         self.context.changed.connect(self.recompute)
         self.cache_combo.currentIndexChanged.connect(lambda _i: self._settings_changed())
@@ -309,7 +320,8 @@ class CalculatorTab(QWidget):
         model_row.addWidget(self.model_combo, 1)
         model_row.addWidget(browse)
         inputs = form_box("Model and settings", [
-            ("Model", model_row), ("", self.model_status), ("Context", self.context), ("Batch", self.batch),
+            ("Model", model_row), ("", self.model_status), ("Runtime", self.runtime_combo), ("Context", self.context),
+            ("Batch", self.batch),
             ("Weights", self.dtype), ("KV dtype", self.kv_dtype), ("Attention", self.attention),
             ("Cache", self.cache_combo), ("GPU memory", self.memory_combo), ("GPUs", self.gpus_combo)])
 
@@ -536,14 +548,7 @@ class CalculatorTab(QWidget):
         self.dtype.set_values(list(WEIGHT_DTYPES), str, spec.dtype if spec.dtype in WEIGHT_DTYPES else "bfloat16")
         choices = list(attention_choices(spec))
         self.attention.set_values(choices, str, native_attention(spec).key)
-        # Every strategy predicts for any device; the sink and h2o sizes follow the model's context.
-        cache = self.cache_combo.currentText()
-        keys = [key for key, _ in cache_choices(spec=spec)]
-        self.cache_combo.blockSignals(True)
-        self.cache_combo.clear()
-        self.cache_combo.addItems(keys if cache in keys else keys + [cache])
-        self.cache_combo.setCurrentText(cache)
-        self.cache_combo.blockSignals(False)
+        self._fill_caches()
         self.model_status.setText(
             f"{spec.label}: {spec.num_layers} layers, {spec.num_query_heads} query / {spec.num_kv_heads} KV heads "
             f"of {spec.head_dim}, {format_count(spec.num_parameters)} parameters, trained to "
@@ -551,6 +556,35 @@ class CalculatorTab(QWidget):
         self._chart_key = None
         self.spec_loaded.emit(spec)
         self.recompute()
+
+    @property
+    def runtime(self) -> str:
+        return self.runtime_combo.currentData() or "transformers"
+
+    def _fill_caches(self) -> None:
+        """The Cache list for the runtime: transformers' strategies (the sink and h2o sizes follow the model's
+        context), or llama.cpp's cache types."""
+        llama = self.runtime == "llama.cpp"
+        cache = self.cache_combo.currentText()
+        keys = list(CACHE_TYPES) if llama else [key for key, _ in cache_choices(spec=self.spec)]
+        if cache not in keys:
+            cache = "f16" if llama else self._transformers_cache
+        self.cache_combo.blockSignals(True)
+        self.cache_combo.clear()
+        self.cache_combo.addItems(keys if cache in keys else keys + [cache])
+        self.cache_combo.setCurrentText(cache)
+        self.cache_combo.blockSignals(False)
+        for w in (self.batch, self.dtype, self.kv_dtype, self.attention, self.gpus_combo):
+            w.setEnabled(not llama)
+            w.setToolTip(w.toolTip().split("\n(llama.cpp")[0] + ("\n(llama.cpp: not used; one sequence, the file's "
+                                                                 "weights, the model's own attention)" if llama else ""))
+
+    def _runtime_changed(self) -> None:
+        if self.runtime == "llama.cpp":
+            self._transformers_cache = self.cache_combo.currentText()
+        self._fill_caches()
+        self._fit_key = None
+        self._settings_changed()
 
     def set_context(self, tokens: int) -> None:
         """Move the context slider to the value nearest ``tokens``."""
@@ -590,7 +624,7 @@ class CalculatorTab(QWidget):
 
     def current_settings(self) -> RunSettings:
         context = self.context.value()
-        cache = parse_cache(self.cache_combo.currentText())
+        cache = parse_cache("dynamic" if self.runtime == "llama.cpp" else self.cache_combo.currentText())
         return RunSettings(batch=self.batch.value(), weight_dtype=self.dtype.value(), kv_dtype=self.kv_dtype.value(),
                            attention=parse_attention(self.attention.value()), cache=cache,
                            max_context=context if cache.name == "static" else None,
@@ -601,7 +635,10 @@ class CalculatorTab(QWidget):
         return Parallelism(tensor=tp, pipeline=pp)
 
     def _predict(self, spec: ModelSpec, settings: RunSettings, context: int):
-        """The prediction the numbers show: the model's, or with several GPUs the busiest GPU's share."""
+        """The prediction the numbers show: the model's, or with several GPUs the busiest GPU's share; under
+        llama.cpp what it allocates at load for this context (core.llamacpp)."""
+        if self.runtime == "llama.cpp":
+            return predict_llamacpp(spec, context, self.cache_combo.currentText() or "f16")
         parallel = self.parallelism()
         if parallel.single:
             return predict(spec, settings, context)
@@ -624,18 +661,23 @@ class CalculatorTab(QWidget):
             p = self._predict(spec, settings, context)
             memory = self.memory_bytes()
             ceiling = self._context_values[-1]
-            fit_key = (spec, settings.with_(max_context=None), memory, ceiling, parallel)
+            llama = self.runtime == "llama.cpp"
+            fit_key = (spec, settings.with_(max_context=None), memory, ceiling, parallel, self.runtime,
+                       self.cache_combo.currentText())
             if fit_key != self._fit_key:
                 # Depends on everything but the context slider: cached so dragging it stays cheap.
                 self._fit_key = fit_key
                 if not memory:
                     self._fit = None
+                elif llama:
+                    self._fit = max_context_llamacpp(spec, memory, self.cache_combo.currentText() or "f16", ceiling)
                 elif parallel.single:
                     self._fit = max_context_that_fits(spec, settings.with_(max_context=None), memory, limit=ceiling)
                 else:
                     self._fit = max_context_per_gpu(spec, settings.with_(max_context=None), parallel, memory, ceiling)
             fit = self._fit
-            formula = kv_formula(spec, settings, context, times=" \u00d7 ")
+            formula = (formula_llamacpp(spec, context, self.cache_combo.currentText() or "f16") if llama else
+                       kv_formula(spec, settings, context, times=" \u00d7 "))
         except SpecError as exc:  # SettingsError too: e.g. quantized cache on sliding layers
             self.error_label.setText(str(exc))
             return
@@ -646,9 +688,9 @@ class CalculatorTab(QWidget):
         n = self.numbers
         n["weights"].setText(human_bytes(b.weights))
         n["kv"].setText(human_bytes(b.kv_cache))
-        n["activations"].setText(human_bytes(b.activations))
+        n["activations"].setText("not predicted" if b.activations is None else human_bytes(b.activations))
         n["total"].setText(human_bytes(p.total))
-        per_token = kv_bytes(spec, settings.with_(cache=parse_cache("dynamic")), 1)
+        per_token = (p.kv_bytes_per_token if llama else kv_bytes(spec, settings.with_(cache=parse_cache("dynamic")), 1))
         n["per_token"].setText(human_bytes(per_token))
         t = self.theme
         beyond = context > spec.max_position_embeddings
@@ -679,7 +721,7 @@ class CalculatorTab(QWidget):
 
     def _update_chart(self, spec: ModelSpec, settings: RunSettings, context: int, memory: int | None,
                       fit: int | None) -> None:
-        key = (spec, settings.with_(max_context=None), self.parallelism())
+        key = (spec, settings.with_(max_context=None), self.parallelism(), self.runtime, self.cache_combo.currentText())
         ceiling = self._context_values[-1]
         if key != self._chart_key:
             self._chart_key = key
@@ -764,7 +806,8 @@ class CalculatorTab(QWidget):
         for name, slider in (("batch", self.batch), ("dtype", self.dtype), ("kv_dtype", self.kv_dtype),
                              ("attention", self.attention)):
             s.setValue(name, "" if slider.value() is None else str(slider.value()))
-        s.setValue("cache", self.cache_combo.currentText())
+        s.setValue("cache", self.cache_combo.currentText() if self.runtime != "llama.cpp" else self._transformers_cache)
+        s.setValue("runtime", self.runtime)
         s.setValue("memory", self.memory_combo.currentText())
         s.setValue("gpus", self.gpus_combo.currentText())
         s.endGroup()
@@ -773,8 +816,11 @@ class CalculatorTab(QWidget):
         """Restore the last model and settings (the model loads in the background, then the sliders apply)."""
         s.beginGroup("calculator")
         model = str(s.value("model", "llama-3-8b") or "llama-3-8b")
-        saved = {k: s.value(k) for k in ("context", "batch", "dtype", "kv_dtype", "attention", "cache", "memory", "gpus")}
+        saved = {k: s.value(k) for k in ("context", "batch", "dtype", "kv_dtype", "attention", "cache", "memory", "gpus",
+                                         "runtime")}
         s.endGroup()
+        if saved["runtime"] == "llama.cpp":
+            self.runtime_combo.setCurrentIndex(self.runtime_combo.findData("llama.cpp"))
         if saved["gpus"] and self.gpus_combo.findText(str(saved["gpus"])) >= 0:
             self.gpus_combo.setCurrentText(str(saved["gpus"]))
         if saved["cache"] and self.cache_combo.findText(str(saved["cache"])) >= 0:

@@ -684,7 +684,7 @@ def _spec_of(config) -> ModelSpec:
 
 
 def build_mla_twin(config, seed: int = 0, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-                   source_model: nn.Module | None = None):
+                   source_model: nn.Module | None = None, spec: ModelSpec | None = None):
     """A small DeepseekV3ForCausalLM shaped like ``config``'s model, caching a compressed latent.
 
     Same hidden size, layers, vocab, query heads and MLP width; dense MLP in every layer (no MoE);
@@ -694,12 +694,14 @@ def build_mla_twin(config, seed: int = 0, dtype: torch.dtype | None = None, devi
     ``source_model``, its embeddings, norms, MLPs and lm_head are copied in where the shapes
     match, so the twin's text is closer to the source's. Its cache, per layer, holds K =
     [b, 1, s, kv_lora_rank] (the latent) and V = [b, 1, s, qk_rope_head_dim] (the rope key).
-    The engine switches to it by re-running every token so far.
+    The engine switches to it by re-running every token so far. ``spec``: the model's spec, whose sizes the
+    prediction of the twin reads (``core.attention.mla_twin_config``), so that both are of one model even where the
+    config object and its saved dict disagree (Dory's dict counts each layer twice); default: read off ``config``.
     """
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     text = config.get_text_config(decoder=True)
-    spec = _spec_of(config)
+    spec = spec or _spec_of(config)
     if spec.is_mla:
         raise SettingsError("this model already caches a latent (MLA); it needs no MLA twin")
     rope_parameters = getattr(text, "rope_parameters", None) or {}

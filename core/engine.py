@@ -304,7 +304,8 @@ class Engine:
             if self.mla_model is None:
                 self.mla_model = convert.build_mla_twin(self.base_model.config, seed=0,
                                                         dtype=next(self.base_model.parameters()).dtype,
-                                                        device=self.device, source_model=self.base_model)
+                                                        device=self.device, source_model=self.base_model,
+                                                        spec=self.spec)
                 self.mla_model.eval()
             self.model = self.mla_model
             self.mode = mode

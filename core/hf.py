@@ -222,8 +222,18 @@ def probe_states(hf_config, types: tuple[str, ...] | None) -> tuple[tuple[str, .
     except Exception:  # data-dependent ops on meta (nonzero), a cache class of its own, no causal-LM class...
         return types, None, None
     layers = getattr(cache, "layers", None)
-    if not isinstance(layers, list) or len(layers) != len(types):
+    if not isinstance(layers, list) or len(layers) < len(types):
         return types, None, None
+    if len(layers) > len(types):
+        # The forward pass added cache layers of its own: Dory runs its recurrent layers in loops and appends a copy
+        # of their cache layers per extra loop. Each copy is of the class of a layer it copies: that layer's kind.
+        kinds = {}
+        for layer, kind in zip(layers, types):
+            kinds.setdefault(type(layer), set()).add(kind)
+        extra = [kinds.get(type(layer), set()) for layer in layers[len(types):]]
+        if any(len(k) != 1 for k in extra):
+            return types, None, None
+        types = (*types, *(next(iter(k)) for k in extra))
     found_types, states = list(types), []
     for i, kind in enumerate(types):
         held = _layer_states(layers[i])

@@ -41,8 +41,6 @@ KNOWN_GAPS: dict[str, str] = {
               "second forward pass on one DynamicCache fails inside transformers (mask sizes)",
     "deepseek_v4": f"{_OWN_CACHE_LAYOUT}: DeepSeek-V4 layers (DeepseekV4HCACache) keep compressor buffers beside "
                    "the windowed K/V",
-    "dory": f"{_OWN_CACHE_LAYOUT}: Dory's config lists every layer twice (attention, then mlp) and its cache does "
-            "not follow the layer_types transformers reads from it",
     "blt": "BLT keeps its layer counts in sub-configs (encoder, global, decoder): transformers 5.24's "
            "DynamicCache(config=...) fails on it (no num_hidden_layers), and so does a folder's load here",
     **dict.fromkeys(("gemma4_assistant", "gemma4_unified_assistant"),

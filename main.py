@@ -56,6 +56,12 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quality-probe", action="store_true",
                    help="also run every token through a full-cache twin and report top-1 agreement and KL of the "
                         "next-token distributions (costs a second forward pass and a second cache; off by default)")
+    p.add_argument("--runtime", default="transformers", choices=("transformers", "llama.cpp"),
+                   help="llama.cpp: generate in the real llama.cpp (a .gguf --model; default the embedded model "
+                        "converted) and watch the KV cache it reserves at load against the cells that hold tokens")
+    p.add_argument("--context", "-c", default=None, metavar="N",
+                   help="--runtime llama.cpp: the context llama.cpp allocates, as llama-server's -c (default 4096)")
+    _add_llamacpp_options(p)
 
 
 def _add_llamacpp_options(p: argparse.ArgumentParser) -> None:
@@ -323,14 +329,23 @@ def _run_request(args: argparse.Namespace):
                 check_output_path(path, inputs=(args.prompt_file,), force=args.force, allow_stdout=False)
             except OutputError as exc:
                 raise CliError(f"{what}{exc}") from None
+    runtime = getattr(args, "runtime", "transformers") or "transformers"
+    llamacpp = None
+    if runtime == "llama.cpp":
+        llamacpp = _llamacpp_run_options(args)
+    elif getattr(args, "context", None) is not None:
+        raise CliError("--context is llama.cpp's -c (with --runtime llama.cpp); a transformers run's static cache "
+                       "takes --max-context")
     return RunRequest(
+        runtime=runtime,
+        llamacpp=llamacpp,
         source=args.model,
         device=args.device,
         dtype=args.dtype or "auto",
         prompt=prompt if prompt is not None else DEFAULT_PROMPT,
         max_new_tokens=args.tokens if args.tokens is not None else 128,
         settings=_settings_from(args),
-        switches=tuple(parse_switch(s) for s in args.switch),
+        switches=tuple(parse_switch(s, runtime) for s in args.switch),
         record_path=args.record,
         overwrite=args.force,
         trust_remote_code=args.trust_remote_code,
@@ -340,6 +355,23 @@ def _run_request(args: argparse.Namespace):
         seed=check_seed(args.seed),
         quality_probe=bool(getattr(args, "quality_probe", False)),
     )
+
+
+def _llamacpp_run_options(args: argparse.Namespace):
+    """--runtime llama.cpp: the model must be a GGUF (or the embedded model, converted); -c defaults to 4096."""
+    from core.gguf import is_gguf_source
+    from core.spec import parse_tokens
+
+    if args.model != "embedded" and not is_gguf_source(args.model):
+        raise CliError(f"--runtime llama.cpp runs a .gguf file, and {args.model} is not one (convert a transformers "
+                       "model with llama.cpp's convert_hf_to_gguf.py, or leave --model out for the embedded model)")
+    for flag, value in (("--quality-probe", args.quality_probe), ("--memory-budget", args.memory_budget),
+                        ("--snapshot", args.snapshot), ("--max-context", args.max_context)):
+        if value:
+            hint = " (llama.cpp's context is --context)" if flag == "--max-context" else ""
+            raise CliError(f"{flag} is for transformers runs, not --runtime llama.cpp{hint}")
+    n_ctx = parse_tokens(args.context) if args.context is not None else 4096
+    return _llamacpp_options(args, n_ctx)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

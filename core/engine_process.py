@@ -118,9 +118,13 @@ class RunDriver:
         return switches
 
     def run(self) -> None:
-        from core.run import RunHooks, run_generation
+        from core.request import RunHooks
 
         try:
+            if getattr(self.request, "runtime", "transformers") == "llama.cpp":
+                from core.llamacpp_engine import run_llamacpp as run_generation  # a GGUF in llama.cpp: no torch
+            else:
+                from core.run import run_generation
             run_generation(self.request, RunHooks(
                 emit=self._emit, loaded=lambda info: self.send("loaded", info),
                 progress=lambda text: self.send("progress", text), poll=self._poll,

@@ -166,6 +166,50 @@ class LlamaCppContext:
         if rc != 0:
             raise SettingsError(f"llama.cpp could not decode ({'the context is full' if rc == 1 else f'code {rc}'})")
 
+    def decode_all(self, tokens: list[int], pos: int, seq: int = 0) -> None:
+        """Feed ``tokens`` from position ``pos`` in batches llama.cpp takes (at most n_batch tokens per call)."""
+        step = max(1, min(self.options.n_batch, self.n_ctx))
+        for start in range(0, len(tokens), step):
+            self.decode(tokens[start:start + step], pos + start, seq)
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        """``text`` as the GGUF's tokenizer splits it (``llama_tokenize``; the BOS token first where the vocabulary
+        adds one)."""
+        ll = self._ll
+        data = text.encode("utf-8", "replace")
+        room = len(data) + 8
+        buf = (ll.llama_token * room)()
+        n = ll.llama_tokenize(self.vocab, data, len(data), buf, room, add_special, False)
+        if n < 0:  # too small: llama.cpp says how many it needs
+            room = -n
+            buf = (ll.llama_token * room)()
+            n = ll.llama_tokenize(self.vocab, data, len(data), buf, room, add_special, False)
+        return list(buf[:max(0, n)])
+
+    def piece(self, token: int) -> bytes:
+        """The bytes of one token (``llama_token_to_piece``; special tokens as nothing): a character may span two."""
+        buf = ctypes.create_string_buffer(64)
+        n = self._ll.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = self._ll.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+        return buf.raw[:max(0, n)]
+
+    def measure_bytes_per_cell(self) -> int:
+        """K + V bytes of one cell over every cache, from the state of sequence 0 one token apart (as ``observe``);
+        the memory is cleared afterwards."""
+        self.clear()
+        self.decode([1], 0)
+        one = self.state_size()
+        self.decode([1], 1)
+        two = self.state_size()
+        self.clear()
+        return two - one - CELL_META_BYTES * len(self.caches)
+
+    def weights_bytes(self) -> int:
+        """``llama_model_size``: the bytes of the model's tensors as llama.cpp loaded them."""
+        return int(self._ll.llama_model_size(self.model))
+
     def used_cells(self, seq: int = 0) -> int:
         return int(self._ll.llama_memory_seq_pos_max(self.memory, seq)) + 1
 
@@ -188,6 +232,31 @@ class LlamaCppContext:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class Sampler:
+    """llama.cpp's sampler chain: ``top_k`` then a seeded draw (``llama_sampler_init_dist``), or greedy with
+    ``top_k=0``. Independent of any context, so a context reloaded mid-run keeps the same random stream."""
+
+    def __init__(self, top_k: int = 40, seed: int = 0) -> None:
+        ll = _capture()
+        self._ll = ll
+        self.chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+        if top_k > 0:
+            ll.llama_sampler_chain_add(self.chain, ll.llama_sampler_init_top_k(top_k))
+            # uint32 seeds; 0xFFFFFFFF (LLAMA_DEFAULT_SEED) would mean "random", so it never reaches llama.cpp
+            ll.llama_sampler_chain_add(self.chain, ll.llama_sampler_init_dist(int(seed) % 0xFFFFFFFF))
+        else:
+            ll.llama_sampler_chain_add(self.chain, ll.llama_sampler_init_greedy())
+
+    def sample(self, ctx: LlamaCppContext) -> int:
+        """The next token from the last decoded position's logits (the chain accepts it)."""
+        return int(self._ll.llama_sampler_sample(self.chain, ctx.ctx, -1))
+
+    def close(self) -> None:
+        if getattr(self, "chain", None):
+            self._ll.llama_sampler_free(self.chain)
+            self.chain = None
 
 
 @dataclass(frozen=True)

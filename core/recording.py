@@ -516,6 +516,10 @@ def sample_from_json(data: Any, *, check_unicode: bool = True) -> Sample:
     source had no ``\\uD8xx`` escape (it is the one check that costs a pass over every text).
     """
     fields = _checked_fields(data, check_unicode=check_unicode)
+    used = fields.get("kv_bytes_used")
+    if used is not None and fields.get("kv_bytes_observed") is not None and used > fields["kv_bytes_observed"]:
+        # llama.cpp's cells that hold tokens are part of what it reserved: more is a damaged or forged line
+        raise ValueError(f"sample kv_bytes_used {used} is more than kv_bytes_observed {fields['kv_bytes_observed']}")
     if fields.get("event") == "switch" and fields.get("switch_key") is None:
         fields.update(_legacy_switch_fields(str(fields.get("text", ""))))
     return Sample(**fields)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from core.attention import SettingsError
+from core.sample import Sample
 from core.settings import RunSettings, parse_switch_value
 from core.spec import ModelSpec
 
@@ -37,6 +39,10 @@ class RunRequest:
     #: Also run every token through a full-cache twin (teacher-forced) and report top-1 agreement and the KL
     #: divergence of the next-token distributions; costs a second forward pass and a second cache.
     quality_probe: bool = False
+    #: "transformers" (the model in torch) or "llama.cpp" (a GGUF in the real llama.cpp: core.llamacpp_engine).
+    runtime: str = "transformers"
+    #: llama.cpp's context options (``core.llamacpp.LlamaCppOptions``) for ``runtime == "llama.cpp"``.
+    llamacpp: Any = None
 
 
 @dataclass(frozen=True)
@@ -54,18 +60,80 @@ class ModelInfo:
     cache_choices: tuple[tuple[str, str | None], ...]
     attn_impl_choices: tuple[str, ...]
     max_context: int | None = None  # the run's context limit (the model's maximum unless set lower)
+    runtime: str = "transformers"  # or "llama.cpp": its cache choices are KV types, each a reload of the context
 
 
-def parse_switch(text: str) -> tuple[int, str, str]:
-    """Parse ``T:KEY=VALUE`` (e.g. ``32:attention=mqa``); the value is validated now, not at token T."""
+RUNTIMES = ("transformers", "llama.cpp")
+#: What a llama.cpp run can switch (each a reload of the context), besides the attention keys it refuses.
+LLAMACPP_SWITCH_KEYS = ("cache", "cache-type", "cache-type-k", "cache-type-v", "context")
+
+
+def parse_llamacpp_switch_value(key: str, value: str) -> tuple[str, Any]:
+    """A llama.cpp run's switch ``KEY=VALUE``: a cache type (``cache``/``cache-type``: K and V;
+    ``cache-type-k``/``-v``: one), ``context`` (tokens, e.g. 8192 or 8k), or an attention key (accepted here,
+    refused by the run: llama.cpp fixes the attention layout when the model loads)."""
+    from core.llamacpp import cache_type
+    from core.spec import parse_tokens
+
+    k = key.strip().lower().replace("_", "-")
+    if k in ("cache", "cache-type", "cache-type-k", "cache-type-v"):
+        return k, cache_type(value)
+    if k == "context":
+        try:
+            n = parse_tokens(value)
+        except Exception as exc:  # noqa: BLE001 - SpecError or ValueError: said as one line
+            raise SettingsError(f"context={value!r}: give tokens, e.g. 8192 or 8k ({exc})") from None
+        if n <= 0:
+            raise SettingsError(f"context={value!r}: give a positive number of tokens")
+        return k, n
+    if k in ("attention", "attn-impl", "attn", "impl", "flash"):
+        return k, value.strip().lower()
+    raise SettingsError(f"unknown setting {key!r} for a llama.cpp run; use cache-type (cache-type-k, cache-type-v) "
+                        "or context")
+
+
+@dataclass
+class RunHooks:
+    """How a driver talks to its host (terminal or Qt worker). All optional; every runtime's run loop
+    (``core.run.run_generation``, ``core.llamacpp_engine.run_llamacpp``) takes the same."""
+
+    emit: Callable[[Sample], None] = lambda s: None
+    loaded: Callable[[ModelInfo], None] = lambda info: None
+    progress: Callable[[str], None] = lambda text: None
+    # Returns pending (key, value) switches; may block while paused. Called between tokens.
+    poll: Callable[[], list[tuple[str, str]]] = lambda: []
+    should_stop: Callable[[], bool] = lambda: False
+
+
+def parse_switch(text: str, runtime: str = "transformers") -> tuple[int, str, str]:
+    """Parse ``T:KEY=VALUE`` (e.g. ``32:attention=mqa``); the value is validated now, not at token T.
+    ``runtime="llama.cpp"`` takes that runtime's keys (``32:cache-type=q8_0``, ``64:context=8192``)."""
     spelled = str(text).strip()
     at, sep, rest = spelled.partition(":")
     key, eq, value = rest.partition("=")
     # ASCII digits only: str.isdigit() also accepts "²" and "٣", which int() then refuses or reads.
     if not sep or not eq or not re.fullmatch(r"[0-9]+", at.strip()):
         raise SettingsError(f"--switch {spelled!r}: write T:KEY=VALUE, e.g. 32:attention=mqa or 64:attn-impl=eager")
-    parse_switch_value(key, value)
+    if runtime == "llama.cpp":
+        parse_llamacpp_switch_value(key, value)
+    else:
+        parse_switch_value(key, value)
     return int(at), key.strip().lower().replace("_", "-"), value.strip().lower()
+
+
+def llamacpp_missing() -> str | None:
+    """None when llama-cpp-python is installed, else why not, without importing it (the window's process
+    never loads llama.cpp; a broken build is found, and said, by the engine process when a run loads)."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("llama_cpp") is not None
+    except (ImportError, ValueError):
+        found = False
+    if found:
+        return None
+    return ("llama-cpp-python is not installed: pip install 'llama-cpp-python==0.3.36' (it builds llama.cpp "
+            "from source, a few minutes)")
 
 
 #: The seeds torch's generator takes (``torch.Generator.manual_seed``): 0 to 2**64 - 1.

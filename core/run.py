@@ -9,7 +9,6 @@ budget, stop/pause polling), and the checks made before the weights load.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -18,7 +17,7 @@ from core.attention import SettingsError, Window
 from core.engine import Engine, GenerationError, is_oom
 from core.measure import cache_bytes
 from core.predict import activation_bytes
-from core.request import ModelInfo, RunRequest
+from core.request import ModelInfo, RunHooks, RunRequest  # noqa: F401 - RunHooks: its old home
 from core.sample import Sample
 from core.settings import ATTN_IMPLS, attention_choices, cache_choices
 from core.spec import ModelSpec, SpecError, human_bytes
@@ -67,18 +66,6 @@ def model_info(loaded: Any, engine: Engine, probe: Any = None) -> ModelInfo:
                      attention_choices=attention_choices(spec), cache_choices=cache_choices(loaded.device, spec),
                      attn_impl_choices=ATTN_IMPLS,
                      max_context=engine.max_context())
-
-
-@dataclass
-class RunHooks:
-    """How a driver talks to its host (terminal or Qt worker). All optional."""
-
-    emit: Callable[[Sample], None] = lambda s: None
-    loaded: Callable[[ModelInfo], None] = lambda info: None
-    progress: Callable[[str], None] = lambda text: None
-    # Returns pending (key, value) switches; may block while paused. Called between tokens.
-    poll: Callable[[], list[tuple[str, str]]] = lambda: []
-    should_stop: Callable[[], bool] = lambda: False
 
 
 def run_generation(request: RunRequest, hooks: RunHooks) -> list[Sample]:

@@ -58,6 +58,11 @@ class Sample:
     # The quality probe (``--quality-probe``, off by default): the same tokens through a full-cache twin.
     quality_top1: int | None = None  # 1 when this cache's most likely next token is the twin's, else 0
     quality_kl: float | None = None  # KL(twin || this cache) of the next-token distributions, nats
+    # The runtime that made the sample: "transformers" (torch) or "llama.cpp" (core.llamacpp_engine). Under
+    # llama.cpp, kv_bytes_observed is what it reserved at load (flat: the prepayment) and kv_bytes_used the
+    # bytes of the cells that hold tokens so far; the transformers cache holds only what it uses (None here).
+    kv_bytes_used: int | None = None
+    runtime: str = "transformers"
 
     @property
     def is_event(self) -> bool:

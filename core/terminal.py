@@ -6,17 +6,17 @@ import signal
 import sys
 from typing import TextIO
 
-from core.engine import GenerationError
-from core.run import RunHooks, run_generation
 from core.outputs import display_path
 from core.recording import RecordingError
-from core.request import ModelInfo, RunRequest
+from core.request import ModelInfo, RunHooks, RunRequest
 from core.sample import PHASE_EVENT, Sample
 from core.spec import human_bytes
 
 COLUMNS = ("token", "phase", "KV observed", "KV predicted", "match", "allocator", "device used", "RSS", "tok/s")
 #: Added with --quality-probe: the cache's next token against the full-cache twin's.
 QUALITY_COLUMNS = ("top-1", "KL (nats)")
+#: A llama.cpp run's (--runtime llama.cpp): KV observed is what llama.cpp reserved at load, used what holds tokens.
+LLAMACPP_COLUMNS = ("token", "phase", "KV reserved", "KV predicted", "match", "KV used", "RSS", "tok/s")
 
 
 def _fmt(n: int | None) -> str:
@@ -26,7 +26,8 @@ def _fmt(n: int | None) -> str:
 class TerminalView:
     """Prints one row per token and one line per event, then a summary."""
 
-    def __init__(self, out: TextIO | None = None, every: int = 1, quality: bool = False) -> None:
+    def __init__(self, out: TextIO | None = None, every: int = 1, quality: bool = False,
+                 runtime: str = "transformers") -> None:
         # Looked up per call, not bound at import: sys.stdout may be replaced (pytest, an embedding app).
         self.out = out if out is not None else sys.stdout
         self.every = max(1, every)
@@ -37,6 +38,7 @@ class TerminalView:
         self.events: list[Sample] = []
         self.max_abs_error = 0
         self.quality = quality
+        self.llamacpp = runtime == "llama.cpp"
         self.quality_rows: list[tuple[int, float]] = []  # (top-1 agrees, KL) per decoded token
 
     def loaded(self, info: ModelInfo) -> None:
@@ -46,7 +48,7 @@ class TerminalView:
               file=self.out)
         print(f"device {info.device_name} ({info.device}), dtype {info.dtype}, memory {_fmt(info.total_memory)}",
               file=self.out)
-        columns = COLUMNS + (QUALITY_COLUMNS if self.quality else ())
+        columns = LLAMACPP_COLUMNS if self.llamacpp else COLUMNS + (QUALITY_COLUMNS if self.quality else ())
         print("  ".join(f"{c:>13}" for c in columns), file=self.out, flush=True)
 
     def emit(self, s: Sample) -> None:
@@ -70,6 +72,8 @@ class TerminalView:
                f"{s.kv_bytes_predicted:,}" if s.kv_bytes_predicted is not None else "n/a", "yes" if match else "NO",
                _fmt(s.allocator_allocated), _fmt(s.device_used), _fmt(s.process_rss),
                f"{s.tokens_per_s:.1f}" if s.tokens_per_s else "-")
+        if self.llamacpp:
+            row = row[:5] + (f"{s.kv_bytes_used:,}" if s.kv_bytes_used is not None else "n/a",) + row[7:]
         if self.quality:
             row += (("same" if s.quality_top1 else "differs") if s.quality_top1 is not None else "-",
                     f"{s.quality_kl:.4f}" if s.quality_kl is not None else "-")
@@ -86,6 +90,10 @@ class TerminalView:
               f"{_fmt(last.kv_bytes_predicted)}; observed == predicted at {self.samples - self.mismatches} of "
               f"{self.samples} samples" + (f" (largest gap {self.max_abs_error:,} B)" if self.mismatches else ""),
               file=self.out)
+        if last.kv_bytes_used is not None:
+            print(f"llama.cpp reserved {last.kv_bytes_observed:,} B at load; the cells that hold the "
+                  f"{last.context_tokens} tokens use {last.kv_bytes_used:,} B ({_fmt(last.kv_bytes_used)}), "
+                  f"{100 * last.kv_bytes_used / max(1, last.kv_bytes_observed or 1):.1f}% of it", file=self.out)
         print(f"weights {_fmt(last.weights_bytes)}; predicted total {_fmt(last.total_predicted)}; "
               f"process RSS {_fmt(last.process_rss)}; switches {sum(1 for e in self.events if e.event == 'switch')}",
               file=self.out, flush=True)
@@ -109,7 +117,8 @@ def run_terminal(request: RunRequest, out: TextIO | None = None, observers: tupl
     recording too), the summary is printed and the exit status is 0, as for a finished run. A
     second signal of the same kind gets its default behaviour (KeyboardInterrupt; termination).
     """
-    view = TerminalView(out, quality=request.quality_probe)
+    llamacpp = request.runtime == "llama.cpp"
+    view = TerminalView(out, quality=request.quality_probe, runtime=request.runtime)
     emit = view.emit
     if observers:  # e.g. the metrics exporter (core.metrics): each gets every Sample after the table
         def emit(s: Sample) -> None:
@@ -122,6 +131,11 @@ def run_terminal(request: RunRequest, out: TextIO | None = None, observers: tupl
         stopping["flag"] = True
         signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
 
+    if llamacpp:  # a GGUF in llama.cpp: torch is never imported
+        from core.llamacpp_engine import LlamaCppRunError as GenerationError, run_llamacpp as run_generation
+    else:
+        from core.engine import GenerationError
+        from core.run import run_generation
     previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
     try:
         run_generation(request, RunHooks(emit=emit, loaded=view.loaded,

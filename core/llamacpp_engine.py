@@ -1,0 +1,441 @@
+"""llama.cpp as a live engine: a GGUF generated token by token in the real llama.cpp, one ``Sample`` per token.
+
+The same stream as the transformers engine (``core.run``): load, prefill, decode, switches and refusals as
+events, the recording, the CLI table and the window all read it. What differs is what the KV figures mean:
+
+- ``kv_bytes_observed``: what llama.cpp reserved for its KV cache when the context was created, taken from the
+  allocation itself: the cells, streams and layers its log reports (``llama_kv_cache: size = ...``) times the
+  bytes of one cell measured from the state of a sequence one token apart (``LlamaCppContext.measure_bytes_per_cell``).
+  It is flat from the first token: the whole context is paid for at load (the prepayment).
+- ``kv_bytes_predicted``: ``core.llamacpp.plan(...).kv_bytes``, the predictor's answer for the same options.
+- ``kv_bytes_used``: the bytes of the cells that hold tokens so far (``llama_memory_seq_pos_max`` + 1 cells
+  times the measured bytes per cell, a window cache capped at its window), so the plot shows what the reserved
+  buffer is actually filled with.
+
+Switches: the attention layout (and its kernel) is fixed when llama.cpp loads the model, so ``attention`` and
+``attn-impl`` are refused with that reason and the run goes on. The cache type and the context size take a
+reload: the context is freed and created again with the new options, the tokens so far are decoded again
+(``tokens_rerun``), and the switch event carries the new allocation.
+
+This module imports neither torch nor Qt; llama-cpp-python is imported when a run starts.
+"""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from core.attention import SettingsError, native_attention
+from core.llamacpp import LlamaCppOptions, LlamaCppPlan, plan
+from core.request import ModelInfo, RunRequest, parse_llamacpp_switch_value
+from core.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
+from core.spec import human_bytes
+
+RUNTIME = "llama.cpp"
+#: The sampler's top-k, as the transformers engine's (core.engine.TOP_K).
+TOP_K = 40
+#: The reason an attention switch is refused.
+FIXED_LAYOUT = "llama.cpp fixes the attention layout when the model loads"
+#: The cache types the window offers to reload with (the C key cycles through them).
+OFFERED_CACHE_TYPES = ("f16", "q8_0", "q4_0", "f32")
+_ATTENTION_KEYS = ("attention", "attn-impl", "attn", "impl", "flash")
+
+
+class LlamaCppRunError(SettingsError):
+    """A llama.cpp run failed for a reason written for the user (a SettingsError, so every error filter that
+    says a user's error in one line says this one too)."""
+
+
+def resolve_model(source: str, progress: Callable[[str], None] | None = None) -> Path:
+    """The GGUF a llama.cpp run loads: ``embedded`` is the embedded demo model converted (``embedded_gguf``);
+    anything else must be a .gguf file."""
+    from core.gguf import is_gguf_source
+
+    if source in ("", "embedded"):
+        from core.gguf_write import embedded_gguf
+
+        return embedded_gguf(progress)
+    path = Path(source).expanduser()
+    if not is_gguf_source(str(path)) or not path.is_file():
+        what = "does not exist" if not path.exists() else "is not a GGUF file"
+        raise SettingsError(f"--runtime llama.cpp runs a .gguf file; {source} {what} (convert a transformers model "
+                            "with llama.cpp's convert_hf_to_gguf.py, or leave --model out for the embedded model)")
+    return path
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocation:
+    """What llama.cpp allocated for the KV cache of one context, from its log and a measured cell."""
+
+    caches: tuple[Any, ...]  # core.llamacpp_live.LoggedCache, in the log's order (full, then window)
+    bytes_per_cell: tuple[int, ...]  # per cache: K + V of one cell over its layers
+    windows: tuple[int, ...]  # per cache: the window it keeps (0: every token)
+
+    @property
+    def reserved(self) -> int:
+        return sum(c.cells * c.streams * b for c, b in zip(self.caches, self.bytes_per_cell))
+
+    def used(self, cells: int) -> int:
+        """Bytes of the cells that hold ``cells`` tokens of one sequence (a window cache keeps at most its window
+        plus the token being decoded, and never more than its cells)."""
+        total = 0
+        for c, b, w in zip(self.caches, self.bytes_per_cell, self.windows):
+            keep = cells if not w else min(cells, w + 1)
+            total += b * min(keep, c.cells)
+        return total
+
+
+def allocation_of(ctx: Any, n_swa: int) -> Allocation:
+    """The allocation of a loaded ``LlamaCppContext``: its logged caches and the bytes of one cell, measured.
+
+    The measurement gives the bytes of a cell over every cache together; with two caches (a model with window
+    layers) each cache's share is its logged size per cell, rounded, the full cache taking the rest. Leaves the
+    context's memory empty."""
+    caches = tuple(ctx.caches)
+    if not caches:
+        raise LlamaCppRunError(f"llama.cpp logged no KV cache for {ctx.path.name} (a model without a KV cache, "
+                               "or a llama.cpp whose log KV Scope does not read)")
+    total = ctx.measure_bytes_per_cell()
+    from core.llamacpp_live import MIB
+
+    shares = [round(c.size_mib * MIB / max(1, c.cells * c.streams)) for c in caches]
+    per_cell = tuple([total - sum(shares[1:])] + shares[1:]) if len(caches) > 1 else (total,)
+    windows = tuple(n_swa if i > 0 and n_swa else 0 for i in range(len(caches)))
+    return Allocation(caches, per_cell, windows)
+
+
+class LlamaCppEngine:
+    """One GGUF in llama.cpp with one context, generating for sequence 0; ``step`` returns a Sample per token."""
+
+    def __init__(self, path: str | Path, options: LlamaCppOptions, seed: int = 0, n_threads: int | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        from core.gguf import read_gguf
+        from core.llamacpp_live import Sampler
+
+        self.path = Path(path)
+        self.gguf = read_gguf(self.path)
+        self.spec = self.gguf.spec()
+        self.options = options
+        self.plan: LlamaCppPlan = plan(self.gguf, options)  # SettingsError: llama.cpp would refuse it too
+        self.n_threads = n_threads or max(1, (os.cpu_count() or 2) - 1)
+        self.clock = clock
+        self.t0 = clock()
+        self.tokens: list[int] = []  # every token decoded so far (prompt + generated)
+        self.generated = 0
+        self.tokens_per_s: float | None = None
+        self.ctx = None
+        self.sampler = Sampler(TOP_K, seed)
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.attention = native_attention(self.spec).key
+        self._load(options)
+
+    # ------------------------------------------------------------------------------------ the context
+
+    def _load(self, options: LlamaCppOptions) -> None:
+        from core.llamacpp_live import LlamaCppContext
+
+        ctx = LlamaCppContext(self.path, options, n_threads=self.n_threads)
+        try:
+            allocation = allocation_of(ctx, self.gguf.n_swa)
+        except BaseException:
+            ctx.close()
+            raise
+        self.ctx, self.options, self.allocation = ctx, options, allocation
+        self.weights = ctx.weights_bytes()
+        self.flash = self._logged_flash(ctx.log, options)
+        self.device = "cuda" if any("cuda" in name.lower() for name, _ in ctx.buffers) else "cpu"
+        import re
+
+        logged = re.search(r"file type\s*=\s*(?:\(guessed\)\s*)?(\S+)", ctx.log)  # print_info: file type = F16
+        self.dtype = (logged[1] if logged else self.gguf.file_type or "gguf").lower()
+
+    @staticmethod
+    def _logged_flash(log: str, options: LlamaCppOptions) -> str:
+        """'on' or 'off' as llama.cpp resolved ``-fa`` (its log: "Flash Attention enabled", "flash_attn = enabled"
+        or "flash_attn = auto -> enabled"); the option as given where the log does not say."""
+        import re
+
+        resolved = re.findall(r"Flash Attention (enabled|disabled)|flash_attn\s*=\s*(?:\w+\s*->\s*)?(enabled|disabled)",
+                              log)
+        if resolved:
+            return "on" if "enabled" in resolved[-1] else "off"
+        return options.flash_attn
+
+    def close(self) -> None:
+        if self.ctx is not None:
+            self.ctx.close()
+            self.ctx = None
+        self.sampler.close()
+
+    @property
+    def cells(self) -> int:
+        """Cells of one sequence in the full cache: the most tokens this context holds."""
+        return min(c.cells for c in self.allocation.caches[:1])
+
+    @property
+    def cache_key(self) -> str:
+        o = self.options
+        return o.type_k if o.type_k == o.type_v else f"{o.type_k}/{o.type_v}"
+
+    @property
+    def attn_impl(self) -> str:
+        return f"fa-{self.flash}"
+
+    # ------------------------------------------------------------------------------------ generation
+
+    def prefill(self, prompt: str) -> Sample:
+        ids = self.ctx.tokenize(prompt)
+        if not ids:
+            raise LlamaCppRunError("the prompt is empty: give at least one token of text")
+        if len(ids) >= self.cells:
+            raise LlamaCppRunError(f"the prompt is {len(ids):,} tokens, more than this context's {self.cells:,} cells; "
+                                   "give a larger --context")
+        t = self.clock()
+        self.ctx.decode_all(ids, 0)
+        self._prefill_s = self.clock() - t
+        self.tokens = list(ids)
+        return self._sample(PHASE_PREFILL, prompt)
+
+    def full(self) -> bool:
+        return len(self.tokens) >= self.cells
+
+    def step(self) -> Sample:
+        """Sample the next token from llama.cpp's logits, decode it, and measure."""
+        token = self.sampler.sample(self.ctx)
+        t = self.clock()
+        self.ctx.decode([token], len(self.tokens))
+        dt = self.clock() - t
+        self.tokens.append(token)
+        self.generated += 1
+        if dt > 0:
+            rate = 1.0 / dt
+            self.tokens_per_s = rate if self.tokens_per_s is None else 0.8 * self.tokens_per_s + 0.2 * rate
+        text = self._decoder.decode(self.ctx.piece(token))
+        return self._sample(PHASE_DECODE, text)
+
+    # ------------------------------------------------------------------------------------ samples
+
+    def _sample(self, phase: str, text: str, event: str | None = None, **fields: Any) -> Sample:
+        used = self.allocation.used(self.ctx.used_cells()) if self.ctx is not None and self.tokens else 0
+        rss = None
+        try:
+            import psutil
+
+            rss = int(psutil.Process().memory_info().rss)
+        except Exception:  # noqa: BLE001 - not available is None, never 0
+            pass
+        weights_predicted = self.plan.weights
+        return Sample(
+            token=self.generated, phase=phase, time_s=self.clock() - self.t0, text=text,
+            attention=self.attention, attn_impl=self.attn_impl, cache=self.cache_key, kernel=f"llama.cpp {self.device}",
+            device=self.device, dtype=self.dtype,
+            kv_bytes_observed=self.allocation.reserved, kv_bytes_storage=self.allocation.reserved,
+            weights_bytes=self.weights, process_rss=rss,
+            kv_bytes_predicted=self.plan.kv_bytes, weights_predicted=weights_predicted,
+            total_predicted=(weights_predicted + self.plan.kv_bytes) if weights_predicted is not None else None,
+            tokens_per_s=self.tokens_per_s if phase == PHASE_DECODE else None, event=event,
+            context_tokens=len(self.tokens), kv_bytes_used=used, runtime=RUNTIME, **fields)
+
+    def event(self, kind: str, text: str, **fields: Any) -> Sample:
+        return self._sample(PHASE_EVENT, text, event=kind, **fields)
+
+    def describe_allocation(self) -> str:
+        a = self.allocation
+        parts = [f"{c.cells:,} cells x {c.streams} x {c.layers} layers x {b:,} B per cell"
+                 for c, b in zip(a.caches, a.bytes_per_cell)]
+        return f"{' + '.join(parts)} = {a.reserved:,} B ({human_bytes(a.reserved)})"
+
+    # ------------------------------------------------------------------------------------ switches
+
+    def _settings_now(self) -> dict[str, str]:
+        o = self.options
+        return {"attention": self.attention, "attn-impl": self.attn_impl, "cache": self.cache_key,
+                "cache-type": self.cache_key, "cache-type-k": o.type_k, "cache-type-v": o.type_v,
+                "context": str(o.n_ctx)}
+
+    def switch_fields(self, key: str, value: Any) -> dict[str, Any]:
+        k = str(key).strip().lower().replace("_", "-")
+        k = "attn-impl" if k in ("attn", "impl", "flash") else k
+        return {"switch_key": k, "switch_before": self._settings_now().get(k), "switch_after": str(value).strip().lower()}
+
+    def apply(self, key: str, value: Any) -> Sample:
+        """A switch between two tokens: an event Sample (``switch``, ``refused`` or ``note``)."""
+        fields = self.switch_fields(key, value)
+        k = fields["switch_key"]
+        if k in _ATTENTION_KEYS:
+            return self.event("refused", f"{k}={value} refused: {FIXED_LAYOUT} (this file's is {self.attention}, "
+                                         f"-fa {self.flash}); load another GGUF to change it", **fields)
+        try:
+            k, parsed = parse_llamacpp_switch_value(k, str(value))
+            wanted = self._options_for(k, parsed)
+        except SettingsError as exc:
+            return self.event("refused", f"{k}={value} refused: {exc}", **fields)
+        if wanted == self.options:
+            return self.event("note", f"{k} is already {fields['switch_before']}: nothing to reload", **fields)
+        try:
+            new_plan = plan(self.gguf, wanted)
+        except SettingsError as exc:
+            return self.event("refused", f"{k}={value} refused: {exc}", **fields)
+        if len(self.tokens) >= new_plan.n_ctx_seq:
+            return self.event("refused", f"{k}={value} refused: the {len(self.tokens):,} tokens so far do not fit in "
+                                         f"{new_plan.n_ctx_seq:,} cells", **fields)
+        return self._reload(wanted, new_plan, k, fields)
+
+    def _options_for(self, key: str, value: Any) -> LlamaCppOptions:
+        o = self.options
+        if key in ("cache", "cache-type"):
+            return dataclasses.replace(o, type_k=value, type_v=value)
+        if key == "cache-type-k":
+            return dataclasses.replace(o, type_k=value)
+        if key == "cache-type-v":
+            return dataclasses.replace(o, type_v=value)
+        return dataclasses.replace(o, n_ctx=int(value))
+
+    def _reload(self, wanted: LlamaCppOptions, new_plan: LlamaCppPlan, key: str, fields: dict[str, Any]) -> Sample:
+        before_bytes, old_options, old_plan = self.allocation.reserved, self.options, self.plan
+        self.ctx.close()
+        self.ctx = None
+        t = self.clock()
+        try:
+            self._load(wanted)
+            self.plan = new_plan
+            self.ctx.decode_all(self.tokens, 0)
+        except SettingsError as exc:
+            if self.ctx is not None:
+                self.ctx.close()
+            self._load(old_options)  # back to what ran, with the same tokens
+            self.plan = old_plan
+            self.ctx.decode_all(self.tokens, 0)
+            return self.event("refused", f"{key}={fields['switch_after']} refused: {exc}", **fields)
+        took = self.clock() - t
+        after = self.allocation.reserved
+        fields["switch_after"] = self._settings_now().get(key, fields["switch_after"])
+        return self.event("switch", f"{key}: {fields['switch_before']} -> {fields['switch_after']}: llama.cpp reloaded "
+                                    f"the context; KV reserved {human_bytes(before_bytes)} -> {human_bytes(after)} "
+                                    f"({self.describe_allocation()}); re-ran {len(self.tokens)} tokens in {took:.2f} s",
+                          tokens_rerun=len(self.tokens), **fields)
+
+
+# ---------------------------------------------------------------------------------------------------- the run
+
+
+def model_info(engine: LlamaCppEngine) -> ModelInfo:
+    total = None
+    try:
+        import psutil
+
+        total = int(psutil.virtual_memory().total)
+    except Exception:  # noqa: BLE001
+        pass
+    from core.llamacpp import CACHE_TYPES
+
+    cache_choices = tuple((t, None) for t in OFFERED_CACHE_TYPES if t in CACHE_TYPES)
+    if engine.cache_key not in OFFERED_CACHE_TYPES:
+        cache_choices = ((engine.cache_key, None),) + cache_choices
+    return ModelInfo(label=f"{engine.spec.label} (llama.cpp)", source=str(engine.path), device=engine.device,
+                     device_name="llama.cpp on the CPU" if engine.device == "cpu" else "llama.cpp on the GPU",
+                     dtype=engine.dtype, spec=engine.spec, total_memory=total,
+                     attention_choices=(engine.attention,), cache_choices=cache_choices,
+                     attn_impl_choices=(engine.attn_impl,), max_context=engine.cells, runtime=RUNTIME)
+
+
+def _settings_dict(request: RunRequest, engine: LlamaCppEngine) -> dict[str, Any]:
+    o = engine.options
+    return {"runtime": RUNTIME, "attention": engine.attention, "attn_impl": engine.attn_impl, "cache": engine.cache_key,
+            "batch": 1, "max_new_tokens": request.max_new_tokens, "max_context": engine.cells,
+            "dtype": engine.dtype, "source": request.source,
+            "switches": [list(s) for s in request.switches], "memory_budget": None,
+            "llama_cpp": {"n_ctx": o.n_ctx, "n_seq_max": o.n_seq_max, "kv_unified": o.kv_unified,
+                          "type_k": o.type_k, "type_v": o.type_v, "flash_attn": o.flash_attn, "swa_full": o.swa_full,
+                          "n_batch": o.n_batch, "n_ubatch": o.n_ubatch, "n_gpu_layers": o.n_gpu_layers,
+                          "offload_kqv": o.offload_kqv, "file": engine.path.name}}
+
+
+def run_llamacpp(request: RunRequest, hooks: Any) -> list[Sample]:
+    """``core.run.run_generation`` for ``request.runtime == "llama.cpp"``: the same hooks (emit, loaded, progress,
+    poll, should_stop), the same events and recording. Returns the prefill and the last decode Sample."""
+    from core.llamacpp_live import available
+    from core.outputs import OutputError, check_output_path
+    from core.recording import RecordingError
+
+    missing = available()
+    if missing:
+        raise SettingsError(missing)
+    if request.record_path:
+        try:
+            check_output_path(request.record_path, force=request.overwrite, allow_stdout=False)
+        except OutputError as exc:
+            raise RecordingError(f"cannot create recording: {exc}") from None
+    if request.memory_budget is not None or request.snapshot_path or request.quality_probe:
+        raise SettingsError("--memory-budget, --snapshot and --quality-probe are transformers runs' (not llama.cpp's)")
+    options = request.llamacpp or LlamaCppOptions()
+    path = resolve_model(request.source, hooks.progress)
+    hooks.progress(f"loading {path.name} into llama.cpp")
+    engine = LlamaCppEngine(path, options, seed=request.seed)
+    writer = None
+    try:
+        info = model_info(engine)
+        hooks.loaded(info)
+        if request.record_path:
+            from core import __version__
+            from core.recording import RecordingWriter, header_for
+
+            device = {"name": engine.device, "device_name": info.device_name, "total_memory": info.total_memory}
+            writer = RecordingWriter(request.record_path, header_for(engine.spec, device, _settings_dict(request, engine),
+                                                                     __version__), overwrite=request.overwrite)
+
+        def emit(sample: Sample) -> None:
+            if writer is not None:
+                writer.write(sample)
+            hooks.emit(sample)
+
+        emit(engine.event("load", f"loaded {path.name} into llama.cpp ({engine.gguf.arch}, "
+                                  f"{human_bytes(engine.weights)} of weights) on the {engine.device.upper()}"))
+        emit(engine.event("note", f"llama.cpp reserved the KV cache at load: {engine.describe_allocation()}, before "
+                                  "the first token (the prepayment); 'used' is the cells that hold tokens"))
+        try:
+            kept = _loop(request, engine, hooks, emit)
+        except Exception as exc:
+            try:
+                emit(engine.event("error", f"{exc} (at token {engine.generated}; llama.cpp, cache {engine.cache_key})"))
+            except Exception:  # noqa: BLE001 - the failure itself is what reaches the caller
+                pass
+            raise
+        if writer is not None:
+            gone = writer.gone()
+            if gone:
+                raise RecordingError(gone)
+        return kept
+    finally:
+        if writer is not None:
+            writer.close()
+        engine.close()
+
+
+def _loop(request: RunRequest, engine: LlamaCppEngine, hooks: Any, emit: Callable[[Sample], None]) -> list[Sample]:
+    first = engine.prefill(request.prompt)
+    emit(first)
+    kept = [first]
+    scripted = sorted(request.switches, key=lambda switch: switch[0])
+    while engine.generated < request.max_new_tokens:
+        if hooks.should_stop():
+            emit(engine.event("stop", f"stopped by the user at token {engine.generated}"))
+            break
+        pending = [(k, v) for at, k, v in scripted if at == engine.generated]
+        scripted = [s for s in scripted if s[0] != engine.generated]
+        for key, value in pending + list(hooks.poll()):
+            emit(engine.apply(key, value))
+        if hooks.should_stop():
+            continue
+        if engine.full():
+            emit(engine.event("note", f"the context is full at {len(engine.tokens):,} tokens ({engine.cells:,} cells: "
+                                      "llama.cpp's -c); the run ends here"))
+            break
+        sample = engine.step()
+        emit(sample)
+        kept = [first, sample]
+    return kept

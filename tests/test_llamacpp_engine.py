@@ -1,0 +1,198 @@
+"""llama.cpp as a live engine (core.llamacpp_engine): the embedded model's GGUF generated in the real llama.cpp.
+
+Every decode sample's KV observed is what llama.cpp reserved at load (from its log's cells and a measured cell),
+flat, and equal to the predictor's plan; "used" grows by one cell's bytes per token; an attention switch is
+refused and the run goes on; a cache-type or context switch reloads the context and the reserved bytes become
+the new plan's exactly; the recording round-trips; the CLI and the window run it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+llama_cpp = pytest.importorskip("llama_cpp", reason="the llamacpp extra (make test installs it)")
+
+from core.gguf import read_gguf  # noqa: E402
+from core.gguf_write import embedded_gguf  # noqa: E402
+from core.llamacpp import LlamaCppOptions, plan  # noqa: E402
+from core.llamacpp_engine import FIXED_LAYOUT, run_llamacpp  # noqa: E402
+from core.request import RunHooks, RunRequest  # noqa: E402
+from core.sample import Sample  # noqa: E402
+from tests import gguf_models  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def gguf_path():
+    return embedded_gguf()
+
+
+def _run(request: RunRequest, polls=None) -> list[Sample]:
+    samples: list[Sample] = []
+    queue = list(polls or [])
+
+    def poll():
+        # a live switch (as the window sends one) once the run is 10 tokens in
+        if queue and sum(s.phase == "decode" for s in samples) >= queue[0][0]:
+            return [queue.pop(0)[1]]
+        return []
+
+    run_llamacpp(request, RunHooks(emit=samples.append, poll=poll))
+    return samples
+
+
+def _decodes(samples: list[Sample]) -> list[Sample]:
+    return [s for s in samples if s.phase == "decode"]
+
+
+def test_sixty_tokens_reserve_the_whole_context_at_load_and_fill_one_cell_per_token(gguf_path):
+    options = LlamaCppOptions(n_ctx=4096)
+    predicted = plan(read_gguf(gguf_path), options)
+    samples = _run(RunRequest(runtime="llama.cpp", llamacpp=options, max_new_tokens=60))
+    decodes = _decodes(samples)
+    assert len(decodes) == 60 and all(s.runtime == "llama.cpp" for s in samples)
+    per_cell = predicted.buffers[0].row_bytes
+    assert per_cell == 4 * 2 * 256 * 2  # 4 layers x (K + V) x 8 heads x 32 x f16
+    for s in [samples[2]] + decodes:  # the prefill, then every token
+        assert s.kv_bytes_observed == predicted.kv_bytes == s.kv_bytes_predicted == 16 * 1024 * 1024
+    used = [s.kv_bytes_used for s in decodes]
+    assert all(b - a == per_cell for a, b in zip(used, used[1:])), "used grows by one cell per token"
+    assert used[-1] == per_cell * decodes[-1].context_tokens
+    text = "".join(s.text for s in decodes)
+    assert text.strip(), "llama.cpp generated text"
+    assert decodes[-1].weights_bytes == read_gguf(gguf_path).weight_bytes  # llama_model_size: the tensors
+    load = [s for s in samples if s.event == "load"]
+    assert load and "llama.cpp" in load[0].text
+
+
+def test_an_attention_switch_is_refused_and_a_cache_type_reload_reserves_the_new_plan(gguf_path):
+    options = LlamaCppOptions(n_ctx=4096)
+    g = read_gguf(gguf_path)
+    samples = _run(RunRequest(runtime="llama.cpp", llamacpp=options, max_new_tokens=30,
+                              switches=((5, "attention", "mqa"), (12, "cache-type", "q8_0"))),
+                   polls=[(20, ("context", "8192"))])
+    refused = [s for s in samples if s.event == "refused"]
+    assert len(refused) == 1 and FIXED_LAYOUT in refused[0].text and refused[0].switch_key == "attention"
+    switches = [s for s in samples if s.event == "switch"]
+    assert [s.switch_key for s in switches] == ["cache-type", "context"]
+    q8 = plan(g, dataclasses.replace(options, type_k="q8_0", type_v="q8_0"))
+    q8_8k = plan(g, dataclasses.replace(options, type_k="q8_0", type_v="q8_0", n_ctx=8192))
+    assert switches[0].kv_bytes_observed == q8.kv_bytes == switches[0].kv_bytes_predicted
+    assert switches[0].tokens_rerun == switches[0].context_tokens > 12
+    assert switches[1].kv_bytes_observed == q8_8k.kv_bytes == 2 * q8.kv_bytes
+    decodes = _decodes(samples)
+    assert len(decodes) == 30  # the run went on after the refusal and through both reloads
+    for s in decodes:
+        want = 16 * 1024 * 1024 if s.token <= 12 else q8.kv_bytes if s.token <= 20 else q8_8k.kv_bytes
+        assert s.kv_bytes_observed == s.kv_bytes_predicted == want, s.token
+    cell = q8.buffers[0].row_bytes
+    after = [s for s in decodes if s.token > 12]
+    assert all(s.kv_bytes_used == cell * s.context_tokens for s in after)
+    assert decodes[-1].cache == "q8_0"
+
+
+def test_a_window_model_keeps_its_window_cells_used(tmp_path):
+    """gemma3's window layers: reserved is both caches' allocation; used stops growing in the window cache."""
+    path = gguf_models.gemma3(tmp_path / "g3.gguf")
+    options = LlamaCppOptions(n_ctx=1024)
+    predicted = plan(read_gguf(path), options)
+    samples = _run(RunRequest(runtime="llama.cpp", source=str(path), llamacpp=options, max_new_tokens=200,
+                              prompt="hello"))
+    decodes = _decodes(samples)
+    assert all(s.kv_bytes_observed == predicted.kv_bytes for s in decodes)
+    assert [s.kv_bytes_used for s in decodes] == [predicted.used_bytes(s.context_tokens) for s in decodes]
+
+
+def test_a_recording_of_a_llamacpp_run_round_trips_and_old_ones_still_read(gguf_path, tmp_path):
+    from core.export import export_csv
+    from core.recording import RecordingReader, sample_from_json
+
+    path = tmp_path / "llama.jsonl"
+    samples = _run(RunRequest(runtime="llama.cpp", llamacpp=LlamaCppOptions(n_ctx=512), max_new_tokens=12,
+                              record_path=str(path), switches=((6, "cache", "q4_0"),)))
+    with RecordingReader(path) as reader:
+        back = list(reader)
+        header = reader.header
+    assert back == samples
+    assert header["settings"]["runtime"] == "llama.cpp" and header["settings"]["llama_cpp"]["n_ctx"] == 512
+    rows = export_csv(path, tmp_path / "llama.csv")
+    assert rows == len(samples)
+    csv_head = (tmp_path / "llama.csv").read_text().splitlines()[0].split(",")
+    assert "kv_bytes_used" in csv_head and "runtime" in csv_head
+    # A line from before the fields existed reads as a transformers sample with nothing used.
+    old = {k: v for k, v in samples[-1].to_dict().items() if k not in ("kv_bytes_used", "runtime")}
+    legacy = sample_from_json(old)
+    assert legacy.runtime == "transformers" and legacy.kv_bytes_used is None
+    # Untrusted: the new fields' types and ranges are checked.
+    good = samples[-1].to_dict()
+    for bad in ({"kv_bytes_used": -1}, {"kv_bytes_used": "4096"}, {"kv_bytes_used": True}, {"runtime": 3},
+                {"kv_bytes_used": good["kv_bytes_observed"] + 1}, {"runtime": "x" * 10_000}):
+        with pytest.raises(ValueError):
+            sample_from_json({**good, **bad})
+
+
+def test_the_cli_runs_llamacpp_and_refuses_a_model_that_is_not_gguf(capsys, tmp_path):
+    import main
+
+    rc = main.main(["run", "--runtime", "llama.cpp", "--tokens", "8", "--context", "1024", "--cache-type-k", "q8_0",
+                    "--cache-type-v", "q8_0", "--switch", "3:attention=mqa", "--switch", "5:context=2048"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "KV reserved" in out and "KV used" in out and "[refused]" in out and "[switch]" in out
+    assert "observed == predicted at 9 of 9 samples" in out
+    rc = main.main(["run", "--runtime", "llama.cpp", "--model", "llama-3-8b", "--tokens", "2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "runs a .gguf file" in err
+    rc = main.main(["run", "--runtime", "llama.cpp", "--tokens", "2", "--switch", "1:cache-type=q3_x"])
+    assert rc == 2 and "unknown llama.cpp cache type" in capsys.readouterr().err
+
+
+def test_a_llamacpp_run_in_the_window_draws_reserved_and_used(qtbot, window):
+    from tests.helpers import run_in_window
+
+    controls = window.controls
+    controls.source_combo.setCurrentIndex(controls.source_combo.findData("llamacpp"))
+    controls.max_context_spin.setValue(0)
+    controls.max_tokens_spin.setValue(40)
+    request = controls.build_request()
+    assert request.runtime == "llama.cpp" and request.source == "embedded" and request.llamacpp.n_ctx == 4096
+    request = dataclasses.replace(request, switches=((20, "cache", "q8_0"),))
+    run_in_window(qtbot, window, request)
+    assert window.last_error == ""
+    window._redraw()
+    x, reserved = window.plots.curve_data("kv_reserved")
+    _, used = window.plots.curve_data("kv_used")
+    assert window.plots.curve_visible("kv_reserved") and window.plots.curve_visible("kv_used")
+    assert not window.plots.curve_visible("kv_observed")  # no transformers cache in this run
+    assert reserved[0] == 16 * 1024 * 1024 and reserved[-1] < reserved[0]  # f16, then the q8_0 reload
+    assert used[-1] < reserved[-1] and used[5] > used[1]
+    assert controls.cache_combo.currentData() == "q8_0"
+    texts = [controls.cache_combo.itemText(i) for i in range(controls.cache_combo.count())]
+    assert "reload with f16 KV" in texts and "q8_0 KV" in texts
+
+
+def test_without_llama_cpp_the_window_disables_the_choice(qtbot, settings, monkeypatch):
+    import ui.controls
+    from ui.controls import ControlsPanel
+
+    monkeypatch.setattr(ui.controls, "llamacpp_missing", lambda: "llama-cpp-python is not installed: pip install it")
+    panel = ControlsPanel()
+    qtbot.addWidget(panel)
+    i = panel.source_combo.findData("llamacpp")
+    item = panel.source_combo.model().item(i)
+    assert not item.isEnabled() and "not installed" in item.toolTip()
+    panel.source_combo.setCurrentIndex(i)
+    with pytest.raises(Exception, match="not installed"):
+        panel.build_request()
+
+
+def test_the_request_module_finds_llama_cpp_without_importing_it():
+    import subprocess
+    import sys
+
+    code = ("import sys; from core.request import llamacpp_missing; print(json.dumps([llamacpp_missing(), "
+            "'llama_cpp' in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == [None, False]

@@ -24,7 +24,8 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QFileDialog, QGroupBox, QHB
 from core.attention import parse_attention
 from core.caches import parse_cache
 from core.installed import ORIGINS, InstalledModel, find_installed
-from core.request import DEFAULT_PROMPT, RunRequest
+from core.llamacpp import CACHE_TYPES as LLAMACPP_CACHE_TYPES, LlamaCppOptions
+from core.request import DEFAULT_PROMPT, RunRequest, llamacpp_missing
 from core.sample import Sample
 from core.settings import ATTN_IMPLS, RunSettings, attention_choices, cache_choices, parse_attn_impl
 from core.spec import SpecError, human_bytes, load_spec, parse_size
@@ -32,7 +33,7 @@ from ui.forms import form_box
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("embedded", "installed", "folder", "hub")
+SOURCES = ("embedded", "installed", "folder", "hub", "llamacpp")
 #: The QSettings key (top level: the calculator reads it too) of the folders the user added to look for models in.
 FOLDERS_KEY = "model_folders"
 #: One pool thread at a time imports huggingface_hub / transformers: the calculator's warm-up (transformers)
@@ -183,10 +184,13 @@ class ControlsPanel(QScrollArea):
         self.source_combo.addItem("Installed model", "installed")
         self.source_combo.addItem("Local folder", "folder")
         self.source_combo.addItem("Hugging Face hub id", "hub")
+        self.source_combo.addItem("llama.cpp (GGUF)", "llamacpp")
         self.source_combo.setToolTip("Embedded: a tiny Llama-shaped model built offline, always available.\n"
                                      "Installed model: one already on this machine (the Hugging Face cache, Ollama, "
                                      "LM Studio, folders you add).\nLocal folder: a saved transformers model, or a "
-                                     ".gguf file.\nHub id: org/name, downloaded (or from the local Hugging Face cache).")
+                                     ".gguf file.\nHub id: org/name, downloaded (or from the local Hugging Face cache).\n"
+                                     "llama.cpp: the embedded model as a GGUF, or a .gguf file, in the real llama.cpp "
+                                     "(its KV cache is reserved whole at load).")
         self.installed: InstalledModels | None = None  # bound to the window's settings in restore()
         self._installed_wanted = ""  # the installed model to show once the scan has listed it
         self.installed_combo = QComboBox()
@@ -217,11 +221,26 @@ class ControlsPanel(QScrollArea):
         fr.addWidget(browse)
         self.hub_edit = QLineEdit()
         self.hub_edit.setPlaceholderText("org/name, e.g. HuggingFaceTB/SmolLM2-135M")
+        self.gguf_edit = QLineEdit()
+        self.gguf_edit.setPlaceholderText("embedded model \u00b7 or /path/to/model.gguf")
+        gguf_browse = QPushButton("\u2026")
+        gguf_browse.setToolTip("Choose a .gguf file")
+        gguf_browse.clicked.connect(self._browse_gguf)
+        gguf_row = QWidget()
+        gr = QHBoxLayout(gguf_row)
+        gr.setContentsMargins(0, 0, 0, 0)
+        gr.addWidget(self.gguf_edit, 1)
+        gr.addWidget(gguf_browse)
         self.source_stack = QStackedWidget()
         self.source_stack.addWidget(QWidget())
         self.source_stack.addWidget(installed_row)
         self.source_stack.addWidget(folder_row)
         self.source_stack.addWidget(self.hub_edit)
+        self.source_stack.addWidget(gguf_row)
+        #: Why the llama.cpp source cannot be chosen (llama-cpp-python missing), or None.
+        self.llamacpp_missing = llamacpp_missing()
+        if self.llamacpp_missing:
+            self._disable_item(self.source_combo, "llamacpp", self.llamacpp_missing)
         self.source_combo.currentIndexChanged.connect(self.source_stack.setCurrentIndex)
         self.source_combo.currentIndexChanged.connect(lambda i: self.source_stack.setVisible(i != 0))
         self.source_stack.setFixedHeight(self.hub_edit.sizeHint().height())
@@ -456,6 +475,11 @@ class ControlsPanel(QScrollArea):
             if not self.select(combo, key) and key:
                 combo.addItem(key, key)
                 self.select(combo, key)
+        if s.runtime == "llama.cpp":  # another KV type is a reload of llama.cpp's context: say so
+            for i in range(self.cache_combo.count()):
+                key = self.cache_combo.itemData(i)
+                if key in LLAMACPP_CACHE_TYPES:
+                    self.cache_combo.setItemText(i, f"{key} KV" if key == s.cache else f"reload with {key} KV")
 
     # ---- what the keys mean for this model
 
@@ -490,6 +514,8 @@ class ControlsPanel(QScrollArea):
     def build_request(self) -> RunRequest:
         """The RunRequest the controls describe. Raises SpecError (SettingsError) with a user message."""
         kind = self.source_combo.currentData()
+        if kind == "llamacpp":
+            return self._llamacpp_request()
         if kind == "installed":
             source = self.installed_combo.currentData() or ""
             if not source:
@@ -505,10 +531,12 @@ class ControlsPanel(QScrollArea):
         else:
             source = "embedded"
         attention = self.attention_combo.currentData() or ""
+        cache = self.cache_combo.currentData() or "dynamic"
+        impl = self.impl_combo.currentData() or "sdpa"
         settings = RunSettings(
             attention=parse_attention(attention) if attention else None,
-            cache=parse_cache(self.cache_combo.currentData() or "dynamic"),
-            attn_impl=parse_attn_impl(self.impl_combo.currentData() or "sdpa"),
+            cache=parse_cache("dynamic" if cache in LLAMACPP_CACHE_TYPES else cache),  # a llama.cpp run's type
+            attn_impl=parse_attn_impl(impl if impl in ATTN_IMPLS else "sdpa"),
             max_context=self.max_context_spin.value() or None,
         )
         prompt = self.prompt_edit.toPlainText().strip()
@@ -526,9 +554,27 @@ class ControlsPanel(QScrollArea):
             kwargs["prompt"] = prompt
         return RunRequest(**kwargs)
 
+    def _llamacpp_request(self) -> RunRequest:
+        """A llama.cpp run: the GGUF (empty: the embedded model converted), -c from Max context (0: 4096, as
+        llama-server's), the KV type from the Cache combo where it names one (else f16)."""
+        if self.llamacpp_missing:
+            raise SpecError(self.llamacpp_missing)
+        source = self.gguf_edit.text().strip() or "embedded"
+        cache = self.cache_combo.currentData() or ""
+        kv = cache if cache in LLAMACPP_CACHE_TYPES else "f16"
+        options = LlamaCppOptions(n_ctx=self.max_context_spin.value() or 4096, type_k=kv, type_v=kv)
+        kwargs = dict(source=source, runtime="llama.cpp", llamacpp=options, max_new_tokens=self.max_tokens_spin.value())
+        prompt = self.prompt_edit.toPlainText().strip()
+        if prompt:
+            kwargs["prompt"] = prompt
+        return RunRequest(**kwargs)
+
     def apply_request(self, request: RunRequest) -> None:
         """Show a RunRequest's choices in the controls (from the command line)."""
-        if request.source == "embedded":
+        if request.runtime == "llama.cpp":
+            self.source_combo.setCurrentIndex(SOURCES.index("llamacpp"))
+            self.gguf_edit.setText("" if request.source == "embedded" else request.source)
+        elif request.source == "embedded":
             self.source_combo.setCurrentIndex(SOURCES.index("embedded"))
         elif self.installed_combo.findData(request.source) >= 0:
             self.source_combo.setCurrentIndex(SOURCES.index("installed"))
@@ -576,6 +622,12 @@ class ControlsPanel(QScrollArea):
                   self.max_tokens_spin, self.prompt_edit, self.budget_edit, self.quality_check):
             w.setEnabled(not running)
 
+    def _browse_gguf(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "GGUF model", self.gguf_edit.text() or str(Path.home()),
+                                              "GGUF models (*.gguf);;All files (*)")
+        if path:
+            self.gguf_edit.setText(path)
+
     def _browse_folder(self) -> None:
         folder = QFileDialog.getExistingDirectory(self, "Model folder", self.folder_edit.text() or str(Path.home()))
         if folder:
@@ -587,10 +639,12 @@ class ControlsPanel(QScrollArea):
         s.beginGroup("run")
         try:
             kind = str(s.value("source_kind", "embedded"))
+            kind = "embedded" if kind == "llamacpp" and self.llamacpp_missing else kind
             self.source_combo.setCurrentIndex(SOURCES.index(kind) if kind in SOURCES else 0)
             self.source_stack.setVisible(self.source_combo.currentIndex() != 0)
             self.folder_edit.setText(str(s.value("folder", "") or ""))
             self.hub_edit.setText(str(s.value("hub_id", "") or ""))
+            self.gguf_edit.setText(str(s.value("gguf", "") or ""))
             self._installed_wanted = str(s.value("installed", "") or "")
             for combo, key in ((self.device_combo, "device"), (self.dtype_combo, "dtype")):
                 value = s.value(key)
@@ -617,6 +671,7 @@ class ControlsPanel(QScrollArea):
         s.setValue("source_kind", self.source_combo.currentData())
         s.setValue("folder", self.folder_edit.text())
         s.setValue("hub_id", self.hub_edit.text())
+        s.setValue("gguf", self.gguf_edit.text())
         s.setValue("installed", self.installed_combo.currentData() or self._installed_wanted or "")
         s.setValue("device", self.device_combo.currentText())
         s.setValue("dtype", self.dtype_combo.currentText())

@@ -44,7 +44,7 @@ MAX_MARKS = 200
 MARK_LABEL_CHARS = 80
 
 TOKEN_COLUMNS = ("token", "kv_observed", "kv_predicted", "total_observed", "total_predicted", "error_total",
-                 "error_kv", "quality_kl")
+                 "error_kv", "quality_kl", "kv_reserved", "kv_used")
 TIME_COLUMNS = ("time", "device_total", "device_used", "process_gpu", "process_rss", "reserved", "allocated",
                 "kv_share", "weights")
 #: The memory sampler's readings (MemorySampler, ~20 Hz, independent of tokens), in plot seconds.
@@ -260,6 +260,10 @@ class LivePlots(QWidget):
         t, m = self.tokens, self.times
         self._add_curve("kv_observed", self.kv_plot, t, "token", "kv_observed", "observed", z=1)
         self._add_curve("kv_predicted", self.kv_plot, t, "token", "kv_predicted", "predicted", "dash", z=2)
+        # A llama.cpp run: what it reserved at load (flat, filled: the prepayment) and the cells holding tokens.
+        self._add_curve("kv_reserved", self.kv_plot, t, "token", "kv_reserved", "llama.cpp reserved", fill=True, z=0,
+                        color="kv_share")
+        self._add_curve("kv_used", self.kv_plot, t, "token", "kv_used", "used", z=3, color="allocated")
         self._add_curve("device_used", self.mem_plot, m, "time", "device_used", "device used (NVML)")
         self._add_curve("process_gpu", self.mem_plot, m, "time", "process_gpu", "process (GPU)")
         self._add_curve("process_rss", self.mem_plot, m, "time", "process_rss", "process (RSS)")
@@ -339,11 +343,12 @@ class LivePlots(QWidget):
             font = QFont()
             font.setPointSize(max(theme.font_pt - 1, 8))
             self.capacity_line.label.setFont(font)
-        for curve in self._curves.values():
+        for name, curve in self._curves.items():
             key, style, fill = curve.item._kv_style
             # Observed is drawn wide and predicted dashed and narrower on top, so a perfect prediction
             # reads as a dashed line running inside the observed one rather than hiding it.
-            width = theme.line_width * (2.2 if key in ("kv_observed", "total_observed") else 1.0)
+            wide = ("kv_observed", "total_observed", "kv_reserved", "kv_used")
+            width = theme.line_width * (2.2 if key in wide or name in wide else 1.0)
             curve.item.setPen(pg.mkPen(**theme.pen(key, style, width)))
             if fill:
                 color = QColor(theme.curves.get(key, theme.text))
@@ -420,9 +425,12 @@ class LivePlots(QWidget):
                 continue
             total_obs, total_pred = observed_and_predicted_total(s)
             self.tokens_cache = s.cache
+            llamacpp = s.runtime == "llama.cpp"  # observed is what llama.cpp reserved: its own curve
             token_rows.append({
                 "token": s.token,
-                "kv_observed": s.kv_bytes_observed,
+                "kv_observed": None if llamacpp else s.kv_bytes_observed,
+                "kv_reserved": s.kv_bytes_observed if llamacpp else None,
+                "kv_used": s.kv_bytes_used,
                 "kv_predicted": s.kv_bytes_predicted,
                 "total_observed": total_obs,
                 "total_predicted": total_pred,
@@ -680,7 +688,7 @@ class LivePlots(QWidget):
                 if len(c)]
         if ends:
             self._set_x(self.mem_plot, min(e[0] for e in ends), max(e[1] for e in ends))
-        kv_top = self._top(("kv_observed", "kv_predicted"))
+        kv_top = self._top(("kv_observed", "kv_predicted", "kv_reserved", "kv_used"))
         if kv_top is not None:
             self._set_y(self.kv_plot, 0.0, kv_top, 1.15)
         mem_top = self._top(("device_used", "process_gpu", "process_rss", "reserved", "allocated", "weights")

@@ -33,24 +33,31 @@ SWITCHES = (
 
 
 # Known gaps, measured on the whole registry (163 model types, 156 decoder-only, 149 built tiny): each
-# is expected to fail (strict: a fix makes the test pass and this list must shrink). Grouped by cause.
-_OWN_CACHE_LAYOUT = ("its cache holds tensors of a shape of its own that the predictor does not know, so calc != the "
-                     "real DynamicCache")
+# is expected to fail (strict: a fix makes the test pass and this list must shrink). Each names where it fails.
 KNOWN_GAPS: dict[str, str] = {
-    "cpmant": f"{_OWN_CACHE_LAYOUT}: CPM-Ant prepends its prompt_length learned prompt tokens to every layer's K/V, and a "
-              "second forward pass on one DynamicCache fails inside transformers (mask sizes)",
-    "deepseek_v4": f"{_OWN_CACHE_LAYOUT}: DeepSeek-V4 layers (DeepseekV4HCACache) keep compressor buffers beside "
-                   "the windowed K/V",
-    "blt": "BLT keeps its layer counts in sub-configs (encoder, global, decoder): transformers 5.24's "
-           "DynamicCache(config=...) fails on it (no num_hidden_layers), and so does a folder's load here",
+    "cpmant": "CPM-Ant prepends its prompt_length (32) learned prompt tokens to every layer's K/V, a layout the "
+              "predictor does not know (calc != the real DynamicCache), and cannot decode on a DynamicCache at all: the "
+              "second forward pass fails in transformers 5.24 at modeling_cpmant.py:131 (score + position_bias: 'The "
+              "size of tensor a (40) must match the size of tensor b (33)')",
+    "deepseek_v4": "DeepSeek-V4's cache layers (DeepseekV4HCACache / DeepseekV4CSACache) keep, beside a windowed K=V "
+                   "(one tensor for both), compressed entries that grow by one per compress_rate tokens (128 HCA, 4 "
+                   "CSA), a buffer of the tokens since the last full window (kv and gate) and CSA's overlap state and "
+                   "indexer entries: piecewise in the token count, a layout the predictor does not model",
+    "blt": "BLT keeps its layer counts in sub-configs (encoder, global, decoder): DynamicCache(config=...) fails in "
+           "transformers 5.24 (cache_utils.py:1971 get_layer_types_and_kwargs -> "
+           "integrations/heterogeneity/configuration_utils.py:216 reads num_hidden_layers, which BltConfig lacks), and "
+           "run refuses the folder for the same reason (core.spec.check_config: no layer count)",
     **dict.fromkeys(("gemma4_assistant", "gemma4_unified_assistant"),
                     "a drafter for assisted decoding, not a model that generates on its own: its forward takes the "
                     "target model's inputs_embeds and shared_kv_states and raises without them "
                     "(modeling_gemma4_assistant.py:166, modeling_gemma4_unified_assistant.py:173: 'inputs_embeds and "
                     "shared_kv_states cannot be None'), and it caches nothing of its own (use_cache=False); calc's "
                     "weights are exact"),
-    "minimax": "MiniMax brings a cache class of its own and refuses transformers' DynamicCache",
-    "xlstm": "xLSTM keeps recurrent state, not a KV cache (no rnn_state on DynamicCache)",
+    "minimax": "MiniMax refuses transformers' DynamicCache (modeling_minimax.py:655: 'MiniMax uses cache of its own'): "
+               "it runs only on its MiniMaxCache (a DynamicCache with its linear-attention states in a list of its own, "
+               "linear_cache)",
+    "xlstm": "xLSTM keeps recurrent state in a cache class of its own (xLSTMCache), not a KV cache: on a DynamicCache "
+             "modeling_xlstm.py:1478 fails ('DynamicCache' object has no attribute 'rnn_state')",
 }
 
 

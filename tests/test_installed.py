@@ -406,3 +406,26 @@ def test_with_nothing_installed_the_list_says_so(qtbot, settings):
     with pytest.raises(SpecError, match="pick an installed model"):
         w.controls.build_request()
     w.shutdown()
+
+
+def test_an_ollama_model_loads_in_the_calculator_from_its_blob(qtbot, tmp_path, monkeypatch, settings):
+    """An Ollama blob has no .gguf suffix: picking the model loads it all the same (core.gguf reads the magic)."""
+    from tests import gguf_models
+    from ui.calculator import CalculatorTab
+
+    store = tmp_path / "store"
+    monkeypatch.setenv("OLLAMA_MODELS", str(store))
+    built = gguf_models.llama(tmp_path / "tiny.gguf", n_layer=3)
+    digest = ollama_blob(store, built.read_bytes())
+    ollama_manifest(store, "registry.ollama.ai/library/tiny/latest", [(installed.OLLAMA_MODEL, digest)])
+    tab = CalculatorTab()
+    qtbot.addWidget(tab)
+    tab.restore_settings(settings)
+    scanned(qtbot, tab.installed)
+    i = tab.model_combo.findText("tiny:latest", Qt.MatchFlag.MatchStartsWith)
+    assert i > 0 and tab.model_combo.itemData(i).endswith("sha256-" + digest.split(":")[1])
+    tab.model_combo.setCurrentIndex(i)
+    tab.model_combo.activated.emit(i)
+    qtbot.waitUntil(lambda: tab.spec is not None and tab.spec.num_layers == 3, timeout=60_000)
+    assert (tab.spec.num_query_heads, tab.spec.num_kv_heads) == (4, 2)
+    tab.shutdown()

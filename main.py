@@ -370,7 +370,10 @@ def _llamacpp_run_options(args: argparse.Namespace):
         if value:
             hint = " (llama.cpp's context is --context)" if flag == "--max-context" else ""
             raise CliError(f"{flag} is for transformers runs, not --runtime llama.cpp{hint}")
-    n_ctx = parse_tokens(args.context) if args.context is not None else 4096
+    if args.context is None:
+        n_ctx = 4096
+    else:  # -c 0, as llama-server takes it: the file's trained context
+        n_ctx = 0 if str(args.context).strip() == "0" else parse_tokens(args.context)
     return _llamacpp_options(args, n_ctx)
 
 

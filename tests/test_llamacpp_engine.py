@@ -142,6 +142,8 @@ def test_the_cli_runs_llamacpp_and_refuses_a_model_that_is_not_gguf(capsys, tmp_
     assert rc == 0
     assert "KV reserved" in out and "KV used" in out and "[refused]" in out and "[switch]" in out
     assert "observed == predicted at 9 of 9 samples" in out
+    rc = main.main(["run", "--runtime", "llama.cpp", "--tokens", "1", "--context", "0"])  # -c 0: the trained context
+    assert rc == 0 and "4,096 cells" in capsys.readouterr().out
     rc = main.main(["run", "--runtime", "llama.cpp", "--model", "llama-3-8b", "--tokens", "2"])
     err = capsys.readouterr().err
     assert rc == 2 and "runs a .gguf file" in err

@@ -107,6 +107,8 @@ def meta_facts(config_json: str) -> ModelFacts | None:
 #: and chunked layers keep a window (DynamicSlidingWindowLayer), hybrid layers a linear-attention state *and*
 #: K/V, linear-attention, conv and dummy layers no K/V (their states: ``probe_states``).
 _KV_KIND = {"sliding_attention": SLIDING_ATTENTION, "chunked_attention": SLIDING_ATTENTION,
+            # DeepSeek-V4's compressing layers keep a sliding window of K=V (and their compressor's state: core.states)
+            "heavily_compressed_attention": SLIDING_ATTENTION, "compressed_sparse_attention": SLIDING_ATTENTION,
             "hybrid_sliding": SLIDING_ATTENTION, INDEXED_ATTENTION: INDEXED_ATTENTION,
             "linear_attention": NO_KV, "conv": NO_KV, "dummy": NO_KV}
 
@@ -144,17 +146,32 @@ def hf_sliding_window(hf_config) -> int | None:
 _NOT_STATES = frozenset({"keys", "values", "indexer_keys"})
 
 
+#: A compressing cache layer's state that grows with the tokens (DeepSeek-V4's DeepseekV4HCACache and
+#: DeepseekV4CSACache, per entry name: "compressor", "indexer"): ``_compressing_state`` reads it.
+_COMPRESSOR_BUFFERS = ("buffer_kv", "buffer_gate")
+_COMPRESSOR_ENTRIES = ("compressed_kv",)
+_COMPRESSOR_OVERLAP = ("overlap_kv", "overlap_gate")
+
+
+def _compress_rate(layer) -> int:
+    rate = getattr(layer, "compress_rate", None)
+    return rate if is_plain_int(rate) and rate > 0 and isinstance(getattr(layer, "compressed_kv", None), dict) else 0
+
+
 def _layer_states(layer) -> dict[str, tuple[int, int]]:
-    """{name: (elements, bytes)} of the tensors a cache layer holds beside K/V and its bookkeeping."""
+    """{name: (elements, bytes)} of the tensors a cache layer holds beside K/V and its bookkeeping (a compressing
+    layer's growing state left out: ``_compressing_state``)."""
     import torch
 
     from core.measure import BOOKKEEPING_ATTRS
 
+    growing = (*_COMPRESSOR_BUFFERS, *_COMPRESSOR_ENTRIES, *_COMPRESSOR_OVERLAP) if _compress_rate(layer) else ()
     out = {}
     for name, value in vars(layer).items():
         items = value.items() if isinstance(value, dict) else [(None, value)]
         for key, tensor in items:
-            if not isinstance(tensor, torch.Tensor) or name in _NOT_STATES or name in BOOKKEEPING_ATTRS:
+            if not isinstance(tensor, torch.Tensor) or name in _NOT_STATES or name in BOOKKEEPING_ATTRS \
+                    or name in growing:
                 continue
             out[f"{name}[{key}]" if key is not None else name] = (tensor.numel(), tensor.numel() * tensor.element_size())
     return out
@@ -188,6 +205,35 @@ def _meta_nonzero():
         return contextlib.nullcontext()
 
 
+def _compressing_state(layer) -> LayerState | None:
+    """The growing state of a compressing cache layer (``core.states.LayerState``), read off a layer that has seen
+    more tokens than its ``compress_rate`` (every tensor then exists, in its real dtype): per entry name, a buffered
+    token is one row of ``buffer_kv`` and of ``buffer_gate`` [b, tokens, w], a full window one row of
+    ``compressed_kv`` [b, entries, w], and the overlap ``overlap_kv`` / ``overlap_gate`` [b, rate, w] whole.
+    Widths in bfloat16 (the probe's dtype) follow the model's dtype; others are bytes. None if a tensor is missing."""
+    import torch
+
+    def per_row(names: tuple[str, ...], whole: bool = False) -> tuple[int, int] | None:
+        elements = fixed = 0
+        for attr in names:
+            for tensor in (getattr(layer, attr, None) or {}).values():
+                if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3:
+                    return None
+                n = int(tensor.shape[1] * tensor.shape[2]) if whole else int(tensor.shape[2])
+                if tensor.element_size() == 2:
+                    elements += n
+                else:
+                    fixed += n * tensor.element_size()
+        return elements, fixed
+
+    rate = _compress_rate(layer)
+    entry, buffered, overlap = per_row(_COMPRESSOR_ENTRIES), per_row(_COMPRESSOR_BUFFERS), per_row(_COMPRESSOR_OVERLAP,
+                                                                                                   whole=True)
+    if not rate or entry is None or buffered is None or overlap is None:
+        return None
+    return LayerState(compress_rate=rate, entry=entry, buffered=buffered, overlap=overlap)
+
+
 def _kv_shape(layer) -> KVShape:
     """What one probed cache layer holds per token (``core.states.KVShape``): keys [b, h, t, dk], values
     [b, h, t, dv], indexer keys [b, t, di]; keys and values of different head counts are one "head" each wide."""
@@ -198,6 +244,8 @@ def _kv_shape(layer) -> KVShape:
         return (0, 0, 0, 0)
     index = getattr(layer, "indexer_keys", None)
     extra = int(index.shape[-1]) if isinstance(index, torch.Tensor) and index.dim() == 3 else 0
+    if keys is values:  # one tensor for both (DeepSeek-V4's shared-KV layers): held once
+        return (int(keys.shape[1]), int(keys.shape[-1]), 0, extra)
     if keys.shape[1] == values.shape[1]:
         return (int(keys.shape[1]), int(keys.shape[-1]), int(values.shape[-1]), extra)
     return (1, int(keys.shape[1] * keys.shape[-1]), int(values.shape[1] * values.shape[-1]), extra)
@@ -235,13 +283,30 @@ def probe_states(hf_config, types: tuple[str, ...] | None) -> tuple[tuple[str, .
             return types, None, None
         types = (*types, *(next(iter(k)) for k in extra))
     found_types, states = list(types), []
+    rates = [_compress_rate(layer) for layer in layers]
+    later = None
+    if any(rates):
+        # Compressing layers: a second pass past every window, so that each growing tensor exists in its real dtype.
+        try:
+            later = _probe_cache(hf_config, torch.bfloat16, tokens=max(rates) + 1).layers
+        except Exception:
+            return types, None, None
+        if len(later) != len(layers):
+            return types, None, None
     for i, kind in enumerate(types):
         held = _layer_states(layers[i])
-        states.append(LayerState(sum(n for n, b in held.values() if b == 2 * n),
-                                 sum(b for n, b in held.values() if b != 2 * n)))
+        state = LayerState(sum(n for n, b in held.values() if b == 2 * n),
+                           sum(b for n, b in held.values() if b != 2 * n))
+        if rates[i]:
+            growing = _compressing_state(later[i])
+            if growing is None:
+                return types, None, None
+            state = LayerState(state.elements, state.fixed_bytes, growing.compress_rate, growing.entry,
+                               growing.buffered, growing.overlap)
+        states.append(state)
         if kind != NO_KV and getattr(layers[i], "keys", None) is None:
             found_types[i] = NO_KV
-    if not any(s.elements or s.fixed_bytes for s in states):
+    if not any(s.holds_any for s in states):
         states = None
     shapes = tuple(_kv_shape(layer) if kind != NO_KV else (0, 0, 0, 0) for layer, kind in zip(layers, found_types))
     return tuple(found_types), None if states is None else tuple(states), shapes

@@ -523,7 +523,7 @@ def config_key(cfg: dict[str, Any]) -> str:
 
 #: What a memoised view means: bumped when ``core.hf.compute_view`` learns more of a config, so views
 #: memoised before (which read linear-attention layers as full attention, say) are found again.
-VIEW_SCHEMA = 5
+VIEW_SCHEMA = 6
 
 
 def config_view(cfg: dict[str, Any], shipped: Any = None) -> ConfigView:

@@ -32,22 +32,45 @@ from typing import Any
 @dataclass(frozen=True)
 class LayerState:
     """What one layer holds beside K/V, per sequence: ``elements`` in the model's dtype plus ``fixed_bytes``
-    in dtypes of their own (a float32 recurrent state in a bfloat16 model)."""
+    in dtypes of their own (a float32 recurrent state in a bfloat16 model).
+
+    A compressing layer (DeepSeek-V4's ``DeepseekV4HCACache`` / ``DeepseekV4CSACache``) also keeps state that
+    grows with the tokens, in windows of ``compress_rate``: one compressed entry per full window (``entry``), the
+    tokens since the last full window (``buffered``, each), and, once a first window is full, the last window's
+    overlap series (``overlap``); each an (elements in the model's dtype, bytes in dtypes of their own) pair."""
 
     elements: int = 0
     fixed_bytes: int = 0
+    compress_rate: int = 0
+    entry: tuple[int, int] = (0, 0)
+    buffered: tuple[int, int] = (0, 0)
+    overlap: tuple[int, int] = (0, 0)
 
-    def nbytes(self, batch: int, elem_bytes: float) -> int:
-        return int(batch * (self.elements * elem_bytes + self.fixed_bytes))
+    def nbytes(self, batch: int, elem_bytes: float, tokens: int = 1) -> int:
+        total = self.elements * elem_bytes + self.fixed_bytes
+        if self.compress_rate:
+            windows, rest = divmod(tokens, self.compress_rate)
+            for (elements, fixed), count in ((self.entry, windows), (self.buffered, rest),
+                                             (self.overlap, 1 if windows else 0)):
+                total += count * (elements * elem_bytes + fixed)
+        return int(batch * total)
+
+    @property
+    def holds_any(self) -> bool:
+        return bool(self.elements or self.fixed_bytes or self.compress_rate)
 
     def to_json(self) -> list[int]:
-        return [self.elements, self.fixed_bytes]
+        if not self.compress_rate:
+            return [self.elements, self.fixed_bytes]
+        return [self.elements, self.fixed_bytes, self.compress_rate, *self.entry, *self.buffered, *self.overlap]
 
     @classmethod
     def from_json(cls, data: Any) -> "LayerState | None":
-        if isinstance(data, list) and len(data) == 2 and all(isinstance(v, int) and not isinstance(v, bool)
-                                                             and v >= 0 for v in data):
-            return cls(data[0], data[1])
+        if isinstance(data, list) and len(data) in (2, 9) and all(isinstance(v, int) and not isinstance(v, bool)
+                                                                  and v >= 0 for v in data):
+            if len(data) == 2:
+                return cls(data[0], data[1])
+            return cls(data[0], data[1], data[2], (data[3], data[4]), (data[5], data[6]), (data[7], data[8]))
         return None
 
 
@@ -56,7 +79,7 @@ def state_bytes(states: tuple[LayerState, ...] | None, batch: int, elem_bytes: f
     ``elem_bytes``: the model's dtype (states are computed from activations, never in a KV dtype)."""
     if not states or tokens <= 0:
         return 0
-    return sum(s.nbytes(batch, elem_bytes) for s in states)
+    return sum(s.nbytes(batch, elem_bytes, tokens) for s in states)
 
 
 def states_from_json(data: Any) -> tuple[LayerState, ...] | None | bool:

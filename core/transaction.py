@@ -57,7 +57,9 @@ class CacheSnapshot:
 
     @staticmethod
     def _layer_fields(layer: Any) -> dict[str, Any]:
-        fields = dict(vars(layer))
+        # Dicts are copied: a layer may keep state in a dict it updates entry by entry (DeepSeek-V4's compressor
+        # buffers, entries and counts per name), which restoring the same dict object would not undo.
+        fields = {name: dict(value) if isinstance(value, dict) else value for name, value in vars(layer).items()}
         if isinstance(layer, StaticLayer):
             for name in ("cumulative_length",):
                 if isinstance(fields.get(name), torch.Tensor):
@@ -79,7 +81,7 @@ class CacheSnapshot:
                     current.copy_(value)  # keep the static buffer's address (marked static for torch.compile)
                     fields[name] = current
             vars(layer).clear()
-            vars(layer).update(fields)
+            vars(layer).update({name: dict(value) if isinstance(value, dict) else value for name, value in fields.items()})
         vars(self.cache).clear()
         vars(self.cache).update(self.fields)
         if hasattr(self.cache, "layers"):

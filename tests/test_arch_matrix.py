@@ -39,10 +39,6 @@ KNOWN_GAPS: dict[str, str] = {
               "predictor does not know (calc != the real DynamicCache), and cannot decode on a DynamicCache at all: the "
               "second forward pass fails in transformers 5.24 at modeling_cpmant.py:131 (score + position_bias: 'The "
               "size of tensor a (40) must match the size of tensor b (33)')",
-    "deepseek_v4": "DeepSeek-V4's cache layers (DeepseekV4HCACache / DeepseekV4CSACache) keep, beside a windowed K=V "
-                   "(one tensor for both), compressed entries that grow by one per compress_rate tokens (128 HCA, 4 "
-                   "CSA), a buffer of the tokens since the last full window (kv and gate) and CSA's overlap state and "
-                   "indexer entries: piecewise in the token count, a layout the predictor does not model",
     "blt": "BLT keeps its layer counts in sub-configs (encoder, global, decoder): DynamicCache(config=...) fails in "
            "transformers 5.24 (cache_utils.py:1971 get_layer_types_and_kwargs -> "
            "integrations/heterogeneity/configuration_utils.py:216 reads num_hidden_layers, which BltConfig lacks), and "

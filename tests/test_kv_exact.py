@@ -520,3 +520,27 @@ def test_layers_of_their_own_shapes_are_predicted_as_transformers_caches_them():
             assert cache_bytes(cache).logical == kv_bytes(spec, settings, n)
     # A head change makes every layer alike (1 head of 16 for K and V): 10 tokens in the full layer, 5 in the sliding one.
     assert kv_bytes(spec, settings.with_(attention=parse_attention("mqa")), 10) == (10 + 5) * (16 + 16) * 4
+
+
+def test_deepseek_v4_compressor_state_grows_window_by_window():
+    """DeepSeek-V4's compressing layers keep, beside a sliding K=V (one tensor), one compressed entry per full window of
+    compress_rate tokens, the tokens since the last full window, and (CSA) the last window's overlap series: predicted
+    from the probe (core.states.LayerState.compress_rate...) at every token, through several windows of each rate."""
+    from transformers import DeepseekV4ForCausalLM
+
+    from tests import archs
+
+    config = archs.tiny_config("deepseek_v4")
+    config.compress_rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}
+    model = _seeded(lambda: DeepseekV4ForCausalLM(config))
+    spec = spec_from_config(config.to_dict(), "deepseek_v4")
+    assert {s.compress_rate for s in spec.layer_states} == {4, 8}
+    settings = RunSettings(weight_dtype="float32")
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(torch.arange(3, 9).unsqueeze(0), cache=cache, use_cache=True)
+        assert cache_bytes(cache).logical == kv_bytes(spec, settings, 6)
+        for n in range(7, 30):
+            model(torch.tensor([[n]]), cache=cache, use_cache=True)
+            assert cache_bytes(cache).logical == kv_bytes(spec, settings, n), n
+    assert all(type(s).from_json(s.to_json()) == s for s in spec.layer_states)  # as the memoised view stores it

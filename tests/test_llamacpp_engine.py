@@ -198,3 +198,13 @@ def test_the_request_module_finds_llama_cpp_without_importing_it():
             "'llama_cpp' in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == [None, False]
+
+
+def test_thread_mode_runs_llamacpp_too(qtbot, thread_window):
+    """KVSCOPE_ENGINE=thread: the same RunDriver on a thread of the window's process dispatches to llama.cpp."""
+    from tests.helpers import run_in_window
+
+    request = RunRequest(runtime="llama.cpp", llamacpp=LlamaCppOptions(n_ctx=512), max_new_tokens=10)
+    run_in_window(qtbot, thread_window, request)
+    assert thread_window.last_error == "" and thread_window.decode_tokens == 10
+    assert thread_window.info.label.endswith("(llama.cpp)")

@@ -42,3 +42,22 @@ def test_the_quantized_caches_drop_is_said_in_words_not_as_a_negative_size(qtbot
     assert tile.value.text() == "8.0 KiB" and tile.note.text() == "measured"
     dynamic = compute_stats(last.replace(cache="dynamic"), -1.0, spec, max_context=4096)
     assert dynamic.bytes_per_token_source == "measured"  # only the quantized cache has a residual to explain
+
+
+def test_a_llamacpp_run_is_prepaid(qtbot):
+    """llama.cpp allocated the context at load: the KV now is that allocation, a token fills a paid cell (KV per
+    token = used / tokens), the KV at the max context is the same allocation, and the context is the limit."""
+    spec = load_spec("embedded")
+    last = synthetic_samples(5, prompt_tokens=4)[-1].replace(
+        runtime="llama.cpp", kv_bytes_observed=16_777_216, kv_bytes_predicted=16_777_216, context_tokens=100,
+        kv_bytes_used=100 * 4096)
+    stats = compute_stats(last, 0.0, spec, max_context=4096, host_available=8 << 30)
+    assert (stats.kv_now, stats.kv_at_max, stats.bytes_per_token, stats.tokens_fit) == (16_777_216, 16_777_216, 4096.0,
+                                                                                        3996)
+    assert stats.prepaid and stats.kv_error_pct == 0.0
+    panel = StatsPanel()
+    qtbot.addWidget(panel)
+    panel.show_stats(stats)
+    assert panel.tiles["kv_at_max"].value.text() == "16.0 MiB" and "already paid" in panel.tiles["kv_at_max"].note.text()
+    assert "allocated at load" in panel.tiles["kv_now"].note.text()
+    assert "allocated context" in panel.tiles["tokens_fit"].note.text()

@@ -36,6 +36,7 @@ class LiveStats:
     tokens: int | None = None
     tokens_per_s: float | None = None
     kv_error_pct: float | None = None
+    prepaid: bool = False  # llama.cpp: the whole context's KV was allocated at load (kv_now is that allocation)
 
 
 @functools.lru_cache(maxsize=256)
@@ -58,6 +59,27 @@ def kv_at_max_context(spec: ModelSpec, attention: str, cache: str, attn_impl: st
         return None
 
 
+def _prepaid_stats(last: Sample, max_ctx: int | None, host_available: int | None) -> LiveStats:
+    """llama.cpp allocated the whole context's KV at load: the cache "now" is that allocation, a token adds
+    no memory (it fills one cell, paid for already: KV per token is the used bytes per token), the KV at the
+    max context is the same allocation, and what stops the run is the context, not memory."""
+    used, tokens = last.kv_bytes_used, last.context_tokens
+    bpt = used / tokens if used is not None and tokens else None
+    if last.device_total is not None and last.device_used is not None:
+        free, free_source = last.device_total - last.device_used, "GPU (NVML)"
+    else:
+        free, free_source = host_available, "host available" if host_available is not None else ""
+    left = max(max_ctx - tokens, 0) if max_ctx else None
+    kv_err = None
+    if last.kv_bytes_observed is not None and last.kv_bytes_predicted:
+        kv_err = 100.0 * (last.kv_bytes_observed - last.kv_bytes_predicted) / last.kv_bytes_predicted
+    return LiveStats(
+        kv_now=last.kv_bytes_observed, bytes_per_token=bpt, bytes_per_token_source="one cell, prepaid" if bpt else "",
+        kv_at_max=last.kv_bytes_observed, max_context=max_ctx, free=free, free_source=free_source,
+        tokens_fit=left, fit_limit="the allocated context is full" if left is not None else "", tokens=last.token + 1,
+        tokens_per_s=last.tokens_per_s, kv_error_pct=kv_err, prepaid=True)
+
+
 def compute_stats(last: Sample | None, slope: float | None, spec: ModelSpec | None, *, batch: int = 1,
                   kv_dtype: str | None = None, max_context: int | None = None,
                   host_available: int | None = None, predicted_slope: float | None = None) -> LiveStats:
@@ -70,6 +92,8 @@ def compute_stats(last: Sample | None, slope: float | None, spec: ModelSpec | No
     if last is None:
         return LiveStats()
     max_ctx = max_context or (spec.max_position_embeddings if spec else None)
+    if last.runtime == "llama.cpp":
+        return _prepaid_stats(last, max_ctx, host_available)
     kv_at_max = None
     if spec is not None and max_ctx:
         kv_at_max = kv_at_max_context(spec, last.attention, last.cache, last.attn_impl, last.dtype, batch, kv_dtype,
@@ -198,14 +222,16 @@ class StatsPanel(QWidget):
     def show_stats(self, s: LiveStats) -> None:
         self.stats = s
         t = self.tiles
-        t["kv_now"].set(human_bytes(s.kv_now), "measured" if s.kv_now is not None else "not available")
+        t["kv_now"].set(human_bytes(s.kv_now), ("allocated at load (llama.cpp)" if s.prepaid else "measured")
+                        if s.kv_now is not None else "not available")
         if s.bytes_per_token is not None and s.bytes_per_token < 0 and s.bytes_per_token_source == "residual just quantized":
             bpt = "\u2193 quantized"  # the drop, said in words: never a negative size per token
         else:
             bpt = None if s.bytes_per_token is None else human_bytes(s.bytes_per_token)
         t["bytes_per_token"].set(bpt or "n/a", s.bytes_per_token_source)
         t["kv_at_max"].set(human_bytes(s.kv_at_max),
-                           f"predicted, {format_tokens(s.max_context)} tokens" if s.max_context else "")
+                           (f"already paid, {format_tokens(s.max_context)} tokens" if s.prepaid else
+                            f"predicted, {format_tokens(s.max_context)} tokens") if s.max_context else "")
         t["free"].set(human_bytes(s.free), s.free_source or "not available")
         fit = "n/a" if s.tokens_fit is None else f"{s.tokens_fit:,}"
         t["tokens_fit"].set(fit, f"until {s.fit_limit}" if s.fit_limit else "")

@@ -208,3 +208,35 @@ def test_thread_mode_runs_llamacpp_too(qtbot, thread_window):
     run_in_window(qtbot, thread_window, request)
     assert thread_window.last_error == "" and thread_window.decode_tokens == 10
     assert thread_window.info.label.endswith("(llama.cpp)")
+
+
+def test_transformers_then_llamacpp_on_one_model_shows_both_curves(qtbot, window):
+    """Run the embedded model with transformers, then with llama.cpp: the first run's growing cache stays on the
+    KV plot, dotted, under the prepayment (the issue's "transformers' growing cache for the same model if both
+    are run"); a recording played next drops it."""
+    from tests.helpers import run_in_window
+
+    controls = window.controls
+    controls.max_tokens_spin.setValue(30)
+    first = controls.build_request()
+    assert first.runtime == "transformers" and first.source == "embedded"
+    run_in_window(qtbot, window, first)
+    window._redraw()
+    import numpy as np
+
+    tokens = window.plots.tokens.column("token").copy()
+    grown = window.plots.tokens.column("kv_observed").copy()  # every token's observed KV, not the drawn decimation
+    assert np.nanmax(grown) > np.nanmin(grown)
+    controls.source_combo.setCurrentIndex(controls.source_combo.findData("llamacpp"))
+    second = controls.build_request()
+    assert second.runtime == "llama.cpp" and second.source == "embedded"
+    run_in_window(qtbot, window, second)
+    window._redraw()
+    px, py = window.plots.previous_curve.getData()
+    assert window.plots.previous_curve.isVisible() and window.plots.previous_label == "before: transformers"
+    ok = np.isfinite(grown)
+    assert list(py) == list(grown[ok]) and list(px) == list(tokens[ok])
+    _, reserved = window.plots.curve_data("kv_reserved")
+    assert reserved[0] == reserved[-1] > py[-1]  # the prepaid 4K context over the 30 tokens transformers holds
+    window.plots.drop_previous()
+    assert not window.plots.previous_curve.isVisible()

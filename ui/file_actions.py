@@ -194,6 +194,7 @@ class FileActions:
         return True
 
     def _start_replay_now(self, path: str, speed: float) -> None:
+        self.plots.drop_previous()  # a recording is not compared with the live run before it
         self._clear_view()
         self.controls.error_label.setText("")
         self.session.begin_replay()

@@ -353,6 +353,7 @@ class MainWindow(FileActions, QMainWindow):
             request = replace(request, record_path=self.record_path)
         if self.snapshot_path and self.controls.snapshot_button.isChecked() and not request.snapshot_path:
             request = replace(request, snapshot_path=self.snapshot_path)
+        self._hold_previous_run(request)  # before this request replaces the last one
         self.session.mode = "live"
         self.session.request = request
         if not self.calculator.warm and getattr(self.controller, "host", None) is None:
@@ -396,6 +397,20 @@ class MainWindow(FileActions, QMainWindow):
             self.controls.snapshot_button.setChecked(False)
         self.show_recording_badge()
         self.controller.start(request)
+
+    def _hold_previous_run(self, request) -> None:
+        """The live run shown (if it was one) stays on the KV plot, dotted, under the next live run of the same
+        model: run it with transformers, then with llama.cpp (or with two settings), and both curves are there.
+        A replay, or another model, drops it (like with like)."""
+        previous = self.session.request
+        same = (self.session.mode == "live" and previous is not None and self.session.decode_tokens > 0
+                and previous.source == request.source)
+        if same:
+            runtime = getattr(previous, "runtime", "transformers")
+            cache = self.plots.tokens_cache or ""
+            self.plots.hold_previous(f"before: {runtime}{'' if cache in ('', 'dynamic') else ' ' + cache}")
+        else:
+            self.plots.drop_previous()
 
     def _active_controller(self):
         return self.replay if self.mode == "replay" else self.controller
@@ -534,6 +549,7 @@ class MainWindow(FileActions, QMainWindow):
     def reset_view(self) -> None:
         """Forget the run shown: the session's data and the view of it."""
         self.session.reset()
+        self.plots.drop_previous()
         self._clear_view()
 
     # ---- signals from the controller

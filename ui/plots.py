@@ -182,7 +182,7 @@ class LivePlots(QWidget):
         # process memory line near the top (and spike labels) on a short plot (1280x720, presenter mode).
         mem_legend = pg.LegendItem(colCount=4)
         self.mem_plot.layout.addItem(mem_legend, 4, 1)
-        self._legends = {id(self.kv_plot): self.kv_plot.addLegend(offset=(-8, -4), colCount=3),
+        self._legends = {id(self.kv_plot): self.kv_plot.addLegend(offset=(-8, -4), colCount=4),
                          id(self.mem_plot): mem_legend, id(self.kv_view): mem_legend}
         self._legends[id(self.quality_view)] = self._legends[id(self.kv_plot)]
         self._build_curves()
@@ -264,6 +264,12 @@ class LivePlots(QWidget):
         self._add_curve("kv_reserved", self.kv_plot, t, "token", "kv_reserved", "llama.cpp reserved", fill=True, z=0,
                         color="kv_share")
         self._add_curve("kv_used", self.kv_plot, t, "token", "kv_used", "used", z=3, color="allocated")
+        # The previous live run's KV curve (hold_previous), dotted under this one: not decimated, it is fixed.
+        self.previous_curve = pg.PlotDataItem()
+        self.previous_curve.setZValue(-2)
+        self.previous_curve.setVisible(False)
+        self.kv_plot.addItem(self.previous_curve)
+        self._previous = None
         self._add_curve("device_used", self.mem_plot, m, "time", "device_used", "device used (NVML)")
         self._add_curve("process_gpu", self.mem_plot, m, "time", "process_gpu", "process (GPU)")
         self._add_curve("process_rss", self.mem_plot, m, "time", "process_rss", "process (RSS)")
@@ -359,6 +365,10 @@ class LivePlots(QWidget):
             if curve.in_legend and curve.legend is not None:
                 curve.legend.removeItem(curve.item)
                 curve.legend.addItem(curve.item, curve.name)
+        if hasattr(self, "previous_curve"):
+            self.previous_curve.setPen(pg.mkPen(theme.text, width=theme.line_width * 1.6, style=Qt.PenStyle.DotLine))
+            if self.previous_curve.isVisible():
+                self._show_previous()  # its legend sample follows the theme too
         for marker in self.markers:
             self._style_marker(marker)
         for mark in self.spikes:
@@ -373,8 +383,43 @@ class LivePlots(QWidget):
     # ---------------------------------------------------------------------------------------------
     # data in
 
+    def hold_previous(self, label: str) -> bool:
+        """Keep this run's KV curve (observed, or what llama.cpp reserved) to draw, dotted, under the next run:
+        a transformers run's growing cache beside a llama.cpp run's prepayment of the same model, or two
+        settings side by side. False if there is no curve to keep. ``reset`` keeps it; ``drop_previous`` ends it."""
+        tokens = self.tokens.column("token")
+        for key in ("kv_observed", "kv_reserved"):
+            y = self.tokens.column(key)
+            ok = np.isfinite(y) if len(y) else np.zeros(0, dtype=bool)
+            if ok.any():
+                self._previous = (tokens[ok].astype(float), y[ok].astype(float), label)
+                return True
+        self._previous = None
+        return False
+
+    def drop_previous(self) -> None:
+        self._previous = None
+        self._show_previous()
+
+    @property
+    def previous_label(self) -> str | None:
+        return self._previous[2] if getattr(self, "_previous", None) else None
+
+    def _show_previous(self) -> None:
+        item, legend = self.previous_curve, self._legends[id(self.kv_plot)]
+        legend.removeItem(item)
+        previous = getattr(self, "_previous", None)
+        if previous is None:
+            item.setData([], [])
+            item.setVisible(False)
+            return
+        x, y, label = previous
+        item.setData(x, y)
+        item.setVisible(True)
+        legend.addItem(item, label)
+
     def reset(self) -> None:
-        """Forget everything (a new run)."""
+        """Forget everything (a new run) but the previous run's curve, if one is held (``hold_previous``)."""
         self.capacity_line.setVisible(False)
         self.capacity_line.setValue(0)
         self.tokens.clear()
@@ -403,6 +448,7 @@ class LivePlots(QWidget):
             curve.y_range = None
         self._empty_ranges()
         self.apply_theme(self.theme)
+        self._show_previous()
 
     def _empty_ranges(self) -> None:
         """Axes that read as a run about to start (0-256 tokens, 0-1 MiB, 0-60 s), not pyqtgraph's 0-1."""

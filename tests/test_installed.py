@@ -429,3 +429,36 @@ def test_an_ollama_model_loads_in_the_calculator_from_its_blob(qtbot, tmp_path, 
     qtbot.waitUntil(lambda: tab.spec is not None and tab.spec.num_layers == 3, timeout=60_000)
     assert (tab.spec.num_query_heads, tab.spec.num_kv_heads) == (4, 2)
     tab.shutdown()
+
+
+def test_an_installed_gguf_runs_with_llamacpp_and_ollamas_num_ctx(qtbot, tmp_path, monkeypatch, settings, capsys):
+    """An Ollama model is a GGUF blob: the Source list's request runs it with llama.cpp, at the num_ctx its
+    Modelfile sets (Max context, when set, wins), and llama.cpp runs the blob as it is (no .gguf suffix)."""
+    import main
+    from tests import gguf_models
+    from ui.controls import SOURCES
+    from ui.main_window import MainWindow
+
+    store = tmp_path / "store"
+    monkeypatch.setenv("OLLAMA_MODELS", str(store))
+    digest = ollama_blob(store, gguf_models.llama(tmp_path / "tiny.gguf").read_bytes())
+    params = ollama_blob(store, json.dumps({"num_ctx": 1024}).encode())
+    ollama_manifest(store, "registry.ollama.ai/library/tiny/latest",
+                    [(installed.OLLAMA_MODEL, digest), (installed.OLLAMA_PARAMS, params)])
+    w = MainWindow(settings=settings, start_engine=False)
+    qtbot.addWidget(w)
+    c = w.controls
+    scanned(qtbot, c.installed)
+    c.source_combo.setCurrentIndex(SOURCES.index("installed"))
+    i = c.installed_combo.findText("tiny:latest", Qt.MatchFlag.MatchStartsWith)
+    c.installed_combo.setCurrentIndex(i)
+    c.max_context_spin.setValue(0)
+    request = w.build_request()
+    blob = c.installed_combo.itemData(i)
+    assert (request.runtime, request.source, request.llamacpp.n_ctx) == ("llama.cpp", blob, 1024)
+    c.max_context_spin.setValue(2048)
+    assert w.build_request().llamacpp.n_ctx == 2048
+    w.shutdown()
+    pytest.importorskip("llama_cpp")
+    assert main.main(["run", "--runtime", "llama.cpp", "--model", blob, "-c", "1024", "--tokens", "3"]) == 0
+    assert "llama.cpp reserved 524,288 B at load" in capsys.readouterr().out  # 1,024 cells x 512 B, from the blob

@@ -21,6 +21,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QFileDialog, QGroupBox, QHB
                                QPlainTextEdit, QPushButton, QScrollArea, QSpinBox, QStackedWidget, QToolButton,
                                QVBoxLayout, QWidget)
 
+from core.gguf import is_gguf_source
 from core.attention import parse_attention
 from core.caches import parse_cache
 from core.installed import ORIGINS, InstalledModel, find_installed
@@ -520,6 +521,11 @@ class ControlsPanel(QScrollArea):
             source = self.installed_combo.currentData() or ""
             if not source:
                 raise SpecError("pick an installed model (or add a folder that holds models)")
+            model = self._installed_model(source)
+            if (model.kind == "gguf") if model is not None else is_gguf_source(source):  # before the scan is back
+                # A GGUF (Ollama's, LM Studio's...) runs where it was made to run: llama.cpp, with the context
+                # Ollama's Modelfile sets (num_ctx) unless Max context says otherwise.
+                return self._llamacpp_request(source, default_ctx=model.num_ctx)
         elif kind == "folder":
             source = self.folder_edit.text().strip()
             if not source:
@@ -554,15 +560,21 @@ class ControlsPanel(QScrollArea):
             kwargs["prompt"] = prompt
         return RunRequest(**kwargs)
 
-    def _llamacpp_request(self) -> RunRequest:
-        """A llama.cpp run: the GGUF (empty: the embedded model converted), -c from Max context (0: 4096, as
-        llama-server's), the KV type from the Cache combo where it names one (else f16)."""
+    def _installed_model(self, source: str):
+        """The scan's InstalledModel for ``source`` (None when the scan has not listed it)."""
+        models = self.installed.models if self.installed is not None else []
+        return next((m for m in models if m.source == source), None)
+
+    def _llamacpp_request(self, source: str | None = None, default_ctx: int | None = None) -> RunRequest:
+        """A llama.cpp run: the GGUF (``source``, else the file chosen, else the embedded model converted), -c from
+        Max context (0: ``default_ctx`` or 4096, as llama-server's), the KV type from the Cache combo where it
+        names one (else f16)."""
         if self.llamacpp_missing:
             raise SpecError(self.llamacpp_missing)
-        source = self.gguf_edit.text().strip() or "embedded"
+        source = source or self.gguf_edit.text().strip() or "embedded"
         cache = self.cache_combo.currentData() or ""
         kv = cache if cache in LLAMACPP_CACHE_TYPES else "f16"
-        options = LlamaCppOptions(n_ctx=self.max_context_spin.value() or 4096, type_k=kv, type_v=kv)
+        options = LlamaCppOptions(n_ctx=self.max_context_spin.value() or default_ctx or 4096, type_k=kv, type_v=kv)
         kwargs = dict(source=source, runtime="llama.cpp", llamacpp=options, max_new_tokens=self.max_tokens_spin.value())
         prompt = self.prompt_edit.toPlainText().strip()
         if prompt:

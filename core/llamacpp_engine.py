@@ -92,18 +92,14 @@ class Allocation:
 def allocation_of(ctx: Any, n_swa: int) -> Allocation:
     """The allocation of a loaded ``LlamaCppContext``: its logged caches and the bytes of one cell, measured.
 
-    The measurement gives the bytes of a cell over every cache together; with two caches (a model with window
-    layers) each cache's share is its logged size per cell, rounded, the full cache taking the rest. Leaves the
+    The bytes of one cell in each cache are read from llama.cpp's own state of a one-token sequence
+    (``LlamaCppContext.measure_cell_bytes``: every layer's K and V row size as llama.cpp writes it). Leaves the
     context's memory empty."""
     caches = tuple(ctx.caches)
     if not caches:
         raise LlamaCppRunError(f"llama.cpp logged no KV cache for {ctx.path.name} (a model without a KV cache, "
                                "or a llama.cpp whose log KV Scope does not read)")
-    total = ctx.measure_bytes_per_cell()
-    from core.llamacpp_live import MIB
-
-    shares = [round(c.size_mib * MIB / max(1, c.cells * c.streams)) for c in caches]
-    per_cell = tuple([total - sum(shares[1:])] + shares[1:]) if len(caches) > 1 else (total,)
+    per_cell = ctx.measure_cell_bytes()
     windows = tuple(n_swa if i > 0 and n_swa else 0 for i in range(len(caches)))
     return Allocation(caches, per_cell, windows)
 

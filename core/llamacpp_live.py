@@ -30,6 +30,8 @@ from core.llamacpp import LlamaCppOptions
 MIB = 1024 * 1024
 #: ``llama_kv_cache::state_write_meta`` per cell of one sequence: pos (int32), n_seq_id (uint32), seq_id (int32).
 CELL_META_BYTES = 12
+#: ``io_magic`` of src/llama-context.cpp, first in a sequence's state (then the sequence id).
+STATE_IO_MAGIC = 0xAF143CD8
 _SIZE_LINE = re.compile(
     r"llama_kv_cache: size =\s*([\d.]+) MiB \(\s*(\d+) cells,\s*(\d+) layers,\s*(\d+)/(\d+) seqs\), "
     r"K \((\w+)\):\s*([\d.]+) MiB, V \((\w+)\):\s*([\d.]+) MiB")
@@ -206,6 +208,28 @@ class LlamaCppContext:
         self.clear()
         return two - one - CELL_META_BYTES * len(self.caches)
 
+    def state_bytes(self, seq: int = 0) -> bytes:
+        """``llama_state_seq_get_data``: sequence ``seq``'s saved state, as llama.cpp writes it."""
+        size = self.state_size(seq)
+        buf = (ctypes.c_uint8 * size)()
+        n = int(self._ll.llama_state_seq_get_data(self.ctx, buf, size, seq))
+        return bytes(buf[:n])
+
+    def measure_cell_bytes(self) -> tuple[int, ...]:
+        """Per cache, K + V bytes of one cell over its layers, read from llama.cpp's own state of a one-token
+        sequence (``parse_cell_rows``); falls back to one total split by the log's sizes where the state holds
+        what this reader does not know. The memory is cleared afterwards."""
+        self.clear()
+        self.decode([1], 0)
+        state = self.state_bytes()
+        self.clear()
+        rows = parse_cell_rows(state, [c.v_mib > 0 for c in self.caches])
+        if rows is not None and len(rows) == len(self.caches):
+            return tuple(rows)
+        total = self.measure_bytes_per_cell()
+        shares = [round(c.size_mib * MIB / max(1, c.cells * c.streams)) for c in self.caches]
+        return tuple([total - sum(shares[1:])] + shares[1:]) if len(self.caches) > 1 else (total,)
+
     def weights_bytes(self) -> int:
         """``llama_model_size``: the bytes of the model's tensors as llama.cpp loaded them."""
         return int(self._ll.llama_model_size(self.model))
@@ -259,6 +283,65 @@ class Sampler:
             self.chain = None
 
 
+def parse_cell_rows(state: bytes, has_v: list[bool]) -> list[int] | None:
+    """The bytes of one cell in each cache, from a one-sequence state (``llama_context::state_seq_get_data``:
+    a magic number and the sequence id, then ``llama_kv_cache::state_write`` per cache: the streams, each stream's cell count, 12 bytes of metadata per cell, then per layer the K type and
+    row size and the rows, then the V rows, or with V transposed the element size and width). ``has_v`` says,
+    per cache, whether it stores V (MLA caches K only). Without flash attention a cache whose layers' V widths
+    differ allocates every V row at the widest (``n_embd_v_gqa_max``): so do the rows returned. None when the
+    bytes do not parse exactly (a layout this reader does not know, such as M-RoPE's cell extension)."""
+    import struct
+
+    at, rows, v_widths = 0, [], []
+
+    def take(fmt: str):
+        nonlocal at
+        values = struct.unpack_from("<" + fmt, state, at)
+        at += struct.calcsize("<" + fmt)
+        return values
+
+    try:
+        magic, _seq = take("Ii")  # llama_context::state_seq_get_data: io_magic, then the sequence id
+        if magic != STATE_IO_MAGIC:
+            return None
+        for v_present in has_v:
+            (n_stream,) = take("I")
+            row = None
+            for _ in range(n_stream):
+                (cells,) = take("I")
+                if cells == 0:
+                    continue
+                for _ in range(cells):
+                    _pos, n_seq = take("iI")
+                    at += 4 * n_seq
+                v_trans, n_layer = take("II")
+                k_rows, v_rows = [], []
+                for _ in range(n_layer):
+                    _type, k_row = take("iQ")
+                    at += k_row * cells
+                    k_rows.append(k_row)
+                for _ in range(n_layer if v_present else 0):
+                    if v_trans:
+                        _type, el, width = take("iII")
+                        at += el * width * cells
+                        v_rows.append((el, width))
+                    else:
+                        _type, v_row = take("iQ")
+                        at += v_row * cells
+                        v_rows.append((1, v_row))
+                row = (k_rows, v_rows, bool(v_trans))
+            if row is None:
+                return None
+            rows.append(row)
+            v_widths += [w for _, w in row[1]] if row[2] else []
+    except (struct.error, OverflowError):
+        return None
+    if at != len(state):
+        return None
+    widest = max(v_widths, default=0)
+    return [sum(k) + sum(el * (widest if trans else w) for el, w in v) for k, v, trans in rows]
+
+
 @dataclass(frozen=True)
 class Observed:
     """What llama.cpp allocated, from its own figures."""
@@ -266,6 +349,7 @@ class Observed:
     caches: tuple[LoggedCache, ...]
     bytes_per_cell: int  # K + V of one cell over every cache (state growth per token, metadata removed)
     buffers: tuple[tuple[str, float], ...]
+    cell_bytes: tuple[int, ...] = ()  # per cache, from llama.cpp's own state bytes (parse_cell_rows)
 
     @property
     def cells(self) -> tuple[int, ...]:
@@ -281,4 +365,4 @@ def observe(path: str | Path, options: LlamaCppOptions | None = None) -> Observe
         ctx.decode([bos], 1)
         two = ctx.state_size()
         per_cell = two - one - CELL_META_BYTES * len(ctx.caches)
-        return Observed(tuple(ctx.caches), per_cell, tuple(ctx.buffers))
+        return Observed(tuple(ctx.caches), per_cell, tuple(ctx.buffers), ctx.measure_cell_bytes())

@@ -89,6 +89,7 @@ def test_prediction_equals_llamacpp_allocation(case, gguf_files):
         (b.cells, len(b.layers), b.streams, options.n_seq_max) for b in predicted.buffers], "caches differ"
     assert [(c.type_k, c.type_v) for c in seen.caches] == [(options.type_k, options.type_v)] * len(predicted.buffers)
     assert seen.bytes_per_cell == sum(b.row_bytes for b in predicted.buffers), "bytes per cell differ"
+    assert seen.cell_bytes == tuple(b.row_bytes for b in predicted.buffers), "a cache's bytes per cell differ"
     for logged, b in zip(seen.caches, predicted.buffers):
         assert logged.size_mib == _mib(b.total), f"{b.name}: logged {logged.size_mib} MiB, predicted {b.total:,} B"
         assert logged.k_mib == _mib(b.k_bytes) and logged.v_mib == _mib(b.v_bytes)

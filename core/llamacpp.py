@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass
 
 from core.attention import SettingsError
-from core.spec import NO_KV, SLIDING_ATTENTION, ModelSpec, human_bytes
+from core.spec import INDEXED_ATTENTION, NO_KV, ModelSpec, human_bytes
 
 LLAMA_CPP_COMMIT = "0c1e570"
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
@@ -204,16 +204,21 @@ def _layers_of(source) -> tuple[list[_Layer], int, int, str, str]:
                                  g.is_swa[il]))
         return layers, g.n_layer, g.n_swa, g.arch, g.path.name
     spec: ModelSpec = source
+    from core.caches import kv_layout
+
+    if any(kind == INDEXED_ATTENTION for kind in spec.layer_types):
+        raise SettingsError(f"{spec.label}: llama.cpp gives indexed (DSA) attention a cache of its own, whose "
+                            "allocation KV Scope does not follow yet")
     layers = []
-    for il, kind in enumerate(spec.layer_types):
-        if kind == NO_KV:
-            continue
-        if spec.is_mla:
-            rope = spec.qk_rope_head_dim or 0
-            layers.append(_Layer(il, spec.kv_lora_rank + rope, 0, spec.kv_lora_rank + rope, spec.kv_lora_rank, False))
-        else:
-            w = spec.num_kv_heads * spec.head_dim
-            layers.append(_Layer(il, w, w, spec.head_dim, spec.head_dim, kind == SLIDING_ATTENTION))
+    kv_layers = [il for il, kind in enumerate(spec.layer_types) if kind != NO_KV]
+    if spec.is_mla:
+        rope = spec.qk_rope_head_dim or 0
+        layers = [_Layer(il, spec.kv_lora_rank + rope, 0, spec.kv_lora_rank + rope, spec.kv_lora_rank, False)
+                  for il in kv_layers]
+    else:  # each layer as transformers' config describes it (per-layer heads and widths where they differ)
+        for il, shape in zip(kv_layers, kv_layout(spec)):
+            layers.append(_Layer(il, shape.heads * shape.k_dim, shape.heads * shape.v_dim, shape.k_dim, shape.v_dim,
+                                 shape.window is not None))
     return layers, spec.num_layers, spec.sliding_window or 0, spec.model_type, spec.label
 
 

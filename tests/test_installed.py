@@ -417,7 +417,9 @@ def test_an_ollama_model_loads_in_the_calculator_from_its_blob(qtbot, tmp_path, 
     monkeypatch.setenv("OLLAMA_MODELS", str(store))
     built = gguf_models.llama(tmp_path / "tiny.gguf", n_layer=3)
     digest = ollama_blob(store, built.read_bytes())
-    ollama_manifest(store, "registry.ollama.ai/library/tiny/latest", [(installed.OLLAMA_MODEL, digest)])
+    params = ollama_blob(store, json.dumps({"num_ctx": 2048}).encode())
+    ollama_manifest(store, "registry.ollama.ai/library/tiny/latest",
+                    [(installed.OLLAMA_MODEL, digest), (installed.OLLAMA_PARAMS, params)])
     tab = CalculatorTab()
     qtbot.addWidget(tab)
     tab.restore_settings(settings)
@@ -428,6 +430,9 @@ def test_an_ollama_model_loads_in_the_calculator_from_its_blob(qtbot, tmp_path, 
     tab.model_combo.activated.emit(i)
     qtbot.waitUntil(lambda: tab.spec is not None and tab.spec.num_layers == 3, timeout=60_000)
     assert (tab.spec.num_query_heads, tab.spec.num_kv_heads) == (4, 2)
+    # A GGUF is what llama.cpp runs: the tab shows llama.cpp's allocation, at the Modelfile's num_ctx.
+    assert tab.runtime == "llama.cpp" and tab.state.context == 2048
+    assert tab.state.kv == 2048 * 3 * 2 * 64 * 2  # 2,048 cells x 3 layers x (K + V of 2 heads x 32) x 2 B
     tab.shutdown()
 
 

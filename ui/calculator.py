@@ -528,6 +528,19 @@ class CalculatorTab(QWidget):
             return
         self._specs[self._pending_source] = spec
         self.set_spec(spec)
+        self._follow_installed(self._pending_source)
+
+    def _follow_installed(self, source: str) -> None:
+        """A GGUF runs in llama.cpp (Ollama, LM Studio): picking one shows llama.cpp's allocation, at the context its
+        Ollama Modelfile sets (num_ctx) when it sets one."""
+        model = next((m for m in (self.installed.models if self.installed is not None else []) if m.source == source),
+                     None)
+        if model is None and not (isinstance(self.spec.config, dict) and self.spec.config.get("gguf")):
+            return
+        if self.runtime != "llama.cpp":
+            self.runtime_combo.setCurrentIndex(self.runtime_combo.findData("llama.cpp"))
+        if model is not None and model.num_ctx:
+            self.set_context(model.num_ctx)
 
     def set_spec(self, spec: ModelSpec, source: str | None = None) -> None:
         """Show ``spec`` (also used for the model the Live tab loaded)."""

@@ -56,9 +56,10 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quality-probe", action="store_true",
                    help="also run every token through a full-cache twin and report top-1 agreement and KL of the "
                         "next-token distributions (costs a second forward pass and a second cache; off by default)")
-    p.add_argument("--runtime", default="transformers", choices=("transformers", "llama.cpp"),
+    p.add_argument("--runtime", default=None, choices=("transformers", "llama.cpp"),
                    help="llama.cpp: generate in the real llama.cpp (a .gguf --model; default the embedded model "
-                        "converted) and watch the KV cache it reserves at load against the cells that hold tokens")
+                        "converted) and watch the KV cache it reserves at load against the cells that hold tokens "
+                        "(default: llama.cpp for a .gguf --model, else transformers)")
     p.add_argument("--context", "-c", default=None, metavar="N",
                    help="--runtime llama.cpp: the context llama.cpp allocates, as llama-server's -c (default 4096)")
     _add_llamacpp_options(p)
@@ -329,7 +330,11 @@ def _run_request(args: argparse.Namespace):
                 check_output_path(path, inputs=(args.prompt_file,), force=args.force, allow_stdout=False)
             except OutputError as exc:
                 raise CliError(f"{what}{exc}") from None
-    runtime = getattr(args, "runtime", "transformers") or "transformers"
+    runtime = getattr(args, "runtime", None)
+    if runtime is None:  # a GGUF runs where it was made to run
+        from core.gguf import is_gguf_source
+
+        runtime = "llama.cpp" if args.model and is_gguf_source(str(args.model).strip()) else "transformers"
     llamacpp = None
     if runtime == "llama.cpp":
         llamacpp = _llamacpp_run_options(args)

@@ -182,3 +182,12 @@ def test_embedded_gguf_generates_what_transformers_generates():
     finally:
         llm.close()
     assert out == hf, (tok.decode(hf), tok.decode(out))
+
+
+def test_run_takes_a_gguf_to_llamacpp_without_being_told(gguf_files, capsys):
+    import main
+
+    assert main.main(["run", "--model", str(gguf_files["gemma3-swa"]), "--tokens", "2", "-c", "512"]) == 0
+    out = capsys.readouterr().out
+    expected = plan(read_gguf(gguf_files["gemma3-swa"]), LlamaCppOptions(n_ctx=512)).kv_bytes
+    assert f"llama.cpp reserved {expected:,} B at load" in out

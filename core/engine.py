@@ -350,6 +350,8 @@ class Engine:
             exact = convert.convert_cache_kv_heads(self.cache, old_heads, target) and exact
             notes.append(f"{old_heads} -> {target} K/V heads, " + ("exact (heads repeated)" if exact
                                                                    else "approximate (heads mean-pooled)"))
+        if pattern_changed and before.layer_states:
+            return self._rerun("the layers' states beside K/V are recomputed in the new cache")
         if pattern_changed:
             fresh = self._new_cache()
             convert.refill_cache(fresh, convert.dense_kv(self.cache), seq_length=self.seq_len)
@@ -500,6 +502,10 @@ class Engine:
         if INDEXED_ATTENTION in self.spec.layer_types:
             # A DSA layer's indexer keys cannot be carried across (dense_kv reads K/V only): recompute them.
             return self._rerun("the sparse-attention indexer keys are recomputed in the new cache")
+        if effective_spec(self.spec, self.settings).layer_states:
+            # Nor can the states layers keep beside K/V (convolution, recurrent, compressor): a fresh cache filled
+            # with K/V alone would start them from zero at the next token.
+            return self._rerun("the layers' states beside K/V are recomputed in the new cache")
         if dropped:
             return self._rerun(f"the {old.key} cache has dropped {dropped:,} of them")
         if strategy.needs_attention_weights:

@@ -119,7 +119,12 @@ def header_for(spec: Any, device: str | Mapping[str, Any], settings: Mapping[str
         if f.name == "config":
             continue
         value = getattr(spec, f.name)
-        model[f.name] = list(value) if isinstance(value, tuple) else value
+        if f.name == "layer_states":  # core.states.LayerState: each as its JSON list
+            model[f.name] = None if value is None else [st.to_json() for st in value]
+        elif f.name == "layer_kv":  # core.states.KVShape tuples
+            model[f.name] = None if value is None else [list(shape) for shape in value]
+        else:
+            model[f.name] = list(value) if isinstance(value, tuple) else value
     model["label"] = getattr(spec, "label", model.get("name"))
     device_dict = {"name": device} if isinstance(device, str) else dict(device)
     return {
@@ -813,6 +818,9 @@ def spec_from_header(header: Mapping[str, Any]):
     if len(kwargs["layer_types"]) != layers:
         raise RecordingError(f"bad header: model.layer_types has {len(kwargs['layer_types']):,} entries "
                              f"for {layers:,} layers")
+    for name in ("layer_states", "layer_kv"):
+        if kwargs.get(name) is not None and len(kwargs[name]) != layers:
+            raise RecordingError(f"bad header: model.{name} has {len(kwargs[name]):,} entries for {layers:,} layers")
     try:
         canonical_dtype(kwargs["dtype"])
     except SpecError:
@@ -827,9 +835,10 @@ def _model_fields(model: Mapping[str, Any], *, complete: bool) -> dict[str, Any]
     ints from 0 to ``MAX_INT``, ``layer_types`` a list of known kinds. Fields the spec does not
     have are left out. ``complete``: a required field missing is an error (the reader, which
     also reads minimal headers, checks only the fields present). RecordingError ``bad header: ...``."""
-    from core.spec import FULL_ATTENTION, INDEXED_ATTENTION, SLIDING_ATTENTION, ModelSpec
+    from core.spec import LAYER_KINDS, ModelSpec
+    from core.states import kv_shapes_from_json, states_from_json
 
-    kinds = (FULL_ATTENTION, SLIDING_ATTENTION, INDEXED_ATTENTION)
+    kinds = LAYER_KINDS
     kwargs: dict[str, Any] = {}
     for f in dataclasses.fields(ModelSpec):
         name, t = f.name, str(f.type)
@@ -843,6 +852,14 @@ def _model_fields(model: Mapping[str, Any], *, complete: bool) -> dict[str, Any]
         value = model[name]
         if value is None and "None" in t:
             kwargs[name] = None
+            continue
+        if name in ("layer_states", "layer_kv"):  # per layer: what it holds beside K/V, its K/V shape
+            parsed = (states_from_json if name == "layer_states" else kv_shapes_from_json)(value)
+            if parsed is False or parsed is None or len(parsed) > MAX_INT or any(
+                    not all(_count(v) for v in (p.to_json() if name == "layer_states" else p)) for p in parsed):
+                raise RecordingError(f"bad header: model.{name} must be a list, one entry per layer, of "
+                                     f"{'states' if name == 'layer_states' else 'K/V shapes'} as KV Scope writes them")
+            kwargs[name] = parsed
             continue
         if t.startswith("tuple"):
             if not isinstance(value, list) or len(value) > MAX_INT or not all(type(v) is str and v in kinds

@@ -590,3 +590,31 @@ def test_spec_from_header_refuses_shapes_the_window_cannot_show(changes, why):
     header["model"].update(changes)
     with pytest.raises(RecordingError, match=re.escape(why)):
         spec_from_header(header)
+
+
+@pytest.mark.parametrize("model_type", ["mamba2", "mimo_v2_flash", "falcon_h1"])
+def test_a_recording_of_a_model_with_states_or_layer_shapes_writes_and_replays(model_type, tmp_path):
+    """Models whose spec carries per-layer states (Mamba's, the hybrids') or K/V shapes of their own (MiMo's window
+    layers): the header is written (LayerState is stored as its JSON list) and read back to the same spec, and the
+    kinds of layer it names (no_kv included) are accepted."""
+    from core.recording import spec_from_header
+    from core.spec import load_spec
+    from tests import archs
+
+    pytest.importorskip("torch")
+    try:
+        folder = archs.build_tiny_folder(model_type, tmp_path)
+    except archs.TinyBuildError as exc:
+        pytest.skip(str(exc))
+    spec = load_spec(str(folder))
+    assert spec.layer_states is not None or spec.layer_kv is not None
+    path = tmp_path / "r.jsonl"
+    with RecordingWriter(path, header_for(spec, "cpu", {"cache": "dynamic"}, "0.1.0")) as w:
+        w.write(make_sample(0))
+    back = spec_from_header(read_header(path))
+    assert (back.layer_types, back.layer_states, back.layer_kv) == (spec.layer_types, spec.layer_states, spec.layer_kv)
+    assert back == spec  # every field but the raw config (not compared)
+    damaged = read_header(path)
+    damaged["model"]["layer_kv" if spec.layer_kv is not None else "layer_states"] = [[1, 2]]
+    with pytest.raises(RecordingError, match="bad header"):
+        spec_from_header(damaged)

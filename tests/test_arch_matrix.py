@@ -17,6 +17,9 @@ Architectures that cannot be built tiny here are skipped with the reason ``archs
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 
 from tests import archs
@@ -146,6 +149,12 @@ def test_every_switch_applies_exactly_or_is_refused_cleanly(model_type, arch_roo
             _switch(engine, key, native[key], outcomes)
             _exact(engine.step(), f"after {key}={value} and back")
     assert engine.seq_len == prompt.shape[1] + engine.generated
+    table = os.environ.get("KVSCOPE_MATRIX_OUTCOMES")  # scripts/matrix_table.py: the applied/refused table
+    if table:
+        with open(table, "a", encoding="utf-8") as fh:
+            for key, value, outcome, text in outcomes:
+                fh.write(json.dumps({"model_type": model_type, "key": key, "value": value, "outcome": outcome,
+                                     "text": text}) + "\n")
     # A refusal names what is wrong, not an internal failure (those say "transformers could not run it").
     internal = [o for o in outcomes if o[2] == "refused" and "could not run it" in o[3]]
     for key, value, _, text in internal:

@@ -53,14 +53,7 @@ class GgufTensor:
     ggml_type: str  # "F16", "Q8_0"...
     shape: tuple[int, ...]  # ggml order (ne0 first)
     n_bytes: int
-
-    @property
-    def layer(self) -> int | None:
-        """The block this tensor belongs to (``blk.N.``), None for the token embedding, output and norms."""
-        if self.name.startswith("blk."):
-            part = self.name.split(".", 2)[1]
-            return int(part) if part.isdigit() else None
-        return None
+    layer: int | None = None  # the block it belongs to (``blk.N.``); None: the token embedding, output and norms
 
     @property
     def elements(self) -> int:
@@ -97,7 +90,6 @@ class GgufModel:
     n_layer_kv_from_start: int  # -1: every layer has its own K/V
     tensors: tuple[GgufTensor, ...]
     file_type: str = ""
-    metadata_keys: int = 0
 
     @property
     def n_layer(self) -> int:
@@ -142,8 +134,14 @@ class GgufModel:
             out[t.ggml_type] = out.get(t.ggml_type, 0) + t.n_bytes
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
-    def layer_bytes(self, il: int) -> int:
-        return sum(t.n_bytes for t in self.tensors if t.layer == il)
+    @functools.cached_property
+    def bytes_by_layer(self) -> dict[int | None, int]:
+        """Tensor bytes per block (None: the tensors outside the blocks), summed once: the calculator asks at
+        every context it draws."""
+        out: dict[int | None, int] = {}
+        for t in self.tensors:
+            out[t.layer] = out.get(t.layer, 0) + t.n_bytes
+        return out
 
     def spec(self) -> ModelSpec:
         """The ModelSpec of this file, for every part of KV Scope that reads one (calc's transformers runtime,
@@ -297,7 +295,10 @@ def _read(path: Path) -> GgufModel:
         n_vocab = len(tokens.data) if tokens is not None else 0
     tensors = []
     for t in reader.tensors:
-        tensors.append(GgufTensor(str(t.name), t.tensor_type.name, tuple(int(x) for x in t.shape), int(t.n_bytes)))
+        name = str(t.name)
+        block = name.split(".", 2)[1] if name.startswith("blk.") else ""
+        tensors.append(GgufTensor(name, t.tensor_type.name, tuple(int(x) for x in t.shape), int(t.n_bytes),
+                                  int(block) if block.isdigit() else None))
     file_type = _key(fields, "general.file_type")
     try:
         from gguf import LlamaFileType
@@ -317,7 +318,7 @@ def _read(path: Path) -> GgufModel:
         head_k_mla=_count(key("attention.key_length_mla", 0), "attention.key_length_mla", path),
         head_v_mla=_count(key("attention.value_length_mla", 0), "attention.value_length_mla", path),
         n_layer_kv_from_start=_kv_from_start(arch, n_layer_all, key("attention.shared_kv_layers", 0)),
-        tensors=tuple(tensors), file_type=file_type, metadata_keys=len(fields),
+        tensors=tuple(tensors), file_type=file_type,
     )
 
 

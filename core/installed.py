@@ -171,16 +171,15 @@ def _hf_cache(cache: str | Path | None) -> list[InstalledModel]:
 
 def _is_model_config(path: Path) -> bool:
     """A transformers config (names a model type or its architectures), not any JSON called config.json."""
+    from core.spec import SpecError, read_config_json
+
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_CONFIG_BYTES + 1)
-        if len(data) > MAX_CONFIG_BYTES:
+        if path.stat().st_size > MAX_CONFIG_BYTES:
             return False
-        cfg = json.loads(data)
-    except (OSError, ValueError):  # unreadable, not UTF-8, not JSON
+        cfg = read_config_json(path)  # the one reader: not UTF-8, not JSON, not an object, nested absurdly deep
+    except (OSError, SpecError):
         return False
-    return isinstance(cfg, dict) and (isinstance(cfg.get("model_type"), str) or
-                                      isinstance(cfg.get("architectures"), list))
+    return isinstance(cfg.get("model_type"), str) or isinstance(cfg.get("architectures"), list)
 
 
 # ------------------------------------------------------------------------------------------------

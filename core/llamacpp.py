@@ -25,7 +25,6 @@ for before the first token. "Used" bytes are the cells that hold tokens so far.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from core.attention import SettingsError
@@ -114,12 +113,11 @@ class KvBuffer:
     def total(self) -> int:
         return self.k_bytes + self.v_bytes
 
-    def log_line(self, type_k: str, type_v: str, n_seq_max: int) -> str:
-        """llama.cpp's own ``llama_kv_cache: size = ...`` line for this cache."""
-        mib = 1024.0 * 1024.0
-        return (f"llama_kv_cache: size = {self.total / mib:7.2f} MiB ({self.cells:6d} cells, {len(self.layers):3d} layers, "
-                f"{n_seq_max:2d}/{self.streams} seqs), K ({type_k}): {self.k_bytes / mib:7.2f} MiB, "
-                f"V ({type_v}): {self.v_bytes / mib:7.2f} MiB")
+
+def cells_held(tokens: int, window: int, cells: int) -> int:
+    """The cells of one stream that ``tokens`` tokens of a sequence occupy: every token, or in a window cache the
+    window and the token being decoded; never more than the stream has."""
+    return min(tokens if not window else min(tokens, window + 1), cells)
 
 
 @dataclass(frozen=True)
@@ -154,9 +152,10 @@ class LlamaCppPlan:
         full layer, at most the window (plus the batch being decoded) in a window layer."""
         used = 0
         for b in self.buffers:
-            keep = tokens if not b.window else min(tokens, b.window + 1)
-            used += b.row_bytes * min(keep, b.cells) * min(sequences, b.streams or 1) if b.streams > 1 else \
-                b.row_bytes * min(keep * sequences, b.cells)
+            if b.streams > 1:  # a stream per sequence
+                used += b.row_bytes * cells_held(tokens, b.window, b.cells) * min(sequences, b.streams)
+            else:  # one stream shared by the sequences
+                used += b.row_bytes * min(cells_held(tokens, b.window, b.cells) * sequences, b.cells)
         return used
 
     def to_json(self) -> dict:
@@ -298,13 +297,13 @@ def plan(source, options: LlamaCppOptions | None = None, n_ctx_train: int | None
     weights = weights_gpu = None
     if isinstance(source, GgufModel):
         weights = source.weight_bytes
-        on = set(gpu_layers)
-        weights_gpu = sum(t.n_bytes for t in source.tensors if t.layer is not None and t.layer in on)
+        by_layer = source.bytes_by_layer
+        weights_gpu = sum(by_layer.get(il, 0) for il in gpu_layers)
         if output_on_gpu:
-            out = [t for t in source.tensors if t.layer is None and not t.name.startswith("token_embd")]
-            weights_gpu += sum(t.n_bytes for t in out)
-            if not any(t.name == "output.weight" for t in out):  # tied: TENSOR_DUPLICATED, a second copy on the GPU
-                dup = sum(t.n_bytes for t in source.tensors if t.name == "token_embd.weight")
+            embd = sum(t.n_bytes for t in source.tensors if t.name == "token_embd.weight")
+            weights_gpu += by_layer.get(None, 0) - embd  # the output layer and norms, not the input layer
+            if not any(t.name == "output.weight" for t in source.tensors):  # tied: TENSOR_DUPLICATED, a GPU copy
+                dup = embd
                 weights_gpu += dup
                 if o.n_gpu_layers != 0:
                     notes.append(f"tied output: llama.cpp loads the token embedding twice, {dup:,} B more on the GPU")
@@ -325,8 +324,7 @@ def render(p: LlamaCppPlan, trained: int | None = None) -> list[str]:
     ]
     for b in p.buffers:
         lines.append(f"  {b.name:>14} cache: {b.cells:,} cells x {b.streams} stream{'s' if b.streams != 1 else ''} x "
-                     f"{len(b.layers)} layers x {b.row_bytes // max(1, len(b.layers)):,} B per layer per cell = "
-                     f"{b.total:,} B ({human_bytes(b.total)})")
+                     f"{b.row_bytes:,} B per cell ({len(b.layers)} layers) = {b.total:,} B ({human_bytes(b.total)})")
     lines.append(f"  KV cache allocated at load: {p.kv_bytes:,} B ({human_bytes(p.kv_bytes)}), the same from the "
                  "first token to the last (prepaid)")
     if p.weights is not None:
@@ -339,11 +337,6 @@ def render(p: LlamaCppPlan, trained: int | None = None) -> list[str]:
     for note in p.notes:
         lines.append(f"  {note}")
     return lines
-
-
-def kv_math_check(p: LlamaCppPlan) -> bool:
-    """Every cache's bytes are its cells x streams x bytes per cell (an invariant the tests rely on)."""
-    return all(b.total == b.row_bytes * b.cells * b.streams for b in p.buffers) and math.isfinite(p.kv_bytes)
 
 
 # --------------------------------------------------------------------------------------------
@@ -367,27 +360,30 @@ class LlamaCppCalc:
                  "total_bytes": p.kv_bytes + self.weights} for c, p in zip(self.contexts, self.plans)]
 
 
+def largest_context_on_gpu(model, options_for, memory: int, weights: int, limit: int = MAX_CONTEXT) -> int | None:
+    """The largest context whose weights and KV on the GPU (``plan``'s -ngl split; ``weights`` where the model is
+    not a GGUF) fit in ``memory``; None if not even one token does. llama.cpp's compute buffers come on top."""
+    from core.predict import last_true
+
+    def fits(n: int) -> bool:
+        p = plan(model, options_for(n))
+        return (p.weights_gpu if p.weights_gpu is not None else weights) + p.kv_gpu_bytes <= memory
+
+    return last_true(fits, 1, limit) if fits(1) else None
+
+
 def calculate_llamacpp(source: str, spec: ModelSpec, contexts: list[int], options_for, gpu_memory: int | None = None
                        ) -> LlamaCppCalc:
     """One llama.cpp plan per context (``options_for(n_ctx)`` gives the options); with ``gpu_memory``, the largest
     context whose weights and KV on the GPU fit in it (llama.cpp's compute buffers come on top: not predicted)."""
     from core.gguf import is_gguf_source, read_gguf
-    from core.predict import last_true
 
     model = read_gguf(source) if is_gguf_source(source) else spec
     plans = tuple(plan(model, options_for(n)) for n in contexts)
     gguf = model is not spec
     weights = model.weight_bytes if gguf else int(spec.num_parameters * 2)
     trained = model.n_ctx_train if gguf else spec.max_position_embeddings
-    fits = None
-    if gpu_memory:
-        def on_gpu(n: int) -> int:
-            p = plan(model, options_for(n))
-            w = p.weights_gpu if p.weights_gpu is not None else weights
-            return w + p.kv_gpu_bytes
-
-        if on_gpu(1) <= gpu_memory:
-            fits = last_true(lambda n: on_gpu(n) <= gpu_memory, 1, MAX_CONTEXT)
+    fits = largest_context_on_gpu(model, options_for, gpu_memory, weights) if gpu_memory else None
     by_type = tuple(model.bytes_by_type().items()) if gguf else ()
     return LlamaCppCalc(spec.label, gguf, plans, tuple(contexts), weights, gpu_memory, fits, trained, by_type)
 
@@ -453,34 +449,30 @@ def options_for(context: int, cache: str = "f16", n_seq_max: int = 1) -> LlamaCp
 
 
 def predict_llamacpp(spec: ModelSpec, context: int, cache: str = "f16", n_seq_max: int = 1):
-    """llama.cpp's allocation for ``context`` as a ``core.predict.Prediction``: weights (a GGUF's tensor bytes, else
-    the parameters at 2 bytes) and the KV allocated at load; llama.cpp's compute buffers are not predicted (None)."""
+    """What llama.cpp puts on the GPU for ``context`` (-ngl all) as a ``core.predict.Prediction``: the weights there
+    (a GGUF's tensors but the token embedding, plus a tied output's copy; else the parameters at 2 bytes) and the
+    KV allocated at load; llama.cpp's compute buffers are not predicted (None)."""
     from core.predict import MemoryBreakdown, Prediction
 
     model = gguf_of(spec) or spec
     p = plan(model, options_for(context, cache, n_seq_max))
-    weights = p.weights if p.weights is not None else int(spec.num_parameters * 2)
+    weights = p.weights_gpu if p.weights_gpu is not None else int(spec.num_parameters * 2)
     return Prediction(context=context, breakdown=MemoryBreakdown(weights=weights, kv_cache=p.kv_bytes, activations=None),
                       activations_prefill=0, activations_decode=0,
                       kv_bytes_per_token=sum(b.row_bytes for b in p.buffers))  # one cell in each cache per token
 
 
 def max_context_llamacpp(spec: ModelSpec, memory: int, cache: str = "f16", limit: int = MAX_CONTEXT) -> int | None:
-    """The largest context whose weights and allocated KV fit in ``memory`` (None: not even one token)."""
-    from core.predict import last_true
-
-    def fits(n: int) -> bool:
-        return predict_llamacpp(spec, n, cache).total <= memory
-
-    if not fits(1):
-        return None
-    return last_true(fits, 1, limit)
+    """The largest context whose GPU weights and allocated KV fit in ``memory`` (None: not even one token), by the
+    same rule as ``calc --runtime llama.cpp --gpu-memory`` (``largest_context_on_gpu``)."""
+    return largest_context_on_gpu(gguf_of(spec) or spec, lambda n: options_for(n, cache), memory,
+                                  int(spec.num_parameters * 2), limit)
 
 
 def formula_llamacpp(spec: ModelSpec, context: int, cache: str = "f16") -> str:
     """The allocation in words, one line per cache: cells x layers x bytes per layer per cell."""
     p = plan(gguf_of(spec) or spec, options_for(context, cache))
-    lines = [f"{b.cells:,} cells \u00d7 {len(b.layers)} layers \u00d7 {b.row_bytes // max(1, len(b.layers)):,} B "
-             f"({b.name}) = {b.total:,} B" for b in p.buffers]
+    lines = [f"{b.cells:,} cells \u00d7 {b.row_bytes:,} B per cell ({len(b.layers)} layers, {b.name}) = {b.total:,} B"
+             for b in p.buffers]
     lines.append(f"allocated at load: {p.kv_bytes:,} B ({human_bytes(p.kv_bytes)}), prepaid for all {p.n_ctx:,} cells")
     return "\n".join(lines)

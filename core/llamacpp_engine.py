@@ -5,7 +5,8 @@ events, the recording, the CLI table and the window all read it. What differs is
 
 - ``kv_bytes_observed``: what llama.cpp reserved for its KV cache when the context was created, taken from the
   allocation itself: the cells, streams and layers its log reports (``llama_kv_cache: size = ...``) times the
-  bytes of one cell measured from the state of a sequence one token apart (``LlamaCppContext.measure_bytes_per_cell``).
+  bytes of one cell in each cache, read from llama.cpp's own state of a one-token sequence
+  (``LlamaCppContext.measure_cell_bytes``).
   It is flat from the first token: the whole context is paid for at load (the prepayment).
 - ``kv_bytes_predicted``: ``core.llamacpp.plan(...).kv_bytes``, the predictor's answer for the same options.
 - ``kv_bytes_used``: the bytes of the cells that hold tokens so far (``llama_memory_seq_pos_max`` + 1 cells
@@ -30,8 +31,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from core.attention import SettingsError, native_attention
-from core.llamacpp import LlamaCppOptions, LlamaCppPlan, plan
-from core.request import ModelInfo, RunRequest, parse_llamacpp_switch_value
+from core.llamacpp import LlamaCppOptions, LlamaCppPlan, cells_held, plan
+from core.request import LLAMACPP_ATTENTION_KEYS, ModelInfo, RunRequest, parse_llamacpp_switch_value
 from core.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
 from core.spec import human_bytes
 
@@ -42,7 +43,6 @@ TOP_K = 40
 FIXED_LAYOUT = "llama.cpp fixes the attention layout when the model loads"
 #: The cache types the window offers to reload with (the C key cycles through them).
 OFFERED_CACHE_TYPES = ("f16", "q8_0", "q4_0", "f32")
-_ATTENTION_KEYS = ("attention", "attn-impl", "attn", "impl", "flash")
 
 
 class LlamaCppRunError(SettingsError):
@@ -82,11 +82,7 @@ class Allocation:
     def used(self, cells: int) -> int:
         """Bytes of the cells that hold ``cells`` tokens of one sequence (a window cache keeps at most its window
         plus the token being decoded, and never more than its cells)."""
-        total = 0
-        for c, b, w in zip(self.caches, self.bytes_per_cell, self.windows):
-            keep = cells if not w else min(cells, w + 1)
-            total += b * min(keep, c.cells)
-        return total
+        return sum(b * cells_held(cells, w, c.cells) for c, b, w in zip(self.caches, self.bytes_per_cell, self.windows))
 
 
 def allocation_of(ctx: Any, n_swa: int) -> Allocation:
@@ -113,6 +109,12 @@ class LlamaCppEngine:
         from core.llamacpp_live import Sampler
 
         self.path = Path(path)
+        try:  # this process, for the RSS every sample carries (one handle, not one per token)
+            import psutil
+
+            self._process = psutil.Process()
+        except Exception:  # noqa: BLE001 - not available: the samples say None
+            self._process = None
         self.gguf = read_gguf(self.path)
         self.spec = self.gguf.spec()
         self.options = options
@@ -219,9 +221,7 @@ class LlamaCppEngine:
         used = self.allocation.used(self.ctx.used_cells()) if self.ctx is not None and self.tokens else 0
         rss = None
         try:
-            import psutil
-
-            rss = int(psutil.Process().memory_info().rss)
+            rss = int(self._process.memory_info().rss) if self._process is not None else None
         except Exception:  # noqa: BLE001 - not available is None, never 0
             pass
         weights_predicted = self.plan.weights
@@ -262,7 +262,7 @@ class LlamaCppEngine:
         """A switch between two tokens: an event Sample (``switch``, ``refused`` or ``note``)."""
         fields = self.switch_fields(key, value)
         k = fields["switch_key"]
-        if k in _ATTENTION_KEYS:
+        if k in LLAMACPP_ATTENTION_KEYS:
             return self.event("refused", f"{k}={value} refused: {FIXED_LAYOUT} (this file's is {self.attention}, "
                                          f"-fa {self.flash}); load another GGUF to change it", **fields)
         try:

@@ -98,7 +98,7 @@ def parse_log(text: str) -> tuple[list[LoggedCache], list[tuple[str, float]]]:
 _FA = {"on": "LLAMA_FLASH_ATTN_TYPE_ENABLED", "off": "LLAMA_FLASH_ATTN_TYPE_DISABLED", "auto": "LLAMA_FLASH_ATTN_TYPE_AUTO"}
 
 
-def _ggml_type(llama_cpp, name: str) -> int:
+def _ggml_type(name: str) -> int:
     """ggml's type number (gguf's GGMLQuantizationType is the same enum; llama_cpp names only some of them)."""
     from gguf import GGMLQuantizationType
 
@@ -123,7 +123,7 @@ class LlamaCppContext:
             cp = llama_cpp.llama_context_default_params()
             cp.n_ctx, cp.n_seq_max, cp.kv_unified = o.n_ctx, o.n_seq_max, o.kv_unified
             cp.n_batch, cp.n_ubatch = o.n_batch, o.n_ubatch
-            cp.type_k, cp.type_v = _ggml_type(llama_cpp, o.type_k), _ggml_type(llama_cpp, o.type_v)
+            cp.type_k, cp.type_v = _ggml_type(o.type_k), _ggml_type(o.type_v)
             cp.flash_attn_type = getattr(llama_cpp, _FA[o.flash_attn])
             cp.swa_full, cp.offload_kqv = o.swa_full, o.offload_kqv
             cp.n_threads = cp.n_threads_batch = n_threads
@@ -359,10 +359,4 @@ class Observed:
 def observe(path: str | Path, options: LlamaCppOptions | None = None) -> Observed:
     """Load ``path`` into llama.cpp, read its KV log lines, and measure the bytes per cell from two tokens."""
     with LlamaCppContext(path, options) as ctx:
-        bos = 1
-        ctx.decode([bos], 0)
-        one = ctx.state_size()
-        ctx.decode([bos], 1)
-        two = ctx.state_size()
-        per_cell = two - one - CELL_META_BYTES * len(ctx.caches)
-        return Observed(tuple(ctx.caches), per_cell, tuple(ctx.buffers), ctx.measure_cell_bytes())
+        return Observed(tuple(ctx.caches), ctx.measure_bytes_per_cell(), tuple(ctx.buffers), ctx.measure_cell_bytes())

@@ -63,9 +63,10 @@ class ModelInfo:
     runtime: str = "transformers"  # or "llama.cpp": its cache choices are KV types, each a reload of the context
 
 
-RUNTIMES = ("transformers", "llama.cpp")
-#: What a llama.cpp run can switch (each a reload of the context), besides the attention keys it refuses.
-LLAMACPP_SWITCH_KEYS = ("cache", "cache-type", "cache-type-k", "cache-type-v", "context")
+#: What a llama.cpp run can switch: its cache types (each a reload of the context; ``context`` too), and the
+#: attention keys it takes here and refuses in the run (llama.cpp fixes the attention layout at load).
+LLAMACPP_CACHE_KEYS = ("cache", "cache-type", "cache-type-k", "cache-type-v")
+LLAMACPP_ATTENTION_KEYS = ("attention", "attn-impl", "attn", "impl", "flash")
 
 
 def parse_llamacpp_switch_value(key: str, value: str) -> tuple[str, Any]:
@@ -76,7 +77,7 @@ def parse_llamacpp_switch_value(key: str, value: str) -> tuple[str, Any]:
     from core.spec import parse_tokens
 
     k = key.strip().lower().replace("_", "-")
-    if k in ("cache", "cache-type", "cache-type-k", "cache-type-v"):
+    if k in LLAMACPP_CACHE_KEYS:
         return k, cache_type(value)
     if k == "context":
         try:
@@ -86,7 +87,7 @@ def parse_llamacpp_switch_value(key: str, value: str) -> tuple[str, Any]:
         if n <= 0:
             raise SettingsError(f"context={value!r}: give a positive number of tokens")
         return k, n
-    if k in ("attention", "attn-impl", "attn", "impl", "flash"):
+    if k in LLAMACPP_ATTENTION_KEYS:
         return k, value.strip().lower()
     raise SettingsError(f"unknown setting {key!r} for a llama.cpp run; use cache-type (cache-type-k, cache-type-v) "
                         "or context")

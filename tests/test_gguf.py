@@ -152,3 +152,20 @@ def test_embedded_model_converts_to_gguf(tmp_path, monkeypatch):
     got = np.asarray(tensors["blk.0.attn_q.weight"].data).reshape(q.shape)
     assert np.array_equal(got, _permute(q, 8).astype(np.float16))
     assert tensors["blk.0.attn_norm.weight"].tensor_type.name == "F32"
+
+
+def test_the_calculator_and_calc_agree_on_what_fits(files):
+    """One rule for "the largest context that fits" (llama.cpp's -ngl all: every weight but the token embedding,
+    plus a tied output's copy of it, and the KV): the calculator tab and calc --runtime llama.cpp --gpu-memory."""
+    from core.llamacpp import calculate_llamacpp, max_context_llamacpp, predict_llamacpp
+
+    for name in ("untied", "llama"):
+        spec = load_spec(str(files[name]))
+        g = read_gguf(files[name])
+        embd = next(t.n_bytes for t in g.tensors if t.name == "token_embd.weight")
+        on_gpu = g.weight_bytes - (embd if name == "untied" else 0)
+        assert predict_llamacpp(spec, 1024).breakdown.weights == on_gpu
+        for memory in (3 << 20, 5 << 20, 9 << 20):
+            cli = calculate_llamacpp(str(files[name]), spec, [1024], lambda n: LlamaCppOptions(n_ctx=n), memory)
+            assert cli.max_context == max_context_llamacpp(spec, memory) is not None
+            assert predict_llamacpp(spec, cli.max_context).total <= memory < predict_llamacpp(spec, cli.max_context + 256).total

@@ -467,3 +467,13 @@ def test_an_installed_gguf_runs_with_llamacpp_and_ollamas_num_ctx(qtbot, tmp_pat
     pytest.importorskip("llama_cpp")
     assert main.main(["run", "--runtime", "llama.cpp", "--model", blob, "-c", "1024", "--tokens", "3"]) == 0
     assert "llama.cpp reserved 524,288 B at load" in capsys.readouterr().out  # 1,024 cells x 512 B, from the blob
+
+
+def test_a_config_nested_absurdly_deep_hides_nothing_else(tmp_path):
+    """An untrusted config.json nested 200,000 deep (json raises RecursionError) is no model, and the GGUF beside it
+    is still listed (one bad file used to drop its whole origin)."""
+    folder = tmp_path / "models"
+    write(folder / "odd" / "config.json", b"[" * 200_000)
+    write(folder / "tiny-Q8_0.gguf", GGUF + b"x" * 4)
+    found = find_installed(home=tmp_path / "home", extra_folders=[folder], origins=("folder",))
+    assert [m.source for m in found] == [str(folder / "tiny-Q8_0.gguf")]

@@ -525,7 +525,7 @@ class ControlsPanel(QScrollArea):
             if (model.kind == "gguf") if model is not None else is_gguf_source(source):  # before the scan is back
                 # A GGUF (Ollama's, LM Studio's...) runs where it was made to run: llama.cpp, with the context
                 # Ollama's Modelfile sets (num_ctx) unless Max context says otherwise.
-                return self._llamacpp_request(source, default_ctx=model.num_ctx)
+                return self._llamacpp_request(source, default_ctx=model.num_ctx if model is not None else None)
         elif kind == "folder":
             source = self.folder_edit.text().strip()
             if not source:

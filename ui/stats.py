@@ -59,20 +59,30 @@ def kv_at_max_context(spec: ModelSpec, attention: str, cache: str, attn_impl: st
         return None
 
 
+def _free(last: Sample, host_available: int | None) -> tuple[int | None, str]:
+    """Free memory and where it was read: the GPU's (NVML), else the host's available memory."""
+    if last.device_total is not None and last.device_used is not None:
+        return last.device_total - last.device_used, "GPU (NVML)"
+    if host_available is not None:
+        return host_available, "host available"
+    return None, ""
+
+
+def _kv_error_pct(last: Sample) -> float | None:
+    if last.kv_bytes_observed is not None and last.kv_bytes_predicted:
+        return 100.0 * (last.kv_bytes_observed - last.kv_bytes_predicted) / last.kv_bytes_predicted
+    return None
+
+
 def _prepaid_stats(last: Sample, max_ctx: int | None, host_available: int | None) -> LiveStats:
     """llama.cpp allocated the whole context's KV at load: the cache "now" is that allocation, a token adds
     no memory (it fills one cell, paid for already: KV per token is the used bytes per token), the KV at the
     max context is the same allocation, and what stops the run is the context, not memory."""
     used, tokens = last.kv_bytes_used, last.context_tokens
     bpt = used / tokens if used is not None and tokens else None
-    if last.device_total is not None and last.device_used is not None:
-        free, free_source = last.device_total - last.device_used, "GPU (NVML)"
-    else:
-        free, free_source = host_available, "host available" if host_available is not None else ""
+    free, free_source = _free(last, host_available)
     left = max(max_ctx - tokens, 0) if max_ctx else None
-    kv_err = None
-    if last.kv_bytes_observed is not None and last.kv_bytes_predicted:
-        kv_err = 100.0 * (last.kv_bytes_observed - last.kv_bytes_predicted) / last.kv_bytes_predicted
+    kv_err = _kv_error_pct(last)
     return LiveStats(
         kv_now=last.kv_bytes_observed, bytes_per_token=bpt, bytes_per_token_source="one cell, prepaid" if bpt else "",
         kv_at_max=last.kv_bytes_observed, max_context=max_ctx, free=free, free_source=free_source,
@@ -104,12 +114,7 @@ def compute_stats(last: Sample | None, slope: float | None, spec: ModelSpec | No
         # residual-length tokens). Between two drops the cache grows by the full-precision size.
         bpt_source = "residual just quantized"
 
-    if last.device_total is not None and last.device_used is not None:
-        free, free_source = last.device_total - last.device_used, "GPU (NVML)"
-    elif host_available is not None:
-        free, free_source = host_available, "host available"
-    else:
-        free, free_source = None, ""
+    free, free_source = _free(last, host_available)
 
     tokens_fit, limit = None, ""
     left_in_context = max(max_ctx - (last.token + 1), 0) if max_ctx else None
@@ -122,9 +127,7 @@ def compute_stats(last: Sample | None, slope: float | None, spec: ModelSpec | No
     elif left_in_context is not None:
         tokens_fit, limit = left_in_context, "max context"
 
-    kv_err = None
-    if last.kv_bytes_observed is not None and last.kv_bytes_predicted:
-        kv_err = 100.0 * (last.kv_bytes_observed - last.kv_bytes_predicted) / last.kv_bytes_predicted
+    kv_err = _kv_error_pct(last)
     return LiveStats(
         kv_now=last.kv_bytes_observed, bytes_per_token=bpt, bytes_per_token_source=bpt_source if bpt is not None else "",
         kv_at_max=kv_at_max, max_context=max_ctx, free=free, free_source=free_source, tokens_fit=tokens_fit,

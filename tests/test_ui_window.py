@@ -6,7 +6,7 @@ import os
 import time
 
 import pytest
-from PySide6.QtCore import QSettings, Qt
+from PySide6.QtCore import Qt
 
 from core.caches import parse_cache
 from core.request import RunRequest
@@ -426,4 +426,28 @@ def test_the_badge_names_give_way_before_the_values_do(qtbot, settings):
             assert all(names) and whole == ["attention", "kernel", "cache"]
         elif not all(names):  # the names went: then every value is whole
             assert whole == ["attention", "kernel", "cache"]
+    w.shutdown()
+
+
+def test_presenter_mode_fits_720p_with_the_long_notes_of_a_cpu_run(qtbot, settings):
+    """At 1280x720 in presenter type, the sampler's note ('running on CPU: no GPU memory to read; showing host
+    memory (process RSS)') and the status bar's device and memory texts are wider than the screen: they elide, so
+    the window's minimum stays within 1280 px and the numbers panel keeps its width (it was pushed off screen)."""
+    w = MainWindow(settings=settings, start_engine=False)
+    qtbot.addWidget(w)
+    w.resize(1280, 720)
+    w.show()
+    qtbot.waitExposed(w)
+    w.set_presenter(True, fullscreen=False)
+    long = "running on CPU: no GPU memory to read; showing host memory (process RSS)"
+    w.sampler_label.setText(f"memory sampler 20.0 Hz (set 20 Hz) \u00b7 {long}")
+    w.status_device.setText("CPU (no GPU: host memory) \u00b7 23.5 GiB")
+    w.status_memory.setText("host: this process 478.9 MiB (RSS)")
+    qtbot.wait(50)
+    assert w.minimumSizeHint().width() <= 1280
+    w.resize(1280, 720)
+    qtbot.wait(50)
+    assert w.width() <= 1280 and w.right_panel.width() >= w.right_panel.minimumWidth()
+    assert w.right_panel.geometry().right() <= w.live_splitter.width()  # on screen, whole
+    assert w.sampler_label.text().endswith(long)  # the whole note stays the label's text (and its tooltip's)
     w.shutdown()

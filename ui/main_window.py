@@ -34,7 +34,7 @@ from ui.calculator import CalculatorTab
 from ui.servers import ServersTab
 from ui.controls import FIRST_START_TOKENS, KEYS_HELP, ControlsPanel  # noqa: F401 - FIRST_START_TOKENS: tests, docs
 from ui.diagnose import EventsTable, GpuProcessesPanel
-from ui.badges import STATE_TEXT, BadgeRow
+from ui.badges import STATE_TEXT, BadgeRow, ElidedLabel
 from ui.file_actions import FileActions
 from ui.menus import ATTENTION_KEYS, KEY_MAP, SAMPLER_RATES, build_menus  # noqa: F401 - the names the keys use
 from ui.plots import LivePlots
@@ -208,7 +208,8 @@ class MainWindow(FileActions, QMainWindow):
         self.diag_tabs.setDocumentMode(True)
         self.diag_tabs.addTab(self.events_table, "Events and spikes")
         self.diag_tabs.addTab(self.gpu_panel, "GPU processes")
-        self.sampler_label = QLabel("memory sampler: starting\u2026")
+        # Elided, not as wide as its text: a long note in presenter type would widen the window past the screen.
+        self.sampler_label = ElidedLabel("memory sampler: starting\u2026")
         self.sampler_label.setObjectName("statNote")
         diag = QWidget()
         dl = QVBoxLayout(diag)
@@ -276,9 +277,11 @@ class MainWindow(FileActions, QMainWindow):
         self.setCentralWidget(self.tabs)
 
         # ---- status bar
-        self.status_device = QLabel("no model loaded")
+        # The status bar's labels yield (elided) too: in presenter type on 1280 px their text alone is wider
+        # than the screen, and a status bar's permanent widgets keep their minimum width.
+        self.status_device = ElidedLabel("no model loaded")
         self.status_device.setToolTip("The device the model runs on")
-        self.status_memory = QLabel("")
+        self.status_memory = ElidedLabel("")
         self.status_memory.setToolTip("Device memory used / total (NVML), or this process's resident memory "
                                       "(RSS) without a GPU")
         self.status_state = QLabel("")

@@ -113,7 +113,7 @@ def _gb(n: int) -> str:
     return human_bytes(n)
 
 
-def _cell(n: int) -> str:
+def bytes_cell(n: int) -> str:
     return f"{n:,} B ({_gb(n)})"
 
 
@@ -168,6 +168,17 @@ def kv_formula(spec: ModelSpec, settings: RunSettings, tokens: int | None = None
     return text
 
 
+def aligned(table: list[tuple[str, ...]]) -> list[str]:
+    """Rows of cells right-aligned in columns, a rule of dashes under the first (the header)."""
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    lines = []
+    for i, row in enumerate(table):
+        lines.append("  ".join(cell.rjust(widths[j]) for j, cell in enumerate(row)))
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return lines
+
+
 def render_table(result: CalcResult) -> str:
     spec, settings = result.spec, result.settings
     eff = effective_spec(spec, settings)
@@ -209,17 +220,13 @@ def render_table(result: CalcResult) -> str:
             for st, sp in zip(result.parallel[i].layout.stages, result.parallel[i].per_stage):
                 b = sp.breakdown
                 gpus = (f"{st.index * par.tensor}-{(st.index + 1) * par.tensor - 1}" if par.tensor > 1 else str(st.index))
-                table.append((f"{p.context:,}{mark}" if st.index == 0 else "", gpus, _cell(b.kv_cache or 0),
-                              _cell(b.weights or 0), _cell(b.activations or 0), _cell(sp.total)))
+                table.append((f"{p.context:,}{mark}" if st.index == 0 else "", gpus, bytes_cell(b.kv_cache or 0),
+                              bytes_cell(b.weights or 0), bytes_cell(b.activations or 0), bytes_cell(sp.total)))
             continue
         b = p.breakdown
-        table.append((f"{p.context:,}{mark}", _cell(b.kv_cache or 0), _cell(b.weights or 0),
-                      _cell(b.activations or 0), _cell(p.total)))
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    for i, row in enumerate(table):
-        lines.append("  ".join(cell.rjust(widths[j]) for j, cell in enumerate(row)))
-        if i == 0:
-            lines.append("  ".join("-" * w for w in widths))
+        table.append((f"{p.context:,}{mark}", bytes_cell(b.kv_cache or 0), bytes_cell(b.weights or 0),
+                      bytes_cell(b.activations or 0), bytes_cell(p.total)))
+    lines += aligned(table)
     lines.append("")
     if beyond:
         lines.append(f"* beyond the model's trained maximum of {spec.max_position_embeddings:,} tokens")

@@ -397,6 +397,8 @@ def render_llamacpp_json(r: LlamaCppCalc) -> str:
 
 
 def render_llamacpp_table(r: LlamaCppCalc) -> str:
+    from core.calc import aligned, bytes_cell  # calc's table and its "N B (size)" cells
+
     lines = [f"{r.model}: llama.cpp runtime ({LLAMA_CPP_VERSION})",
              "weights: the GGUF file's tensors, exact: " + ", ".join(f"{t} {human_bytes(n)}" for t, n in r.by_type)
              if r.gguf else
@@ -408,14 +410,8 @@ def render_llamacpp_table(r: LlamaCppCalc) -> str:
         cells = " + ".join(f"{b.cells:,}" + (f" x{b.streams}" if b.streams > 1 else "") for b in p.buffers)
         mark = "*" if r.trained and c > r.trained else ""
         beyond = beyond or bool(mark)
-        table.append((f"{c:,}{mark}", cells, f"{p.kv_bytes:,} B ({human_bytes(p.kv_bytes)})",
-                      f"{r.weights:,} B ({human_bytes(r.weights)})",
-                      f"{p.kv_bytes + r.weights:,} B ({human_bytes(p.kv_bytes + r.weights)})"))
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    for i, row in enumerate(table):
-        lines.append("  ".join(cell.rjust(widths[j]) for j, cell in enumerate(row)))
-        if i == 0:
-            lines.append("  ".join("-" * w for w in widths))
+        table.append((f"{c:,}{mark}", cells, bytes_cell(p.kv_bytes), bytes_cell(r.weights), bytes_cell(p.kv_bytes + r.weights)))
+    lines += aligned(table)
     lines.append("")
     if beyond:
         lines += [f"* beyond the model's trained context of {r.trained:,} tokens (llama.cpp warns, and allocates it)", ""]

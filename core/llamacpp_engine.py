@@ -402,9 +402,7 @@ def run_llamacpp(request: RunRequest, hooks: Any) -> list[Sample]:
                 pass
             raise
         if writer is not None:
-            gone = writer.gone()
-            if gone:
-                raise RecordingError(gone)
+            writer.check_still_there()
         return kept
     finally:
         if writer is not None:

@@ -317,6 +317,13 @@ class RecordingWriter:
                     f"{self.samples_written:,} samples are not in it")
         return None
 
+    def check_still_there(self) -> None:
+        """Raise RecordingError (``gone``'s reason) if the recording is no longer at its path: the end of a run
+        says so instead of "recorded to ..." (both engines' run loops)."""
+        gone = self.gone()
+        if gone:
+            raise RecordingError(gone)
+
     def write(self, sample: Sample) -> None:
         """Append one sample as one line and hand it to the OS before returning (see module doc)."""
         try:

@@ -125,11 +125,7 @@ def run_generation(request: RunRequest, hooks: RunHooks) -> list[Sample]:
         if writer is not None:
             # Deleted or replaced while the run wrote to it: writes to an unlinked file succeed, so only
             # its path can tell. Said instead of "recorded to ..." (the terminal and the window alike).
-            gone = writer.gone()
-            if gone:
-                from core.recording import RecordingError
-
-                raise RecordingError(gone)
+            writer.check_still_there()
         return kept
     finally:
         if writer is not None:

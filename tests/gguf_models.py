@@ -32,6 +32,20 @@ def _norm(n: int) -> np.ndarray:
     return np.ones(n, dtype=np.float32)
 
 
+def _attention_and_ffn(rng, b: str, n_embd: int, n_head: int, n_head_kv: int, head: int, n_ff: int) -> list:
+    """A block's Q/K/V/output projections and its gated FFN, as llama.cpp's llama and gemma3 load them."""
+    return [
+        (b + "attn_q.weight", _mat(rng, n_embd, n_head * head)),
+        (b + "attn_k.weight", _mat(rng, n_embd, n_head_kv * head)),
+        (b + "attn_v.weight", _mat(rng, n_embd, n_head_kv * head)),
+        (b + "attn_output.weight", _mat(rng, n_head * head, n_embd)),
+        (b + "ffn_norm.weight", _norm(n_embd)),
+        (b + "ffn_gate.weight", _mat(rng, n_embd, n_ff)),
+        (b + "ffn_up.weight", _mat(rng, n_embd, n_ff)),
+        (b + "ffn_down.weight", _mat(rng, n_ff, n_embd)),
+    ]
+
+
 def llama(path: Path, n_layer: int = 2, n_embd: int = 128, n_head: int = 4, n_head_kv: int = 2, n_ff: int = 256,
           ctx_train: int = 2048, tied: bool = True, seed: int = 0, quant: str | None = None) -> Path:
     rng = _rng(seed)
@@ -41,17 +55,8 @@ def llama(path: Path, n_layer: int = 2, n_embd: int = 128, n_head: int = 4, n_he
         tensors.append(("output.weight", _mat(rng, n_embd, VOCAB)))
     for i in range(n_layer):
         b = f"blk.{i}."
-        tensors += [
-            (b + "attn_norm.weight", _norm(n_embd)),
-            (b + "attn_q.weight", _mat(rng, n_embd, n_head * head)),
-            (b + "attn_k.weight", _mat(rng, n_embd, n_head_kv * head)),
-            (b + "attn_v.weight", _mat(rng, n_embd, n_head_kv * head)),
-            (b + "attn_output.weight", _mat(rng, n_head * head, n_embd)),
-            (b + "ffn_norm.weight", _norm(n_embd)),
-            (b + "ffn_gate.weight", _mat(rng, n_embd, n_ff)),
-            (b + "ffn_up.weight", _mat(rng, n_embd, n_ff)),
-            (b + "ffn_down.weight", _mat(rng, n_ff, n_embd)),
-        ]
+        tensors += [(b + "attn_norm.weight", _norm(n_embd))]
+        tensors += _attention_and_ffn(rng, b, n_embd, n_head, n_head_kv, head, n_ff)
     meta = {"general.name": "tiny llama", "context_length": ctx_train, "embedding_length": n_embd,
             "block_count": n_layer, "feed_forward_length": n_ff, "attention.head_count": n_head,
             "attention.head_count_kv": n_head_kv, "rope.dimension_count": head,
@@ -66,19 +71,12 @@ def gemma3(path: Path, n_layer: int = 7, n_embd: int = 128, n_head: int = 4, n_h
     tensors = [("token_embd.weight", _mat(rng, n_embd, VOCAB)), ("output_norm.weight", _norm(n_embd))]
     for i in range(n_layer):
         b = f"blk.{i}."
-        tensors += [
-            (b + "attn_norm.weight", _norm(n_embd)),
-            (b + "attn_q.weight", _mat(rng, n_embd, n_head * head)),
-            (b + "attn_k.weight", _mat(rng, n_embd, n_head_kv * head)),
-            (b + "attn_v.weight", _mat(rng, n_embd, n_head_kv * head)),
-            (b + "attn_output.weight", _mat(rng, n_head * head, n_embd)),
+        tensors += [(b + "attn_norm.weight", _norm(n_embd))]
+        tensors += _attention_and_ffn(rng, b, n_embd, n_head, n_head_kv, head, n_ff)
+        tensors += [  # gemma3's own: the norms after attention and FFN, and Q/K norms per head
             (b + "post_attention_norm.weight", _norm(n_embd)),
             (b + "attn_k_norm.weight", _norm(head)),
             (b + "attn_q_norm.weight", _norm(head)),
-            (b + "ffn_norm.weight", _norm(n_embd)),
-            (b + "ffn_gate.weight", _mat(rng, n_embd, n_ff)),
-            (b + "ffn_up.weight", _mat(rng, n_embd, n_ff)),
-            (b + "ffn_down.weight", _mat(rng, n_ff, n_embd)),
             (b + "post_ffw_norm.weight", _norm(n_embd)),
         ]
     meta = {"general.name": "tiny gemma3", "context_length": ctx_train, "embedding_length": n_embd,

@@ -43,7 +43,7 @@ from core.spec import ModelSpec, SpecError, human_bytes, load_spec, parse_size, 
 from core.calc import kv_formula
 from core.parallel import Parallelism, max_context_per_gpu, predict_parallel
 from core.llamacpp import CACHE_TYPES, formula_llamacpp, max_context_llamacpp, predict_llamacpp
-from ui.controls import IMPORT_LOCK, InstalledModels
+from ui.controls import IMPORT_LOCK, FollowsInstalled, InstalledModels
 from ui.forms import form_box
 from ui.axes import BytesAxis, format_count, format_tokens
 from ui.theme import Theme, theme as make_theme
@@ -228,7 +228,7 @@ class _Slider(QWidget):
         self.changed.emit()
 
 
-class CalculatorTab(QWidget):
+class CalculatorTab(FollowsInstalled, QWidget):
     """Preset / config / hub id in, sliders for the settings, a stacked chart and the numbers out."""
 
     updated = Signal(object)  # CalcState
@@ -442,17 +442,7 @@ class CalculatorTab(QWidget):
         self.warm = True
         self.warmed.emit()
 
-    # ---- the installed models (after the presets)
-
-    def use_installed(self, installed: InstalledModels) -> None:
-        """List ``installed``'s models after the presets (and follow it as it finds more)."""
-        if self.installed is installed:
-            return
-        if self.installed is not None:
-            self.installed.changed.disconnect(self._fill_installed)
-        self.installed = installed
-        installed.changed.connect(self._fill_installed)
-        self._fill_installed()
+    # ---- the installed models, after the presets (use_installed: FollowsInstalled)
 
     def _fill_installed(self) -> None:
         combo = self.model_combo

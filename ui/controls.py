@@ -157,6 +157,26 @@ class InstalledModels(QObject):
         self.changed.emit()
 
 
+class FollowsInstalled:
+    """A widget listing the installed models (the Source list, the calculator's picker): ``use_installed`` makes it
+    follow one shared ``InstalledModels`` scan; the widget has ``installed`` and refills in ``_fill_installed``."""
+
+    installed: InstalledModels | None = None
+
+    def use_installed(self, installed: InstalledModels) -> None:
+        """List ``installed``'s models (and follow it as it finds more)."""
+        if self.installed is installed:
+            return
+        if self.installed is not None:
+            self.installed.changed.disconnect(self._fill_installed)
+        self.installed = installed
+        installed.changed.connect(self._fill_installed)
+        self._fill_installed()
+
+    def _fill_installed(self) -> None:
+        raise NotImplementedError
+
+
 def _default_attention_choices() -> tuple[str, ...]:
     try:
         return attention_choices(load_spec("embedded"))
@@ -164,7 +184,7 @@ def _default_attention_choices() -> tuple[str, ...]:
         return ("mha", "mqa")
 
 
-class ControlsPanel(QScrollArea):
+class ControlsPanel(FollowsInstalled, QScrollArea):
     """The left column. ``switch_asked(key)``: the user picked another attention / kernel / cache."""
 
     switch_asked = Signal(str)
@@ -342,17 +362,7 @@ class ControlsPanel(QScrollArea):
         self.fill_choices()
         self._fill_installed()
 
-    # ---- installed models
-
-    def use_installed(self, installed: InstalledModels) -> None:
-        """List ``installed``'s models (and follow it as it finds more)."""
-        if self.installed is installed:
-            return
-        if self.installed is not None:
-            self.installed.changed.disconnect(self._fill_installed)
-        self.installed = installed
-        installed.changed.connect(self._fill_installed)
-        self._fill_installed()
+    # ---- installed models (use_installed: FollowsInstalled)
 
     def _installed_chosen(self, _index: int) -> None:
         self._installed_wanted = self.installed_combo.currentData() or ""

@@ -18,10 +18,11 @@ run: setup
 	$(PY) main.py
 
 # The llama.cpp extra builds llama.cpp from source (minutes, once: pip caches the wheel); only the tests need it.
+# The mlx extra (MLX's CPU wheel on Linux, and mlx-lm) rides along: the MLX runtime's tests need it.
 LLAMACPP_STAMP := $(VENV)/.llamacpp-installed
 
 $(LLAMACPP_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet -e '.[quant,dev,llamacpp]'
+	$(PY) -m pip install --quiet -e '.[quant,dev,llamacpp,mlx]'
 	touch $(LLAMACPP_STAMP)
 
 test: setup $(LLAMACPP_STAMP)

@@ -19,6 +19,21 @@ The rules follow vLLM 0.33.0 (read in its wheel, vllm-0.33.0-cp38-abi3-manylinux
   ``update_kv_cache_capacity``: concurrency = num_blocks / cdiv(max_model_len, block_size); tokens =
   int(concurrency x max_model_len); logged as "GPU KV cache size: N tokens, Maximum concurrency for
   M tokens per request: X.XXx".
+- Hybrid models (sliding-window and full layers), the hybrid KV cache manager (on unless
+  ``--disable-hybrid-kv-cache-manager``): ``vllm/v1/core/kv_cache_planning.py`` ``get_kv_cache_groups`` ->
+  ``unify_kv_cache_spec_page_size`` (a smaller page takes a larger block_size, page ratio) ->
+  ``_get_kv_cache_groups_uniform_page_size``: the layers are bucketed by spec, group_size = the smallest
+  bucket's layer count (the largest when it is under 1.5x the smallest), each bucket splits into
+  cdiv(len, group_size) groups (``layers[i::num_groups]``); ``get_kv_cache_config_from_groups`` /
+  ``_get_kv_cache_bytes_per_block``: bytes per block = the largest group's summed pages, num_blocks = available //
+  that. ``vllm/v1/core/kv_cache_utils.py`` ``get_max_concurrency_for_kv_cache_config``: a request takes, in every
+  group, cdiv(spec.max_memory_usage_bytes, page): a full layer cdiv(max_model_len, block_size) blocks
+  (``FullAttentionSpec``), a window layer cdiv(min(window - 1 + max_in_flight_tokens, max_model_len),
+  block_size) + 1 (``vllm/v1/kv_cache_interface.py`` ``SlidingWindowSpec.max_admission_blocks_per_request``;
+  ``vllm/config/vllm.py``: max_in_flight_tokens = max_concurrent_batches (2 with async scheduling, vLLM's
+  default, at pipeline size 1) x max_num_batched_tokens); concurrency = num_blocks / the sum. The default
+  (layer-outermost) KV layout is assumed: the block-outermost packing (``_get_packed_kv_cache_groups``) is not
+  followed. MLA layers cache one latent head (kv_lora_rank + rope, ``MLAAttentionSpec``, head_size_v 0).
 - ``vllm/engine/arg_utils.py``: max_num_batched_tokens defaults (the OpenAI server) to 2048 below
   70 GiB, 8192 from 70 GiB (not A100), 16384 from 160 GiB.
 
@@ -39,7 +54,7 @@ from core.caches import kv_layout
 from core.parallel import Parallelism, layout
 from core.predict import activation_bytes, kv_elem_bytes, weight_bytes
 from core.settings import RunSettings
-from core.spec import ModelSpec, human_bytes
+from core.spec import NO_KV, ModelSpec, human_bytes
 
 VLLM_VERSION = "0.33.0"
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
@@ -72,6 +87,9 @@ class VllmOptions:
     #: skips the profiling and so does KV Scope (no estimate enters). Also the way to check KV Scope
     #: against a vLLM log: its "Available KV cache memory" figure in, its block count out.
     kv_cache_memory: int | None = None
+    #: vLLM's hybrid KV cache manager (``--disable-hybrid-kv-cache-manager`` turns it off: window layers then take
+    #: blocks for every token, as full layers do).
+    hybrid_kv_cache_manager: bool = True
 
     def __post_init__(self) -> None:
         if not (0 < self.gpu_memory_utilization <= 1):  # vLLM: Field(gt=0, le=1); refuses NaN too
@@ -104,6 +122,73 @@ class WorkerCapacity:
 
 
 @dataclass(frozen=True)
+class BlockGroup:
+    """One of vLLM's KV cache groups: layers of one spec sharing a block table."""
+
+    kind: str  # "full" or "sliding window"
+    layers: int  # layers in this group (the last group of a kind may be padded with fewer)
+    block_size: int  # tokens per block (a smaller page is unified by a larger block)
+    page_bytes: int  # one layer's bytes per block
+    window: int | None = None
+
+    def blocks_per_request(self, max_model_len: int, max_in_flight_tokens: int) -> int:
+        """cdiv(spec.max_memory_usage_bytes, page_size_bytes) for one request of ``max_model_len`` tokens."""
+        if self.window is None:  # FullAttentionSpec.max_memory_usage_bytes
+            return -(-max_model_len // self.block_size)
+        # SlidingWindowSpec.max_admission_blocks_per_request
+        tokens = min(self.window - 1 + max_in_flight_tokens, max_model_len)
+        return -(-tokens // self.block_size) + 1
+
+
+def block_groups(layers, block_size: int, elem: float, hybrid: bool = True) -> tuple[tuple[BlockGroup, ...], int]:
+    """vLLM's KV cache groups of ``layers`` (``core.caches.LayerKV``) and the bytes of one block over a group (the
+    largest): ``get_kv_cache_groups`` and ``_get_kv_cache_bytes_per_block`` (see the module docstring). With
+    ``hybrid`` False (--disable-hybrid-kv-cache-manager) window layers count as full ones (``unify_hybrid_kv_cache_
+    specs``)."""
+    specs = []
+    for layer in layers:
+        page = int(math.ceil(block_size * layer.width * elem))
+        window = layer.window if hybrid else None
+        specs.append((window, page))
+    if not specs:
+        return (), 0
+    windows = {w for w, _ in specs}
+    if len(windows) == 1:  # one type of layer: one group (uniform spec, or UniformTypeKVCacheSpecs)
+        (w,) = windows
+        pages = [p for _, p in specs]
+        if len(set(pages)) == 1:
+            return (BlockGroup("full" if w is None else "sliding window", len(pages), block_size, pages[0], w),), \
+                sum(pages)
+        # UniformTypeKVCacheSpecs: page = the sum; a request needs the same blocks per layer
+        return (BlockGroup("full" if w is None else "sliding window", len(pages), block_size, sum(pages), w),), \
+            sum(pages)
+    # unify_kv_cache_spec_page_size: a smaller page that divides the largest takes a larger block size
+    max_page = max(p for _, p in specs)
+    unified = []
+    for w, p in specs:
+        if p == max_page:
+            unified.append((w, block_size, p))
+        elif max_page % p == 0:
+            unified.append((w, block_size * (max_page // p), max_page))
+        else:  # padded to the largest page (non-MLA attention)
+            unified.append((w, block_size, max_page))
+    buckets: dict[tuple, int] = {}
+    for spec in unified:
+        buckets[spec] = buckets.get(spec, 0) + 1
+    counts = list(buckets.values())
+    group_size = min(counts)
+    if max(counts) < group_size * 1.5:
+        group_size = max(counts)
+    groups = []
+    for (w, bs, page), n in buckets.items():
+        num_groups = -(-n // group_size)
+        for i in range(num_groups):
+            groups.append(BlockGroup("full" if w is None else "sliding window", len(range(i, n, num_groups)), bs,
+                                     page, w))
+    return tuple(groups), max(g.layers * g.page_bytes for g in groups)
+
+
+@dataclass(frozen=True)
 class ServingCapacity:
     spec: ModelSpec
     options: VllmOptions
@@ -113,20 +198,28 @@ class ServingCapacity:
     max_num_batched_tokens: int
     workers: tuple[WorkerCapacity, ...]
     notes: tuple[str, ...]
+    groups: tuple[BlockGroup, ...] = ()
+    max_in_flight_tokens: int = 0
 
     @property
     def num_gpu_blocks(self) -> int:
         """What every worker allocates: the smallest worker's count."""
         return min(w.num_blocks for w in self.workers)
 
+    def blocks_for(self, tokens: int) -> int:
+        """Blocks one request of ``tokens`` tokens takes, summed over the groups."""
+        if not self.groups:
+            return -(-tokens // self.options.block_size)
+        return sum(g.blocks_per_request(tokens, self.max_in_flight_tokens) for g in self.groups)
+
     @property
     def blocks_per_request(self) -> int:
-        return -(-self.max_model_len // self.options.block_size)
+        return self.blocks_for(self.max_model_len)
 
     def concurrency(self, tokens_per_request: int | None = None) -> float:
         """vLLM's "Maximum concurrency for N tokens per request" (N = max_model_len by default)."""
         n = tokens_per_request or self.max_model_len
-        return self.num_gpu_blocks / -(-n // self.options.block_size)
+        return self.num_gpu_blocks / self.blocks_for(n)
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -144,7 +237,9 @@ class ServingCapacity:
             "gpu_memory_utilization": self.options.gpu_memory_utilization, "block_size": self.options.block_size,
             "max_model_len": self.max_model_len, "max_num_batched_tokens": self.max_num_batched_tokens,
             "num_gpu_blocks": self.num_gpu_blocks, "kv_cache_tokens": self.kv_cache_tokens,
-            "max_concurrency": self.concurrency(),
+            "max_concurrency": self.concurrency(), "blocks_per_request": self.blocks_per_request,
+            "kv_cache_groups": [{"kind": g.kind, "layers": g.layers, "block_size": g.block_size,
+                                 "page_bytes": g.page_bytes, "window": g.window} for g in self.groups],
             "workers": [{
                 "gpu": w.gpu, "requested_bytes": w.requested, "weights_bytes": w.weights,
                 "activation_peak_bytes": w.activation_peak, "non_torch_bytes": w.non_torch,
@@ -172,17 +267,18 @@ def vllm_capacity(spec: ModelSpec, settings: RunSettings, gpu_memory: int, optio
     batched = options.max_num_batched_tokens or default_max_num_batched_tokens(gpu_memory)
     notes = list(plan.notes)
     eff = plan.spec
-    if eff.num_sliding_layers:
-        notes.append("sliding-window layers counted as full attention (vLLM's hybrid allocator gives them their "
-                     "own, smaller block groups: the real capacity is higher)")
     elem = kv_elem_bytes(spec, settings)
+    # vllm/config/vllm.py max_concurrent_batches: 2 with async scheduling (the default) at pipeline size 1
+    in_flight = (2 if parallelism.pipeline <= 1 else parallelism.pipeline + 1) * batched
     requested = math.ceil(gpu_memory * options.gpu_memory_utilization)
     shard_settings = settings.with_(attention=None)
     workers = []
     for rank in range(parallelism.gpus):
         stage = plan.gpu_stage(rank)
         layers = kv_layout(stage.spec)
-        block = int(math.ceil(sum(options.block_size * layer.width * elem for layer in layers)))
+        stage_groups, block = block_groups(layers, options.block_size, elem, options.hybrid_kv_cache_manager)
+        if rank == 0:
+            groups = stage_groups
         weights = weight_bytes(stage.spec, shard_settings)
         # The profile run: one forward pass over max_num_batched_tokens tokens (chunked prefill).
         act = activation_bytes(stage.spec, shard_settings, batched, batched)
@@ -192,7 +288,18 @@ def vllm_capacity(spec: ModelSpec, settings: RunSettings, gpu_memory: int, optio
         blocks = max(0, available // block) if block else 0
         workers.append(WorkerCapacity(rank, requested, weights, act, options.non_torch_bytes, options.cudagraph_bytes,
                                       available, block, blocks))
-    return ServingCapacity(spec, options, parallelism, gpu_memory, max_len, batched, tuple(workers), tuple(notes))
+    if any(kind == NO_KV for kind in eff.layer_types):
+        notes.append("layers without K/V (linear attention, Mamba/SSM states): vLLM gives them MambaSpec pages padded "
+                     "to the attention page (a block or two per request); not counted here, so the block bytes and "
+                     "the capacity above cover the attention layers only")
+    if len(groups) > 1:
+        kinds = sorted({g.kind for g in groups})
+        notes.append(f"vLLM's hybrid allocator: {len(groups)} KV cache groups ({' and '.join(kinds)}) of up to "
+                     f"{max(g.layers for g in groups)} layers; a block is {block:,} B over a group; a request of "
+                     f"{max_len:,} tokens takes {sum(g.blocks_per_request(max_len, in_flight) for g in groups):,} "
+                     "blocks over all groups")
+    return ServingCapacity(spec, options, parallelism, gpu_memory, max_len, batched, tuple(workers), tuple(notes),
+                           groups, in_flight)
 
 
 def render(cap: ServingCapacity) -> list[str]:

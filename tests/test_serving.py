@@ -153,3 +153,89 @@ def test_a_vllm_v0_log_for_llama_31_8b_on_a_3090():
     assert exact.num_gpu_blocks == 1478 and exact.num_gpu_blocks * 16 == 23_648
     assert f"{exact.concurrency():.2f}x" == "0.82x"
     assert f"{exact.concurrency(20000):.2f}x" == f"{1478 * 16 / 20000:.2f}x"
+
+
+# ------------------------------------------------------------------------------------------------
+# Hybrid models: vLLM 0.33's hybrid KV cache manager (vllm/v1/core/kv_cache_planning.py
+# _get_kv_cache_groups_uniform_page_size, get_kv_cache_config_from_groups; vllm/v1/core/kv_cache_utils.py
+# get_max_concurrency_for_kv_cache_config; vllm/v1/kv_cache_interface.py SlidingWindowSpec), by vLLM's arithmetic.
+
+
+def test_gemma3_27b_groups_as_vllms_hybrid_allocator():
+    """Gemma-3-27B: 62 layers, 52 sliding (window 1,024) and 10 full, 16 KV heads x (128 + 128) x 2 B.
+    vLLM: group_size = min(10, 52) = 10 (52 >= 1.5 x 10); the window layers split into cdiv(52, 10) = 6 groups,
+    layers[i::6] = 9, 9, 9, 9, 8, 8 layers; the full ones into one group of 10. A block is the largest group's
+    pages: 10 x (16 x 16 x 256 x 2 B) = 1.25 MiB. A request of 131,072 tokens takes 131,072 / 16 = 8,192 blocks in
+    the full group and, in each window group, cdiv(min(1,023 + 2 x 8,192, 131,072), 16) + 1 = 1,089 (async
+    scheduling's two batches in flight of max_num_batched_tokens 8,192 at 80 GiB)."""
+    spec = load_spec("gemma-3-27b")
+    assert spec.num_sliding_layers == 52 and spec.sliding_window == 1024
+    cap = vllm_capacity(spec, RunSettings(), 80 * GiB, VllmOptions(kv_cache_memory=40 * GiB))
+    page = 16 * 16 * 256 * 2
+    assert sorted((g.kind, g.layers) for g in cap.groups) == [("full", 10)] + [("sliding window", n)
+                                                                               for n in (8, 8, 9, 9, 9, 9)]
+    assert all(g.page_bytes == page and g.block_size == 16 for g in cap.groups)
+    assert cap.workers[0].block_bytes == 10 * page
+    assert cap.num_gpu_blocks == 40 * GiB // (10 * page) == 32768
+    assert cap.max_in_flight_tokens == 2 * 8192
+    assert cap.blocks_per_request == 8192 + 6 * (-(-(1023 + 16384) // 16) + 1) == 8192 + 6 * 1089
+    assert cap.concurrency() == 32768 / (8192 + 6 * 1089)
+    assert cap.kv_cache_tokens == int(32768 / (8192 + 6 * 1089) * 131072)
+    # with the hybrid manager off, every layer takes blocks for every token: one group of 62 layers
+    off = vllm_capacity(spec, RunSettings(), 80 * GiB, VllmOptions(kv_cache_memory=40 * GiB,
+                                                                    hybrid_kv_cache_manager=False))
+    assert [(g.kind, g.layers) for g in off.groups] == [("full", 62)]
+    assert off.workers[0].block_bytes == 62 * page and off.blocks_per_request == 8192
+    assert cap.concurrency() > off.concurrency() * 2  # the window layers' blocks are what the hybrid saves
+
+
+@pytest.mark.parametrize("n_full,n_swa,window,max_len,batched", [
+    (10, 52, 1024, 131072, 8192), (4, 20, 512, 8192, 2048), (12, 13, 128, 32768, 2048), (1, 1, 4096, 4096, 2048),
+    (8, 40, 4096, 65536, 16384), (6, 30, 1024, 3000, 2048),
+])
+def test_hybrid_groups_generated(n_full, n_swa, window, max_len, batched):
+    """A generated spread of layer mixes, checked against vLLM's rules written out step by step."""
+    from core.caches import LayerKV
+    from core.serving import BlockGroup, block_groups
+
+    layers = [LayerKV(heads=8, k_dim=128, v_dim=128)] * n_full + [LayerKV(heads=8, k_dim=128, v_dim=128,
+                                                                          window=window)] * n_swa
+    groups, block = block_groups(layers, 16, 2)
+    page = 16 * 8 * 256 * 2
+    size = min(n_full, n_swa)
+    if max(n_full, n_swa) < 1.5 * size:  # gpt-oss + eagle: pad to the larger count instead
+        size = max(n_full, n_swa)
+    expected = []
+    for kind, n in (("full", n_full), ("sliding window", n_swa)):
+        k = -(-n // size)
+        expected += [(kind, len(range(i, n, k))) for i in range(k)]
+    assert sorted((g.kind, g.layers) for g in groups) == sorted(expected)
+    assert block == max(n for _, n in expected) * page
+    in_flight = 2 * batched
+    per_request = sum(g.blocks_per_request(max_len, in_flight) for g in groups)
+    swa_blocks = -(-min(window - 1 + in_flight, max_len) // 16) + 1
+    assert per_request == sum(-(-max_len // 16) if kind == "full" else swa_blocks for kind, _ in expected)
+    assert isinstance(groups[0], BlockGroup)
+
+
+def test_smaller_window_pages_take_larger_blocks():
+    """unify_kv_cache_spec_page_size: a window layer with half the page of a full layer gets block_size 32."""
+    from core.caches import LayerKV
+    from core.serving import block_groups
+
+    layers = [LayerKV(heads=8, k_dim=128, v_dim=128)] * 2 + [LayerKV(heads=4, k_dim=128, v_dim=128, window=512)] * 10
+    groups, block = block_groups(layers, 16, 2)
+    swa = [g for g in groups if g.window]
+    assert {g.block_size for g in swa} == {32} and {g.page_bytes for g in groups} == {16 * 8 * 256 * 2}
+    assert swa[0].blocks_per_request(8192, 4096) == -(-min(511 + 4096, 8192) // 32) + 1
+
+
+def test_mla_block_is_one_latent_head():
+    """MLAAttentionSpec: one head of kv_lora_rank + rope (head_size_v 0): DeepSeek-V3 512 + 64 at 2 B x 61
+    layers x 16 tokens."""
+    spec = load_spec("deepseek-v3")
+    cap = vllm_capacity(spec, RunSettings(), 8 * 80 * GiB, VllmOptions(kv_cache_memory=10 * GiB),
+                        parallelism=Parallelism(tensor=8))
+    assert [(g.kind, g.layers) for g in cap.groups] == [("full", 61)]
+    assert cap.groups[0].page_bytes == 16 * (512 + 64) * 2
+    assert cap.workers[0].block_bytes == 61 * 16 * 576 * 2

@@ -9,7 +9,7 @@ the window, and a run that will not stop can always be ended.
 This module is Qt-free. The same two loops run either in the host (``serve``) or on threads of the
 window's own process (``workers``' thread mode):
 
-* ``RunDriver`` drives ``run_generation``: samples leave in batches (at most ``BATCH_MAX`` or
+* ``RunDriver`` drives ``core.run.run_generation`` (every runtime's one loop): samples leave in batches (at most ``BATCH_MAX`` or
   every ``FLUSH_S`` seconds), commands (switch, pause, resume, stop) take effect between tokens,
   and every failure becomes one ``errored`` message, never a silently dead run.
 * ``sample_memory`` reads a ``MemoryProbe`` at a fixed rate, independent of tokens.
@@ -35,23 +35,13 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from core.errors import is_user_error, one_line  # noqa: F401 - one_line: also this module's name for it
+
 #: Samples leave in batches of at most this many, or at least every FLUSH_S seconds.
 BATCH_MAX = 16
 FLUSH_S = 0.05
 
-#: Errors whose message is already written for the user (no exception class name in front).
-USER_ERRORS = ("LoadError", "SettingsError", "SpecError", "GenerationError", "BudgetExceeded", "RecordingError")
-
 Send = Callable[[str, Any], None]
-
-
-def one_line(exc: BaseException) -> str:
-    """The message the window shows for a run that failed with ``exc``."""
-    text = str(exc).strip()
-    message = text.splitlines()[0] if text else type(exc).__name__
-    if type(exc).__name__ in USER_ERRORS:
-        return message
-    return f"{type(exc).__name__}: {message}"
 
 
 class RunDriver:
@@ -91,8 +81,11 @@ class RunDriver:
         self._last_flush = time.monotonic()
 
     def _poll(self) -> list[tuple[str, str]]:
-        """Drain commands; while paused, wait here (between tokens) until resumed or stopped."""
-        switches: list[tuple[str, str]] = []
+        """Drain commands; while paused, wait here (between tokens) until resumed or stopped.
+
+        Switches coalesce: per axis only the last press counts (a mash of 30 keys during a re-run is one
+        switch per axis, not 30 re-runs), in the order of the last presses."""
+        switches: dict[str, tuple[str, str]] = {}
         while True:
             try:
                 command = self.commands.get(timeout=0.05) if self.paused else self.commands.get_nowait()
@@ -102,7 +95,9 @@ class RunDriver:
                 break
             kind = command[0]
             if kind == "switch":
-                switches.append((command[1], command[2]))
+                axis = str(command[1]).strip().lower().replace("_", "-")
+                switches.pop(axis, None)
+                switches[axis] = (command[1], command[2])
             elif kind == "pause" and not self.paused:
                 self.paused = True
                 self._flush()
@@ -115,23 +110,20 @@ class RunDriver:
                 break
             if not self.paused and self.commands.empty():
                 break
-        return switches
+        return list(switches.values())
 
     def run(self) -> None:
         from core.request import RunHooks
+        from core.run import run_generation  # every runtime's one loop (the runtime's module loads with the run)
 
         try:
-            if getattr(self.request, "runtime", "transformers") == "llama.cpp":
-                from core.llamacpp_engine import run_llamacpp as run_generation  # a GGUF in llama.cpp: no torch
-            else:
-                from core.run import run_generation
             run_generation(self.request, RunHooks(
                 emit=self._emit, loaded=lambda info: self.send("loaded", info),
                 progress=lambda text: self.send("progress", text), poll=self._poll,
                 should_stop=self.abort.is_set))
         except Exception as exc:  # noqa: BLE001 - every failure reaches the window as a message
             self._flush()
-            if type(exc).__name__ not in USER_ERRORS:
+            if not is_user_error(exc):  # a bug of ours: its traceback, as the command line shows it
                 traceback.print_exc()
             self.send("errored", one_line(exc))
         finally:
@@ -248,8 +240,8 @@ def serve(conn: Any) -> None:
             except (OSError, EOFError, ValueError):  # the window has gone: nothing to tell
                 gone.set()
 
-    from core.run import limit_cpu_threads
     from core.hf import ensure_transformers
+    from core.runtimes.transformers import limit_cpu_threads
 
     limit_cpu_threads("cpu")  # on this main thread, before any run: one core stays with the window
     ensure_transformers()  # the slow imports now, while the window starts

@@ -26,6 +26,7 @@ from typing import Any
 
 from core.forecast import OOM_WARN_S, OomForecast, oom_forecast
 from core.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
+from core.settings import parse_switch_value
 from core.spikes import EVENT_LOAD, EVENT_SWITCH, Event, Spike, SpikeMonitor, reading_from_sample, spike_events, spike_threshold
 
 #: Run states. ``loading`` to ``running`` at the first sample (or the model's info), ``idle`` at the end.
@@ -42,6 +43,21 @@ MARK_LABEL_CHARS = 80
 SLOPE_POINTS = 32
 #: Tokens remembered to place a spike on the token axis (the oldest half goes when full).
 TOKEN_INDEX_MAX = 400_000
+
+
+#: The Sample field that holds each switch axis's setting.
+SETTING_FIELDS = {"attention": "attention", "attn-impl": "attn_impl", "cache": "cache"}
+
+
+def canonical_switch(key: str, value: Any) -> tuple[str, str]:
+    """``key=value`` as the engine spells it in its events (``switch_key``, ``switch_after``); a value
+    that does not parse is kept as written (the engine refuses it under that spelling)."""
+    k = str(key).strip().lower().replace("_", "-")
+    try:
+        name, parsed = parse_switch_value(k, str(value))
+    except Exception:  # noqa: BLE001 - SettingsError/SpecError: the refusal carries the text as written
+        return k, str(value)
+    return name.replace("_", "-"), parsed if name == "attn_impl" else parsed.key
 
 
 def marker_label(s: Sample, limit: int = MARK_LABEL_CHARS) -> str:
@@ -104,7 +120,7 @@ class Session:
         self.last_error = ""
         self.last_reading: Any = None  # newest MemoryReading from the sampler
         self.alert_kind = ""  # the alert shown: '', 'error' or 'warning'
-        self.switches_pending = 0  # switches sent to the engine and not answered yet
+        self.pending: dict[str, str] = {}  # axis -> the value last asked and not answered yet (one per axis)
         self.monitor: SpikeMonitor | None = None
         self.monitor_threshold = 0
         self.plot_readings = False  # True while a live run is on: readings go to the memory plot
@@ -179,7 +195,7 @@ class Session:
         self.mode = mode
         self.request = request
         self.last_error = ""
-        self.switches_pending = 0
+        self.pending = {}
         self.plot_readings = mode == "live"
         self.load_started = load_started
         self.set_state("loading")
@@ -216,10 +232,30 @@ class Session:
     def error(self, message: str) -> None:
         self.last_error = message
 
-    def switch_sent(self) -> int:
-        """A switch went to the engine; returns the switches now pending (keys pressed meanwhile queue)."""
-        self.switches_pending += 1
-        return self.switches_pending
+    @property
+    def switches_pending(self) -> int:
+        """Switches asked and not answered yet: at most one per axis (attention, attn-impl, cache)."""
+        return len(self.pending)
+
+    def running_setting(self, key: str) -> str | None:
+        """The setting the engine last reported on axis ``key`` (attention / attn-impl / cache)."""
+        s = self.last_sample
+        return None if s is None else getattr(s, SETTING_FIELDS.get(key, ""), None)
+
+    def switch_sent(self, key: str, value: str) -> bool:
+        """A key asks ``key=value``. Presses coalesce: per axis only the last counts (the engine's
+        driver keeps only the last too); a press back to the running setting cancels the pending
+        one. Returns whether the engine must be told (False: that value is already pending)."""
+        key, value = canonical_switch(key, value)
+        if value == self.running_setting(key) and key not in self.pending:
+            return False  # nothing pending, nothing to change
+        if self.pending.get(key) == value:
+            return False  # pressed again: the same switch is already on its way
+        if value == self.running_setting(key):
+            del self.pending[key]  # back to what runs: the engine replaces its pending one with a no-op
+        else:
+            self.pending[key] = value
+        return True
 
     def finished(self) -> bool:
         """The run ended. False when there was none."""
@@ -282,9 +318,11 @@ class Session:
     def _take_event(self, s: Sample) -> None:
         self.events.row.emit(s)
         self._last_decode = None  # a slope does not span a switch (or any event)
-        if s.switch_key is not None and self.switches_pending:
-            self.switches_pending -= 1  # a key's switch has been applied, refused or found a no-op
-            if not self.switches_pending and s.event == "switch":
+        if s.switch_key is not None and self.pending.get(s.switch_key) == canonical_switch(s.switch_key, s.switch_after)[1]:
+            # The answer to the last press on that axis (applied, refused or found a no-op); the answer to
+            # an earlier press, already under way when it was superseded, leaves the last one pending.
+            del self.pending[s.switch_key]
+            if not self.pending and s.event == "switch":
                 self.events.status.emit(s.text, 4000)
         if s.event == "switch":
             self.switch_events += 1

@@ -68,8 +68,8 @@ def test_the_settings_shown_are_the_engines_after_a_switch_and_after_a_refusal()
     session.begin_live(RunRequest(), "cpu")
     first = synthetic_samples(3, prompt_tokens=4)
     session.take_samples(first)
-    asked = session.switch_sent()
-    assert asked == 1 and session.switch_sent() == 2  # a second key while the first is pending: queued
+    assert session.switch_sent("attention", "gqa:3") and session.switch_sent("cache", "static")
+    assert session.switches_pending == 2  # one per axis
     last = first[-1]
     refused = last.replace(phase="event", event="refused", text="refused: no", switch_key="attention",
                            switch_before="mha", switch_after="gqa:3")
@@ -78,10 +78,12 @@ def test_the_settings_shown_are_the_engines_after_a_switch_and_after_a_refusal()
     session.take_samples([refused])
     assert session.switches_pending == 1
     assert seen["settings"][-1][0].attention == "mha"  # the refusal puts the controls back to what runs
-    session.take_samples([applied])
+    assert session.switch_sent("attention", "mqa")
+    session.take_samples([applied, applied.replace(switch_key="cache", switch_after="static", cache="static",
+                                                   text="cache: dynamic -> static")])
     assert session.switches_pending == 0
     assert seen["settings"][-1][0].attention == "mqa"
-    assert seen["status"][-1] == ("attention: mha -> mqa", 4000)  # said once the last pending one is in
+    assert seen["status"][-1] == ("cache: dynamic -> static", 4000)  # said once the last pending one is in
 
 
 def test_the_origin_ties_the_run_clock_to_the_readings_clock_and_places_early_readings():

@@ -127,16 +127,18 @@ def test_a_refused_switch_puts_the_controls_back_to_what_runs(qtbot, window):
 
 def test_a_long_conversion_says_so_and_keys_meanwhile_show_as_queued(qtbot, window):
     """Issue 12, item 2: MLA re-runs every token so far (seconds on a long run): the engine says so
-    before it starts, and keys pressed meanwhile are shown as queued, then applied in order."""
+    before it starts, and keys pressed meanwhile are shown as queued, one per axis (issue 25: a second
+    press on the same axis replaces the first)."""
     said = []
     window.controller.progress.connect(said.append)
     window.start_run(RunRequest(source="embedded", max_new_tokens=100_000))
     qtbot.waitUntil(lambda: window.decode_tokens >= 20, timeout=120_000)
     qtbot.keyClick(window, Qt.Key.Key_4)  # MLA
-    qtbot.keyClick(window, Qt.Key.Key_3)  # MQA, while MLA is still to come
+    qtbot.keyClick(window, Qt.Key.Key_C)  # the next cache, while MLA is still to come
     assert window.statusBar().currentMessage().endswith("(2 queued)")
-    qtbot.waitUntil(lambda: window.badges["attention"].text() == "MQA", timeout=60_000)
-    assert [m.label for m in window.plots.markers][-2:] == ["mla", "mqa"]
+    qtbot.waitUntil(lambda: window.badges["attention"].text() == "MLA", timeout=60_000)
+    qtbot.waitUntil(lambda: window.session.switches_pending == 0, timeout=60_000)
+    assert [m.label for m in window.plots.markers][-2:] == ["mla", "cache static"]
     assert any(text.startswith("re-running ") and "tokens (MLA" in text for text in said), said
     with qtbot.waitSignal(window.run_finished, timeout=10_000):
         window.stop_run()

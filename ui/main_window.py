@@ -610,8 +610,13 @@ class MainWindow(FileActions, QMainWindow):
         if key == "attn-impl" and value != "flash":
             self.controls.last_non_flash = value
         if self.controller is not None and self.mode == "live" and self.state in ("running", "paused", "loading"):
-            self.controller.switch(key, value)
-            pending = self.session.switch_sent()
+            if not self.session.switch_sent(key, value):
+                return  # the same switch is already on its way (or nothing to change)
+            self.controller.switch(key, value)  # the engine keeps only the last pending press per axis
+            pending = self.session.switches_pending
+            if not pending:
+                self.statusBar().showMessage(f"{key}: staying with {value}", 3000)
+                return
             queued = f" ({pending} queued)" if pending > 1 else ""
             self.statusBar().showMessage(f"switching {key} to {value} after this token\u2026{queued}")
 

@@ -17,6 +17,7 @@ import sys
 
 from core import __version__ as APP_VERSION
 from core.outputs import OutputError, check_output_path, display_path
+from core.safe_text import safe_text
 
 
 class CliError(Exception):
@@ -330,6 +331,11 @@ def _run_request(args: argparse.Namespace):
                 check_output_path(path, inputs=(args.prompt_file,), force=args.force, allow_stdout=False)
             except OutputError as exc:
                 raise CliError(f"{what}{exc}") from None
+    if args.model and args.model.strip() != "embedded":  # a GGUF llama.cpp would refuse: calc's line, at once
+        from core.gguf import is_gguf_source, read_gguf
+
+        if is_gguf_source(args.model.strip()):
+            read_gguf(args.model.strip())
     runtime = getattr(args, "runtime", None)
     if runtime is None:  # a GGUF runs where it was made to run
         from core.gguf import is_gguf_source
@@ -503,7 +509,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     # With the CSV on standard output, the note goes to stderr so the CSV stays clean.
     print(f"wrote {rows:,} samples to {out.shown}", file=sys.stderr if out.stdout else sys.stdout)
     if problem:
-        print(f"kvscope: {problem}", file=sys.stderr)
+        print(f"kvscope: {safe_text(problem)}", file=sys.stderr)
     return 0
 
 
@@ -526,10 +532,10 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("KVSCOPE_DEBUG"):
             raise
         if not _is_user_error(exc):
-            print(f"kvscope: internal error: {type(exc).__name__}: {exc} (set KVSCOPE_DEBUG=1 for details)",
+            print(f"kvscope: internal error: {type(exc).__name__}: {safe_text(exc)} (set KVSCOPE_DEBUG=1 for details)",
                   file=sys.stderr)
             return 1
-        print(f"kvscope: {exc}", file=sys.stderr)
+        print(f"kvscope: {safe_text(exc)}", file=sys.stderr)  # messages name files and quote what they hold
         return 2
 
 

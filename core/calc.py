@@ -10,6 +10,7 @@ from typing import Any
 from core.caches import TokenSelecting, kv_layout
 from core.parallel import Parallelism, ParallelPrediction, describe, gpu_rows, max_context_per_gpu, predict_parallel
 from core.predict import Prediction, kv_bytes, kv_elem_bytes, kv_overtakes_weights_at, max_context_that_fits, predict
+from core.safe_text import NAME_LIMIT, safe_text
 from core.serving import ServingCapacity, render as render_serving
 from core.settings import RunSettings, effective_spec
 from core.spec import ModelSpec, human_bytes
@@ -185,7 +186,8 @@ def render_table(result: CalcResult) -> str:
     wdtype = settings.weight_dtype or spec.dtype
     kvdtype = settings.kv_dtype or wdtype
     lines = [
-        f"{spec.label}: {spec.num_layers} layers, {spec.num_query_heads} query heads, {spec.num_kv_heads} KV heads, "
+        f"{safe_text(spec.label, limit=NAME_LIMIT)}: {spec.num_layers} layers, {spec.num_query_heads} query heads, "
+        f"{spec.num_kv_heads} KV heads, "
         f"head_dim {spec.head_dim}, {spec.num_parameters:,} parameters",
         f"attention {settings.attention_key(spec)}, weights {wdtype}, KV {kvdtype}, batch {settings.batch}, "
         f"cache {settings.cache.key}, attn-impl {_kernel_text(spec, settings.attn_impl)}",

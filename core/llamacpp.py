@@ -399,7 +399,9 @@ def render_llamacpp_json(r: LlamaCppCalc) -> str:
 def render_llamacpp_table(r: LlamaCppCalc) -> str:
     from core.calc import aligned, bytes_cell  # calc's table and its "N B (size)" cells
 
-    lines = [f"{r.model}: llama.cpp runtime ({LLAMA_CPP_VERSION})",
+    from core.safe_text import NAME_LIMIT, safe_text  # the name comes from the file
+
+    lines = [f"{safe_text(r.model, limit=NAME_LIMIT)}: llama.cpp runtime ({LLAMA_CPP_VERSION})",
              "weights: the GGUF file's tensors, exact: " + ", ".join(f"{t} {human_bytes(n)}" for t, n in r.by_type)
              if r.gguf else
              "weights: the parameters at 2 bytes (an F16 GGUF); give a .gguf file for its exact tensor bytes", ""]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["safe_text", "safe_lines", "is_safe"]
+__all__ = ["NAME_LIMIT", "safe_text", "safe_lines", "is_safe"]
 
 # C0 controls (ESC, BEL, CR, LF, backspace...), DEL and the C1 controls (U+0080-U+009F: a terminal reads U+009B as
 # CSI, the start of an escape sequence), the line and paragraph separators, the bidirectional marks, embeddings,
@@ -26,6 +26,8 @@ _UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u
 _UNSAFE_KEEP_LINES = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e"
                                 "\u2066-\u2069\ud800-\udfff]")
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+#: The most characters of a model's name a table or a title line shows (a name of 60,000 characters is cut).
+NAME_LIMIT = 200
 
 
 def _escape(match: re.Match) -> str:

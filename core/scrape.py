@@ -412,11 +412,12 @@ def _with_warning(now: ServerReading, before: ServerReading | None, warn_usage: 
 
 def render_reading(r: ServerReading) -> str:
     """One line for the terminal."""
+    from core.safe_text import safe_text  # the server's names and words, escaped
     from core.spec import human_bytes
 
     stamp = time.strftime("%H:%M:%S", time.localtime(r.time_s))
     if r.status != OK:
-        return f"{stamp}  {r.url}  {r.status.upper()}: {r.problem}"
+        return safe_text(f"{stamp}  {r.url}  {r.status.upper()}: {r.problem}")
     parts = [f"{stamp}  {r.url}  {r.engine}" + (f" ({r.model})" if r.model else "")]
     if r.engine == "kvscope":
         parts.append(f"KV observed {human_bytes(r.kv_bytes)}, predicted {human_bytes(r.kv_bytes_predicted)}")
@@ -440,7 +441,7 @@ def render_reading(r: ServerReading) -> str:
         line += f"  [{r.note}]"
     if r.warning:
         line += f"  WARNING: {r.warning}"
-    return line
+    return safe_text(line)
 
 
 def watch(urls: list[str], spec=None, interval: float = 2.0, count: int | None = None, timeout: float = 2.0,

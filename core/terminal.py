@@ -9,6 +9,7 @@ from typing import TextIO
 from core.outputs import display_path
 from core.recording import RecordingError
 from core.request import ModelInfo, RunHooks, RunRequest
+from core.safe_text import NAME_LIMIT, safe_text
 from core.sample import PHASE_EVENT, Sample
 from core.spec import human_bytes
 
@@ -43,7 +44,7 @@ class TerminalView:
 
     def loaded(self, info: ModelInfo) -> None:
         spec = info.spec
-        print(f"{info.label} — {spec.num_layers} layers, {spec.num_query_heads} query heads, "
+        print(f"{safe_text(info.label, limit=NAME_LIMIT)} — {spec.num_layers} layers, {spec.num_query_heads} query heads, "
               f"{spec.num_kv_heads} KV heads, head_dim {spec.head_dim}, {spec.num_parameters:,} parameters",
               file=self.out)
         print(f"device {info.device_name} ({info.device}), dtype {info.dtype}, memory {_fmt(info.total_memory)}",
@@ -54,7 +55,7 @@ class TerminalView:
     def emit(self, s: Sample) -> None:
         if s.phase == PHASE_EVENT:
             self.events.append(s)
-            print(f"  -- [{s.event}] token {s.token}: {s.text}", file=self.out, flush=True)
+            print(f"  -- [{s.event}] token {s.token}: {safe_text(s.text)}", file=self.out, flush=True)
             return
         self.samples += 1
         self.first = self.first or s
@@ -139,7 +140,7 @@ def run_terminal(request: RunRequest, out: TextIO | None = None, observers: tupl
     previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
     try:
         run_generation(request, RunHooks(emit=emit, loaded=view.loaded,
-                                         progress=lambda t: print(t, file=sys.stderr, flush=True),
+                                         progress=lambda t: print(safe_text(t), file=sys.stderr, flush=True),
                                          should_stop=lambda: stopping["flag"]))
     except (GenerationError, RecordingError):  # e.g. the recording was deleted mid-run: said after the summary
         view.summary()

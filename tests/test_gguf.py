@@ -169,3 +169,41 @@ def test_the_calculator_and_calc_agree_on_what_fits(files):
             cli = calculate_llamacpp(str(files[name]), spec, [1024], lambda n: LlamaCppOptions(n_ctx=n), memory)
             assert cli.max_context == max_context_llamacpp(spec, memory) is not None
             assert predict_llamacpp(spec, cli.max_context).total <= memory < predict_llamacpp(spec, cli.max_context + 256).total
+
+
+def test_the_readers_type_tables_are_the_gguf_packages():
+    """core.gguf reads a header without the gguf package (no numpy, no memory map of every array); its tables of
+    ggml types (block size, bytes per block) and file types are llama.cpp's own gguf-py's, entry for entry."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
+
+    from core.gguf import FILE_TYPES, GGML_TYPES
+
+    assert GGML_TYPES == {int(t): (t.name, *GGML_QUANT_SIZES[t]) for t in GGMLQuantizationType}
+    assert FILE_TYPES == {int(t): t.name.removeprefix("MOSTLY_") for t in LlamaFileType if t.name != "GUESSED"}
+
+
+def test_the_bounded_reader_reads_what_the_gguf_package_reads(files, tmp_path):
+    """Every tensor (name, type, shape, bytes) and every hyperparameter the predictor uses, as llama.cpp's gguf-py
+    GGUFReader parses them element by element, for the tiny models of every cache layout, a quantized one and the
+    embedded model's conversion."""
+    from gguf import GGUFReader
+
+    from core.embedded import embedded_model_dir
+    from core.gguf_write import export_llama_folder
+
+    paths = dict(files, q8=gguf_models.llama(tmp_path / "q8.gguf", quant="q8_0", n_layer=3),
+                 embedded=export_llama_folder(embedded_model_dir(), tmp_path / "e.gguf"))
+    for name, path in paths.items():
+        g = read_gguf(path)
+        ref = GGUFReader(str(path))
+        assert [(t.name, t.ggml_type, t.shape, t.n_bytes) for t in g.tensors] == [
+            (t.name, t.tensor_type.name, tuple(int(x) for x in t.shape), int(t.n_bytes)) for t in ref.tensors], name
+        fields = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+        arch = fields["general.architecture"]
+        assert (g.arch, g.name, g.n_layer_all, g.n_embd, g.n_ctx_train) == (
+            arch, fields["general.name"], fields[f"{arch}.block_count"], fields[f"{arch}.embedding_length"],
+            fields[f"{arch}.context_length"]), name
+        assert g.n_head == (fields[f"{arch}.attention.head_count"],) * g.n_layer_all, name
+        assert g.n_head_kv == (fields.get(f"{arch}.attention.head_count_kv", g.n_head[0]),) * g.n_layer_all, name
+        assert g.n_vocab == fields.get(f"{arch}.vocab_size", len(fields["tokenizer.ggml.tokens"])), name
+        assert g.weight_bytes == sum(int(t.n_bytes) for t in ref.tensors)

@@ -12,6 +12,7 @@ scan (``ui.controls.InstalledModels``, shared through the window's settings).
 
 from __future__ import annotations
 
+import html
 import logging
 import math
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from PySide6.QtWidgets import (
 from core.attention import native_attention, parse_attention
 from core.caches import parse_cache
 from core.predict import kv_bytes, max_context_that_fits, predict
+from core.safe_text import NAME_LIMIT, safe_text
 from core.settings import RunSettings, attention_choices, cache_choices
 from core.longlived import freeze_long_lived
 from core.spec import ModelSpec, SpecError, human_bytes, load_spec, parse_size, preset_names
@@ -269,6 +271,7 @@ class CalculatorTab(FollowsInstalled, QWidget):
         self.model_status = QLabel("")
         self.model_status.setObjectName("statNote")
         self.model_status.setWordWrap(True)
+        self.model_status.setTextFormat(Qt.TextFormat.PlainText)  # model names come from files: never HTML
 
         self.context = _Slider("Context", "Tokens in the cache (prompt + generated), on a log scale.")
         self.batch = _Slider("Batch", "Sequences generated at once; KV and activations scale with it.")
@@ -363,6 +366,7 @@ class CalculatorTab(FollowsInstalled, QWidget):
         self.formula_label.setToolTip("The KV-cache formula with this model's numbers substituted; the result is "
                                       "the exact bytes a dynamic cache of full-attention layers holds.")
         self.error_label = QLabel("")
+        self.error_label.setTextFormat(Qt.TextFormat.PlainText)  # errors quote files: never HTML
         self.error_label.setObjectName("error")
         self.error_label.setWordWrap(True)
 
@@ -500,7 +504,7 @@ class CalculatorTab(FollowsInstalled, QWidget):
             return
         self.warm_up()
         self._request_id += 1
-        self.model_status.setText(f"loading {source}\u2026")
+        self.model_status.setText(f"loading {safe_text(source, limit=NAME_LIMIT)}\u2026")
         listed = self.model_combo.findData(source)
         if listed >= 0:
             self.model_combo.setCurrentIndex(listed)
@@ -514,7 +518,7 @@ class CalculatorTab(FollowsInstalled, QWidget):
             return  # a newer model was asked for meanwhile
         if spec is None:
             self.model_status.setText("")
-            self.error_label.setText(error)
+            self.error_label.setText(safe_text(error))
             return
         self._specs[self._pending_source] = spec
         self.set_spec(spec)
@@ -553,7 +557,8 @@ class CalculatorTab(FollowsInstalled, QWidget):
         self.attention.set_values(choices, str, native_attention(spec).key)
         self._fill_caches()
         self.model_status.setText(
-            f"{spec.label}: {spec.num_layers} layers, {spec.num_query_heads} query / {spec.num_kv_heads} KV heads "
+            f"{safe_text(spec.label, limit=NAME_LIMIT)}: {spec.num_layers} layers, {spec.num_query_heads} query / "
+            f"{spec.num_kv_heads} KV heads "
             f"of {spec.head_dim}, {format_count(spec.num_parameters)} parameters, trained to "
             f"{format_tokens(spec.max_position_embeddings)} tokens")
         self._chart_key = None
@@ -682,7 +687,7 @@ class CalculatorTab(FollowsInstalled, QWidget):
             formula = (formula_llamacpp(spec, context, self.cache_combo.currentText() or "f16") if llama else
                        kv_formula(spec, settings, context, times=" \u00d7 "))
         except SpecError as exc:  # SettingsError too: e.g. quantized cache on sliding layers
-            self.error_label.setText(str(exc))
+            self.error_label.setText(safe_text(exc))
             return
         self.error_label.setText("")
         b = p.breakdown
@@ -704,7 +709,7 @@ class CalculatorTab(FollowsInstalled, QWidget):
         self.headline.setText(
             f"{human_bytes(p.total)}{per_gpu} at {format_tokens(context)} tokens"
             + (f" \u2014 {verdict} in {human_bytes(memory)}" if memory else "")
-            + (f"<br><span style='font-size:{t.font_pt}pt;color:{t.warning}'>beyond {spec.label}'s trained "
+            + (f"<br><span style='font-size:{t.font_pt}pt;color:{t.warning}'>beyond {html.escape(safe_text(spec.label, limit=NAME_LIMIT))}'s trained "
                f"context of {format_tokens(spec.max_position_embeddings)}</span>" if beyond else ""))
         if memory is None:
             self.fits_label.setText("<span style='font-size:small'>type a GPU memory size to see what fits</span>")

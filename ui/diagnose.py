@@ -16,6 +16,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QBrush, QColor, QFont
 from PySide6.QtWidgets import QAbstractItemView, QHeaderView, QLabel, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget
 
+from core.safe_text import safe_lines, safe_text
 from core.sample import PHASE_PREFILL, Sample
 from core.spec import human_bytes
 from core.spikes import Spike
@@ -84,7 +85,8 @@ class EventsTable(QTableWidget):
         self.insertRow(r)
         cells = (f"{row.time_s:.2f} s", "" if row.token is None else str(row.token), row.kind, row.size, row.detail)
         for c, text in enumerate(cells):
-            item = QTableWidgetItem(text)
+            # A recording's events are untrusted text: no control character or bidi override is shown raw.
+            item = QTableWidgetItem(safe_text(text))
             if c in (0, 1, 3):
                 item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
             if color is not None and c == 2:
@@ -93,7 +95,7 @@ class EventsTable(QTableWidget):
                 font.setBold(True)
                 item.setFont(font)
             if c == 4:
-                item.setToolTip(text)
+                item.setToolTip(safe_lines(text))
             self.setItem(r, c, item)
         self.scrollToBottom()
 
@@ -199,7 +201,7 @@ class GpuProcessesPanel(QWidget):
             cells = (str(p.gpu_index), str(p.pid), p.name + ("  (this app)" if p.is_self else ""),
                      human_bytes(p.used_bytes) if p.used_bytes is not None else "n/a", p.kind)
             for c, text in enumerate(cells):
-                item = QTableWidgetItem(text)
+                item = QTableWidgetItem(safe_text(text))  # a process names itself
                 if c in (0, 1, 3):
                     item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
                 if p.is_self:

@@ -21,7 +21,14 @@ What each server publishes (the names as their sources and docs give them; fixtu
 Every scrape is bounded in time (``timeout`` per request, the whole answer read within it) and in
 size; a server that is down, slow, drops the connection or serves something that is not
 Prometheus text gives a reading that says so, never an exception and never a wait without end.
-Only http(s) URLs are fetched. Parsing is prometheus_client's own parser.
+Only http(s) URLs are fetched, and a redirect is followed only on the same server (scheme, host and
+port): never to ftp://, file:// or another host. Parsing is prometheus_client's own parser.
+
+A server is untrusted input: every figure is range-checked (a usage is a fraction from 0 to 1; counts
+of tokens, blocks, requests and bytes are finite, not negative and below a bound no real server
+reaches); one that is not is left out (n/a) and the reading says so in ``absurd``. Whatever one
+server serves, even what makes our own code fail, is that server's reading (status ``error``): the
+other servers go on being watched.
 """
 
 from __future__ import annotations
@@ -46,6 +53,17 @@ WARN_USAGE = 0.90
 WARN_HORIZON_S = 60.0
 
 DOWN, SLOW, DROPPED, HTTP_ERROR, GARBAGE, OK = "down", "slow", "dropped", "http error", "garbage", "ok"
+#: A reading our own code failed on (a bug met by one server's page): that server's row, never the watch's end.
+ERROR = "error"
+#: Bounds no real server reaches: past them a figure is absurd (flagged, not used). 2^40 tokens is a
+#: trillion; a vLLM block holds at most a few hundred tokens; 2^60 bytes is an exbibyte.
+MAX_TOKENS = 1 << 40
+MAX_BLOCKS = 1 << 40
+MAX_BLOCK_SIZE = 1 << 20
+MAX_REQUESTS = 1 << 32
+MAX_BYTES = 1 << 60
+#: Redirects followed, on the same server only.
+MAX_REDIRECTS = 4
 
 
 class ScrapeError(ValueError):
@@ -101,6 +119,40 @@ def fetch(url: str, timeout: float = 2.0, max_bytes: int = MAX_PAGE_BYTES) -> Fe
     return box[0]
 
 
+def _server(url: str) -> tuple[str, str, int | None]:
+    """(scheme, host, port) of a URL: what a redirect may not change."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme.lower())
+    except ValueError:  # a port that is not a number
+        port = -1
+    return parts.scheme.lower(), (parts.hostname or "").lower(), port
+
+
+class _SameServerRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only to the same scheme, host and port as the URL asked (``/metrics`` moved to
+    ``/metrics/``), at most ``MAX_REDIRECTS``; to another host or scheme (ftp://, file://, a server elsewhere)
+    the answer is an HTTP error that says where it pointed."""
+
+    max_redirections = MAX_REDIRECTS
+
+    def __init__(self, origin: str) -> None:
+        super().__init__()
+        self.origin = _server(origin)
+
+    def http_error_302(self, req, fp, code, msg, headers):  # noqa: D102 (urllib's hook, before its own checks)
+        location = headers.get("location") or headers.get("uri")
+        if location:
+            target = urllib.parse.urljoin(req.full_url, location)
+            if _server(target) != self.origin:
+                raise urllib.error.HTTPError(target, code, f"redirect to {target[:120]} refused: it leaves "
+                                                           f"{self.origin[0]}://{self.origin[1]}:{self.origin[2]}",
+                                             headers, fp)
+        return super().http_error_302(req, fp, code, msg, headers)
+
+    http_error_301 = http_error_303 = http_error_307 = http_error_308 = http_error_302
+
+
 def _fetch(url: str, timeout: float, max_bytes: int) -> Fetched:
     start = time.monotonic()
     deadline = start + timeout
@@ -110,7 +162,8 @@ def _fetch(url: str, timeout: float, max_bytes: int) -> Fetched:
 
     try:
         request = urllib.request.Request(url, headers={"User-Agent": "kvscope-watch", "Accept": "text/plain"})
-        with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 (http/https only, checked)
+        opener = urllib.request.build_opener(_SameServerRedirects(url))
+        with opener.open(request, timeout=timeout) as response:  # noqa: S310 (http/https only, checked)
             chunks, size = [], 0
             while True:
                 left = deadline - time.monotonic()
@@ -128,7 +181,7 @@ def _fetch(url: str, timeout: float, max_bytes: int) -> Fetched:
                 chunks.append(chunk)
             return Fetched(OK, None, b"".join(chunks), took())
     except urllib.error.HTTPError as exc:
-        return Fetched(HTTP_ERROR, f"HTTP {exc.code} {exc.reason}", seconds=took())
+        return Fetched(HTTP_ERROR, f"HTTP {exc.code} {exc.reason}"[:300], seconds=took())
     except (socket.timeout, TimeoutError):
         return Fetched(SLOW, f"no answer within {timeout:g} s", seconds=took())
     except (http.client.IncompleteRead, http.client.RemoteDisconnected, ConnectionResetError,
@@ -158,18 +211,19 @@ class Page:
     samples: dict[str, list[tuple[dict[str, str], float]]] = field(default_factory=dict)
 
     def first(self, *names: str) -> float | None:
+        """The first value of the first name present, as served (NaN and inf too: the checks flag them)."""
         for name in names:
             for _, value in self.samples.get(name, ()):
-                if math.isfinite(value):
-                    return value
+                return value
         return None
 
     def total(self, *names: str) -> float | None:
-        """Sum over the label sets of the first name present (e.g. several vLLM engines)."""
+        """Sum over the label sets of the first name present (e.g. several vLLM engines); a sum that
+        overflows is inf, flagged by the checks."""
         for name in names:
-            values = [v for _, v in self.samples.get(name, ()) if math.isfinite(v)]
+            values = [v for _, v in self.samples.get(name, ())]
             if values:
-                return sum(values)
+                return math.fsum(values) if all(math.isfinite(v) for v in values) else sum(values)
         return None
 
     def labels(self, name: str) -> dict[str, str] | None:
@@ -191,12 +245,60 @@ def parse_page(text: str) -> Page:
     return page
 
 
-def _int(text: str | None) -> int | None:
-    try:
-        value = int(str(text))
-    except (TypeError, ValueError):
-        return None
-    return value if value > 0 else None
+class Figures:
+    """Range checks of one page's figures: each ``fraction``/``count`` gives the value or None, and what was
+    absurd (NaN, inf, negative, past its bound) is kept in ``absurd``, one phrase each."""
+
+    def __init__(self) -> None:
+        self.absurd: list[str] = []
+
+    def _flag(self, name: str, value, why: str) -> None:
+        shown = f"{value:g}" if isinstance(value, float) else str(value)[:24]
+        self.absurd.append(f"{name} {shown} {why}")
+
+    def fraction(self, name: str, value: float | None) -> float | None:
+        """A usage: a finite fraction from 0 to 1 (a rounding hair above 1 is 1)."""
+        if value is None:
+            return None
+        if not math.isfinite(value) or value < 0 or value > 1.0 + 1e-9:
+            self._flag(name, value, "is not a fraction from 0 to 1")
+            return None
+        return min(value, 1.0)
+
+    def count(self, name: str, value: float | None, limit: int) -> float | None:
+        """A count (tokens, requests, bytes): finite, not negative, at most ``limit``."""
+        if value is None:
+            return None
+        if not math.isfinite(value):
+            self._flag(name, value, "is not a number")
+            return None
+        if value < 0:
+            self._flag(name, value, "is negative")
+            return None
+        if value > limit:
+            self._flag(name, value, f"is past any real server (more than {limit:,})")
+            return None
+        return value
+
+    def whole(self, name: str, value: float | None, limit: int) -> int | None:
+        checked = self.count(name, value, limit)
+        return int(checked) if checked is not None else None
+
+    def label_int(self, name: str, text: str | None, limit: int) -> int | None:
+        """A positive whole number in a label (vLLM's cache_config_info), at most ``limit``."""
+        if text is None or str(text) in ("", "None"):
+            return None
+        text = str(text).strip()
+        if not text.isdigit() or len(text) > 20:
+            self._flag(name, text, "is not a whole number of at most 20 digits")
+            return None
+        value = int(text)
+        if value == 0:
+            return None  # not known yet (vLLM publishes 0 before its profiling run)
+        if value > limit:
+            self._flag(name, value, f"is past any real server (more than {limit:,})")
+            return None
+        return value
 
 
 @dataclass(frozen=True)
@@ -222,6 +324,7 @@ class ServerReading:
     kv_bytes_predicted: int | None = None  # KV Scope's exporter only
     note: str | None = None  # what a figure means where it is not plain (llama.cpp's high-water mark)
     warning: str | None = None
+    absurd: str | None = None  # figures the page served that no real server can have (left out as n/a)
     seconds: float = 0.0
 
     def to_json(self) -> dict:
@@ -229,56 +332,79 @@ class ServerReading:
 
 
 def read_page(url: str, page: Page) -> dict:
-    """The KV figures of a parsed page, by engine; {} when no known metric is on it."""
+    """The KV figures of a parsed page, by engine, range-checked; {} when no known metric is on it. A figure
+    that is absurd is None, and ``absurd`` (a list, possibly empty) says what the page claimed."""
     names = set(page.samples)
+    check = Figures()
+    figures = _read_engine(names, page, check)
+    if figures:
+        figures["absurd"] = check.absurd
+    return figures
+
+
+def _model_label(page: Page) -> str | None:
+    return next((lab.get("model_name") for rows in page.samples.values() for lab, _ in rows if lab.get("model_name")),
+                None)
+
+
+def _read_engine(names: set[str], page: Page, check: Figures) -> dict:
     if any(n.startswith("vllm:") for n in names):
         info = page.labels("vllm:cache_config_info") or {}
-        blocks, block = _int(info.get("num_gpu_blocks")), _int(info.get("block_size"))
-        usage = page.first("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+        blocks = check.label_int("num_gpu_blocks", info.get("num_gpu_blocks"), MAX_BLOCKS)
+        block = check.label_int("block_size", info.get("block_size"), MAX_BLOCK_SIZE)
+        usage = check.fraction("kv_cache_usage_perc", page.first("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"))
         capacity = blocks * block if blocks and block else None
-        model = next((lab.get("model_name") for rows in page.samples.values() for lab, _ in rows if lab.get("model_name")), None)
-        return dict(engine="vllm", model=model, kv_usage=usage, num_gpu_blocks=blocks, block_size=block,
+        if capacity is not None and capacity > MAX_TOKENS:
+            check.absurd.append(f"capacity {capacity:,} tokens (num_gpu_blocks x block_size) is past any real server")
+            capacity = None
+        return dict(engine="vllm", model=_model_label(page), kv_usage=usage, num_gpu_blocks=blocks, block_size=block,
                     kv_capacity_tokens=capacity,
                     kv_tokens=round(usage * capacity) if usage is not None and capacity else None,
-                    running=page.total("vllm:num_requests_running"), waiting=page.total("vllm:num_requests_waiting"),
-                    preemptions=page.total("vllm:num_preemptions_total", "vllm:num_preemptions"),
+                    running=check.count("running", page.total("vllm:num_requests_running"), MAX_REQUESTS),
+                    waiting=check.count("waiting", page.total("vllm:num_requests_waiting"), MAX_REQUESTS),
+                    preemptions=check.count("preemptions", page.total("vllm:num_preemptions_total",
+                                                                      "vllm:num_preemptions"), MAX_TOKENS),
                     cache_dtype=info.get("cache_dtype"))
     if any(n.startswith("sglang:") for n in names):
-        usage = page.first("sglang:token_usage", "sglang:kv_cache_usage_perc")
-        used = page.first("sglang:num_used_tokens")
-        capacity = page.first("sglang:max_total_num_tokens", "sglang:kv_cache_total_tokens")
+        usage = check.fraction("token_usage", page.first("sglang:token_usage", "sglang:kv_cache_usage_perc"))
+        used = check.whole("num_used_tokens", page.first("sglang:num_used_tokens"), MAX_TOKENS)
+        capacity = check.count("max_total_num_tokens", page.first("sglang:max_total_num_tokens",
+                                                                  "sglang:kv_cache_total_tokens"), MAX_TOKENS)
         if capacity is None and used is not None and usage:
-            capacity = used / usage
-        model = next((lab.get("model_name") for rows in page.samples.values() for lab, _ in rows if lab.get("model_name")), None)
-        return dict(engine="sglang", model=model, kv_usage=usage,
-                    kv_tokens=int(used) if used is not None else None,
+            capacity = check.count("capacity (num_used_tokens / token_usage)", used / usage, MAX_TOKENS)
+        return dict(engine="sglang", model=_model_label(page), kv_usage=usage, kv_tokens=used,
                     kv_capacity_tokens=round(capacity) if capacity else None,
-                    running=page.total("sglang:num_running_reqs"), waiting=page.total("sglang:num_queue_reqs"))
+                    running=check.count("running", page.total("sglang:num_running_reqs"), MAX_REQUESTS),
+                    waiting=check.count("waiting", page.total("sglang:num_queue_reqs"), MAX_REQUESTS))
     if any(n.startswith("llamacpp:") for n in names):
-        usage = page.first("llamacpp:kv_cache_usage_ratio")
-        tokens = page.first("llamacpp:kv_cache_tokens")
+        usage = check.fraction("kv_cache_usage_ratio", page.first("llamacpp:kv_cache_usage_ratio"))
+        tokens = check.whole("kv_cache_tokens", page.first("llamacpp:kv_cache_tokens"), MAX_TOKENS)
         note = None
         if usage is None and tokens is None:
-            high = page.first("llamacpp:n_tokens_max", "llamacpp:n_tokens_max_total")  # the parser adds _total to a counter
+            # the parser adds _total to a counter
+            high = check.whole("n_tokens_max", page.first("llamacpp:n_tokens_max", "llamacpp:n_tokens_max_total"),
+                               MAX_TOKENS)
             note = ("no live KV figure on this build's /metrics; n_tokens_max "
-                    f"{int(high):,} is a high-water mark" if high is not None else "no live KV figure on /metrics")
-        return dict(engine="llama.cpp", kv_usage=usage, kv_tokens=int(tokens) if tokens is not None else None,
-                    running=page.total("llamacpp:requests_processing"), waiting=page.total("llamacpp:requests_deferred"),
+                    f"{high:,} is a high-water mark" if high is not None else "no live KV figure on /metrics")
+        return dict(engine="llama.cpp", kv_usage=usage, kv_tokens=tokens,
+                    running=check.count("running", page.total("llamacpp:requests_processing"), MAX_REQUESTS),
+                    waiting=check.count("waiting", page.total("llamacpp:requests_deferred"), MAX_REQUESTS),
                     note=note)
     if any(n.startswith("tgi_") for n in names):
-        tokens = page.first("tgi_batch_current_max_tokens")
-        return dict(engine="tgi", kv_tokens=int(tokens) if tokens is not None else None,
-                    running=page.total("tgi_batch_current_size"), waiting=page.total("tgi_queue_size"),
+        return dict(engine="tgi",
+                    kv_tokens=check.whole("tgi_batch_current_max_tokens", page.first("tgi_batch_current_max_tokens"),
+                                          MAX_TOKENS),
+                    running=check.count("running", page.total("tgi_batch_current_size"), MAX_REQUESTS),
+                    waiting=check.count("waiting", page.total("tgi_queue_size"), MAX_REQUESTS),
                     note="tgi_batch_current_max_tokens: tokens the current batch may hold (no usage fraction)")
     if "kvscope_kv_cache_observed_bytes" in names or "kvscope_run_info" in names:
         info = page.labels("kvscope_run_info") or {}
-        observed = page.first("kvscope_kv_cache_observed_bytes")
-        predicted = page.first("kvscope_kv_cache_predicted_bytes")
-        tokens = page.first("kvscope_context_tokens")
         return dict(engine="kvscope", model=info.get("model") or None,
-                    kv_bytes=int(observed) if observed is not None else None,
-                    kv_bytes_predicted=int(predicted) if predicted is not None else None,
-                    kv_tokens=int(tokens) if tokens is not None else None)
+                    kv_bytes=check.whole("kv_cache_observed_bytes", page.first("kvscope_kv_cache_observed_bytes"),
+                                         MAX_BYTES),
+                    kv_bytes_predicted=check.whole("kv_cache_predicted_bytes",
+                                                   page.first("kvscope_kv_cache_predicted_bytes"), MAX_BYTES),
+                    kv_tokens=check.whole("context_tokens", page.first("kvscope_context_tokens"), MAX_TOKENS))
     return {}
 
 
@@ -314,7 +440,7 @@ def served_models(url: str, timeout: float) -> tuple[str | None, int | None]:
     try:
         data = json.loads(got.body.decode("utf-8"))
         first = data["data"][0]
-        ident = str(first["id"])
+        ident = str(first["id"])[:200]
         max_len = first.get("max_model_len")
         return ident, int(max_len) if isinstance(max_len, int) and not isinstance(max_len, bool) else None
     except (ValueError, KeyError, IndexError, TypeError, UnicodeDecodeError):
@@ -359,7 +485,17 @@ class Watcher:
         return kv_bytes(self.spec, RunSettings(kv_dtype=kv_dtype), tokens) if tokens > 0 else 0
 
     def scrape(self) -> ServerReading:
-        """One bounded scrape; a reading whatever happened."""
+        """One bounded scrape; a reading whatever happened, never an exception: what our own code failed on
+        (one server's page meeting a bug) is this server's reading, status ``error``."""
+        try:
+            return self._scrape()
+        except Exception as exc:  # noqa: BLE001 - isolated to this server's row; the others go on
+            self._previous = None
+            first = str(exc).splitlines()[0][:200] if str(exc) else ""
+            return ServerReading(self.url, time.time(), ERROR,
+                                 f"internal error on this server's page: {type(exc).__name__}: {first}")
+
+    def _scrape(self) -> ServerReading:
         now = time.time()
         got = fetch(self.url, timeout=self.timeout)
         if got.status != OK:
@@ -375,6 +511,10 @@ class Watcher:
         if not figures:
             return ServerReading(self.url, now, GARBAGE, "no inference-server metrics on this page", seconds=got.seconds)
         cache_dtype = figures.pop("cache_dtype", None)
+        absurd = figures.pop("absurd", None)
+        if figures.get("model"):
+            figures["model"] = str(figures["model"])[:200]  # a label of megabytes is not a name
+        figures["absurd"] = "; ".join(absurd) if absurd else None
         if figures["engine"] != "kvscope":
             self._resolve_model(figures.get("model"))
             figures["kv_bytes"] = self._bytes(figures.get("kv_tokens"), cache_dtype)
@@ -441,6 +581,8 @@ def render_reading(r: ServerReading) -> str:
         line += f"  [{r.note}]"
     if r.warning:
         line += f"  WARNING: {r.warning}"
+    if r.absurd:
+        line += f"  ABSURD (left out): {r.absurd}"
     return safe_text(line)
 
 

@@ -3,7 +3,9 @@
 The scraping runs on its own thread (``workers.server_watch``); this tab only draws what arrives: one
 solid curve per server (KV bytes in use, the predictor's bytes for the tokens the server reports, or
 KV Scope's own observed bytes), its capacity dashed, and a table with each server's latest reading.
-A server that is down, slow or serves garbage says so in its row; nothing here ever waits on one.
+A server that is down, slow or serves garbage says so in its row; nothing here ever waits on one. What
+a server names (its model, its words) is shown with control characters escaped (``core.safe_text``), and
+figures it served that no server can have are flagged in its row ("absurd: ..."), never plotted.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QHeaderView, QLabel, QLineEdit, QPushButton,
                                QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
+from core.safe_text import safe_text
 from core.spec import human_bytes
 from ui.axes import BytesAxis
 from ui.theme import DARK, Theme
@@ -132,7 +135,7 @@ class ServersTab(QWidget):
         self._curves = {}
         for i, url in enumerate(urls):
             colour = PALETTE[i % len(PALETTE)]
-            used = self.plot.plot([], [], pen=pg.mkPen(colour, width=self.theme.line_width), name=url)
+            used = self.plot.plot([], [], pen=pg.mkPen(colour, width=self.theme.line_width), name=safe_text(url, 120))
             capacity = self.plot.plot([], [], pen=pg.mkPen(colour, width=1, style=Qt.PenStyle.DashLine))
             self._curves[url] = (used, capacity)
 
@@ -162,6 +165,10 @@ class ServersTab(QWidget):
         bad = QColor(self.theme.error)
         for row, r in enumerate(readings):
             ok = r.status == OK
+            absurd = getattr(r, "absurd", None)
+            said = r.warning or (r.problem if not ok else None) or r.note or ""
+            if absurd:
+                said = f"absurd figures left out: {absurd}" + (f"; {said}" if said else "")
             cells = (
                 r.url, r.engine or "", r.status,
                 f"{r.kv_usage:.1%}" if r.kv_usage is not None else "n/a",
@@ -171,13 +178,13 @@ class ServersTab(QWidget):
                 f"{r.running:g}" if r.running is not None else "n/a",
                 f"{r.waiting:g}" if r.waiting is not None else "n/a",
                 f"{r.preemptions:g}" if r.preemptions is not None else "n/a",
-                r.warning or (r.problem if not ok else None) or r.note or "",
+                said,
             )
             for col, text in enumerate(cells):
-                item = QTableWidgetItem(text)
+                item = QTableWidgetItem(safe_text(text, 400))  # a server's names and words, escaped
                 if not ok and col in (2, len(cells) - 1):
                     item.setForeground(bad)
-                if r.warning and col == len(cells) - 1:
+                if (r.warning or absurd) and col == len(cells) - 1:
                     item.setForeground(warn)
                 self.table.setItem(row, col, item)
 

@@ -159,6 +159,21 @@ def check_output_path(path: str | os.PathLike[str] | Output, inputs: Iterable[st
     return Output(name=name, path=real, exists=True, mode=stat.S_IMODE(st.st_mode))
 
 
+def _temporary_name(target: Path) -> str:
+    """``.NAME.PID.RANDOM.tmp`` beside ``target``, its NAME cut (at a character, counting bytes) so that the whole
+    stays within the folder's longest name: a valid name of 250 bytes must not fail for its temporary's sake."""
+    suffix = f".{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        longest = os.pathconf(target.parent, "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):  # no pathconf (Windows), a folder gone: the usual limit
+        longest = 255
+    room = max(longest, 32) - 1 - len(suffix.encode())
+    name = target.name
+    while len(os.fsencode(name)) > room:
+        name = name[:-1]
+    return f".{name}{suffix}"
+
+
 @contextlib.contextmanager
 def replacing(out: Output) -> Iterator[Path]:
     """A new temporary path next to ``out.path``, renamed over it when the block ends without error.
@@ -169,7 +184,7 @@ def replacing(out: Output) -> Iterator[Path]:
     if out.path is None:
         raise OutputError("standard output cannot be replaced; write to it with open_output")
     target = out.path
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    tmp = target.with_name(_temporary_name(target))
     try:
         # O_EXCL: never an existing file (or a link planted there); 0o666 less the umask, like open().
         os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))

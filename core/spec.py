@@ -219,29 +219,77 @@ def path_kind(path: Path, shown: str | None = None) -> str | None:
         raise SpecError(f"cannot use {shown or str(path)!r} as a model: {what}") from None
 
 
-def read_config_json(path: Path) -> dict[str, Any]:
-    """A config file as a dict: the one reader for ``calc``, ``run`` and hub configs. Anything else
-    (not a regular file, not UTF-8, not JSON, not an object, nested absurdly deep) is a SpecError."""
+#: The largest config.json read: a model's is a few KiB (a vision model's with label maps, a few hundred);
+#: one larger is refused by its size, before a byte of it is read.
+MAX_CONFIG_BYTES = 8 << 20
+#: The longest integer a config may hold (a 64-bit number has 20 digits). Python refuses to convert one
+#: of more than 4,300 digits with a ValueError; this says so in one line, whatever the length.
+MAX_CONFIG_INT_DIGITS = 100
+
+
+def _config_int(text: str) -> int:
+    if len(text) > MAX_CONFIG_INT_DIGITS:
+        raise _HugeInteger(len(text.lstrip("-")))
+    return int(text)
+
+
+class _HugeInteger(Exception):
+    pass
+
+
+def read_config_json(path: Path, max_bytes: int = MAX_CONFIG_BYTES) -> dict[str, Any]:
+    """A config file as a dict: the one reader for ``calc``, ``run``, hub configs and the installed-model
+    scan. Anything else is a SpecError, in one line: not a regular file (a FIFO or a device is never
+    opened), more than ``max_bytes`` bytes (refused by its size, unread), not UTF-8, not JSON, not an
+    object, nested absurdly deep, or holding an integer of more than ``MAX_CONFIG_INT_DIGITS`` digits."""
+    import os
+    import stat
+
     kind = path_kind(path)
     if kind == "other":  # a FIFO would block the read forever; a device has no end
         raise SpecError(f"{path} is not a regular file")
     if kind == "dir":
         raise SpecError(f"{path} is a folder, not a JSON file")
     try:
-        raw = path.read_bytes()
+        size = os.stat(path).st_size
+        if size > max_bytes:
+            raise SpecError(f"{path} is {human_bytes(size)} ({size:,} bytes); a config.json is at most "
+                            f"{human_bytes(max_bytes)} here, so it was not read")
+        # Non-blocking, and checked again once open: a FIFO put there since the look above cannot hold us.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise SpecError(f"{path} is not a regular file")
+            chunks, got = [], 0
+            while got <= max_bytes:
+                chunk = os.read(fd, min(1 << 20, max_bytes + 1 - got))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                got += len(chunk)
+        finally:
+            os.close(fd)
     except OSError as exc:
         raise SpecError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    if got > max_bytes:  # it grew since its size was looked at
+        raise SpecError(f"{path} is more than {human_bytes(max_bytes)}; a config.json is at most that here")
+    raw = b"".join(chunks)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise SpecError(f"{path} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
                         "a config.json is UTF-8 JSON") from None
     try:
-        data = json.loads(text)
+        data = json.loads(text, parse_int=_config_int)
     except json.JSONDecodeError as exc:
         raise SpecError(f"{path} is not valid JSON (line {exc.lineno}: {exc.msg})") from exc
+    except _HugeInteger as exc:
+        raise SpecError(f"{path} holds an integer of {exc.args[0]:,} digits; a config's numbers have at most "
+                        f"{MAX_CONFIG_INT_DIGITS}") from None
     except RecursionError:
         raise SpecError(f"{path} nests JSON more than {MAX_JSON_DEPTH} levels deep; it is not a model config") from None
+    except ValueError as exc:  # anything else json's conversions refuse: one line, never an internal error
+        raise SpecError(f"{path} is not a usable JSON file ({str(exc).splitlines()[0][:120]})") from None
     if not isinstance(data, dict):
         raise SpecError(f"{path} must hold a JSON object, found {type(data).__name__}")
     if _json_depth_exceeds(data, MAX_JSON_DEPTH):

@@ -233,6 +233,11 @@ CONFIG_FILES = {
     "json-string": (b'"llama"', "must hold a JSON object, found str"),
     "json-number": (b"1e400", "must hold a JSON object, found float"),
     "a-directory": ("dir", "is a folder, not a JSON file"),
+    # Python refuses to convert more than 4,300 digits: "internal error: ValueError" before (issue 29, item 6).
+    "integer-5000-digits": (b'{"model_type": "llama", "vocab_size": ' + b"9" * 5000 + b"}",
+                            "holds an integer of 5,000 digits; a config's numbers have at most 100"),
+    "integer-101-digits": (b'{"model_type": "llama", "x": -' + b"1" * 101 + b"}",
+                           "holds an integer of 101 digits; a config's numbers have at most 100"),
 }
 
 
@@ -251,6 +256,35 @@ def test_config_file_refused_alike_by_calc_and_run(case, tiny, tmp_path, capsys,
         config.write_bytes(content)
     calc, _ = _calc_and_run_lines(capsys, str(folder))
     assert calc == f"kvscope: {config} {expected}"
+
+
+SIZE_CHILD = """
+import resource, sys, time, main
+start = time.monotonic()
+code = main.main(["calc", "--model", sys.argv[1]])
+print("exit", code, f"{time.monotonic() - start:.3f}", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)
+"""
+
+
+def test_a_config_of_gigabytes_is_refused_by_its_size_unread(tiny, tmp_path):
+    """A config.json of 3 GiB (sparse) was read whole before it was refused (6.3 GB of memory in the issue; 14.6 s
+    and 2.1 GB for one of 1 GiB here): now its size is looked at first, one line names the size and the limit,
+    in a real process that stays small."""
+    from core.spec import MAX_CONFIG_BYTES, human_bytes
+
+    folder = _folder(tiny, tmp_path / "huge-config", config_bytes=b"{}")
+    config = folder / "config.json"
+    with open(config, "wb") as f:
+        f.truncate(3 << 30)
+    out = subprocess.run([sys.executable, "-c", SIZE_CHILD, str(folder)], capture_output=True, text=True, cwd=ROOT,
+                         env=_child_env(), timeout=120)
+    lines = [line for line in out.stderr.splitlines() if line.startswith(("kvscope:", "exit"))]
+    assert lines[0] == (f"kvscope: {config} is 3.0 GiB (3,221,225,472 bytes); a config.json is at most "
+                        f"{human_bytes(MAX_CONFIG_BYTES)} here, so it was not read"), out.stderr
+    _, code, seconds, maxrss_kib = lines[1].split()
+    # maxrss in KiB on Linux: calc's imports take ~600 MB; reading the file would add its 3 GiB.
+    assert code == "2" and float(seconds) < 2 and int(maxrss_kib) < 1_500_000, lines[1]
+    print(f"3 GiB config.json refused in {float(seconds):.3f} s at {int(maxrss_kib) // 1024} MiB")
 
 
 FIFO_CHILD = """

@@ -126,6 +126,21 @@ def test_output_never_the_input(tmp_path, rec, capsys, command):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.jsonl", "t.jsonl"]  # no temporary file left
 
 
+@pytest.mark.parametrize("name", ["a" * 246 + ".csv", "\u00e9" * 125 + ".csv", "b" * 251 + ".csv"],
+                         ids=["250 ASCII", "254 bytes of UTF-8", "255 bytes"])
+def test_output_names_up_to_255_bytes_work(tmp_path, rec, capsys, name):
+    """A valid name of 250-255 bytes was refused: the temporary file beside it (.NAME.PID.RANDOM.tmp) passed the
+    255-byte limit. The temporary's NAME is cut now; new and replaced (--force) files both work, none is left."""
+    out_csv = tmp_path / name
+    for force in ((), ("--force",)):
+        code, out, err = _cli(capsys, "export", rec, "--csv", out_csv, *force)
+        assert code == 0 and err == "" and out.strip() == f"wrote 39 samples to {out_csv}", err
+        assert out_csv.read_text().startswith(CSV_HEADER)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, "t.jsonl"])  # no temporary left
+    code, out, err = _cli(capsys, "export", rec, "--csv", tmp_path / ("c" * 256 + ".csv"))
+    assert code != 0 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err  # too long: one line
+
+
 def test_output_existing_file_needs_force(tmp_path, rec, capsys):
     out_csv = tmp_path / "out.csv"
     out_csv.write_text("keep me\n")

@@ -76,11 +76,24 @@ class CalcResult:
                     "weights_bytes": p.breakdown.weights,
                     "activation_bytes": p.breakdown.activations,
                     "total_bytes": p.total,
+                    **prefill_peak_json(self.spec, self.settings, p.context),
                 }
                 for p in self.rows
             ],
             "max_context": self.max_context,
         }
+
+
+def prefill_peak_json(spec: ModelSpec, settings: RunSettings, context: int) -> dict[str, Any]:
+    """``prefill_peak_bytes``: the most bytes the prefill of ``context`` tokens holds at once beyond the weights
+    (KV written and last-position logits included; ``core.predict.prefill_peak``, as on a GPU: the CPU flash
+    kernel's per-thread buffers are left out; a model type the replay does not follow gets a Llama layer's).
+    Checked against the allocator on the CPU (tests/test_prefill_peak.py); not yet on a GPU."""
+    from core.predict import prefill_peak
+
+    s = settings.with_(max_context=settings.max_context or context) if settings.cache.name == "static" else settings
+    peak = prefill_peak(spec, s, context, device="cuda")
+    return {"prefill_peak_bytes": peak.peak}
 
 
 def calculate(spec: ModelSpec, settings: RunSettings, contexts: list[int], gpu_memory: int | None = None,

@@ -144,7 +144,11 @@ def test_calc_json_shape(capsys):
     assert data["model"] == "llama-3-8b"
     assert [r["context"] for r in data["rows"]] == [4096, 32768]
     assert data["rows"][0]["kv_cache_bytes"] == 536_870_912
-    assert set(data["rows"][0]) == {"context", "kv_cache_bytes", "weights_bytes", "activation_bytes", "total_bytes"}
+    assert set(data["rows"][0]) == {"context", "kv_cache_bytes", "weights_bytes", "activation_bytes", "total_bytes",
+                                    "prefill_peak_bytes"}
+    # the prefill holds the KV it writes and more (its transients): the peak is above the KV, and grows with the prompt
+    first, second = data["rows"]
+    assert first["kv_cache_bytes"] < first["prefill_peak_bytes"] < second["prefill_peak_bytes"]
     assert isinstance(data["max_context"], int) and data["max_context"] > 32768
 
 
@@ -167,3 +171,29 @@ def test_calc_every_preset(capsys):
     for name in preset_names():
         code, stdout, stderr = _calc_inproc(capsys, "--model", name, "--context", "1k")
         assert code == 0 and "KV per token" in stdout, (name, stderr)
+
+
+def test_prefill_peak_leaves_the_kv_and_the_last_logits():
+    """Generated over the presets with full attention only: what the replayed pass leaves allocated is exactly the
+    KV it wrote (core.predict.kv_bytes) plus one row of logits per sequence; eager's scores make its peak larger
+    than sdpa's from a few hundred tokens; and the peak never falls as the prompt grows."""
+    import random
+
+    from core.predict import prefill_peak
+    from core.spec import dtype_bytes, preset_names
+
+    rng = random.Random(24)
+    checked = 0
+    for name in preset_names():
+        spec = load_spec(name)
+        if spec.num_sliding_layers or spec.layer_states or spec.is_mla or spec.layer_kv or spec.indexer_head_dim:
+            continue
+        batch, n = rng.randint(1, 3), rng.randint(300, 4000)
+        settings = RunSettings(batch=batch)
+        peak = prefill_peak(spec, settings, n)
+        logits = batch * spec.vocab_size * int(dtype_bytes(spec.dtype))
+        assert peak.end == kv_bytes(spec, settings, n) + logits, name
+        assert prefill_peak(spec, settings.with_(attn_impl="eager"), n).peak > peak.peak, name
+        assert prefill_peak(spec, settings, n + 64).peak >= peak.peak, name
+        checked += 1
+    assert checked >= 5

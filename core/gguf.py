@@ -353,9 +353,11 @@ def _read_header(path: Path) -> tuple[dict[str, _Field], list[GgufTensor]]:
                     raise SpecError(f"{file} is not a GGUF file (it starts with {head!r}, not b'GGUF')")
                 raise SpecError(f"{file} is cut short: {size} bytes, fewer than a GGUF header's 24")
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                return _walk(_Cursor(buf, size, file))
+                return _walk(_Cursor(buf, len(buf), file))  # the mapped length: the file may have changed since
     except SpecError:
         raise
+    except struct.error:  # past the mapped end: every read is checked first, so only a file changed under the map
+        raise SpecError(f"{file} changed while it was read, or is damaged; read it again") from None
     except OSError as exc:
         raise SpecError(f"cannot read {path}: {exc.strerror or exc}") from None
     except (ValueError, OverflowError) as exc:  # mmap refusing a file that changed under it

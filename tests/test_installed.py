@@ -477,3 +477,79 @@ def test_a_config_nested_absurdly_deep_hides_nothing_else(tmp_path):
     write(folder / "tiny-Q8_0.gguf", GGUF + b"x" * 4)
     found = find_installed(home=tmp_path / "home", extra_folders=[folder], origins=("folder",))
     assert [m.source for m in found] == [str(folder / "tiny-Q8_0.gguf")]
+
+
+# ------------------------------------------------------------------------------------------------
+# Hostile stores and the window (issue 29, item 3; the seeded store fuzzer is tests/test_store_fuzz.py)
+
+QUIT_SCRIPT = r"""
+import os, sys, time
+from PySide6.QtCore import QSettings, QTimer
+from ui.app import _application
+from ui.main_window import MainWindow
+
+app = _application()
+settings = QSettings(sys.argv[1], QSettings.Format.IniFormat)
+settings.setValue("app/first_start_done", True)
+w = MainWindow(settings=settings)
+w.show()
+wait_for_scan = sys.argv[2] == "scan"
+start = time.monotonic()
+
+def check():
+    installed = w.controls.installed
+    if not wait_for_scan or (installed is not None and installed.scanned) or time.monotonic() - start > 60:
+        if installed is not None and installed.scanned:
+            print("LISTED", "|".join(m.label for m in installed.models), flush=True)
+            print("NOTES", "|".join(installed.notes), flush=True)
+            print("TIP", w.controls.installed_combo.toolTip().replace("\n", "|"), flush=True)
+        print("CLOSING", time.monotonic(), flush=True)
+        w.close()
+        return
+    QTimer.singleShot(50, check)
+
+QTimer.singleShot(0, check)
+code = app.exec()
+print("QUIT", time.monotonic(), flush=True)
+sys.exit(code)
+"""
+
+
+def test_the_window_quits_with_a_fifo_in_the_hf_cache(tmp_path, when="scan"):
+    """The real window (offscreen, KVSCOPE_ENGINE=thread) over a Hugging Face cache whose refs/main is a FIFO
+    (huggingface_hub's scanner blocked on it for ever, and the window never exited): the scan lists the repo
+    and its neighbour, a note says what was skipped, and the window quits in seconds, after the scan or while
+    it is still under way."""
+    import subprocess
+    import sys
+    import time
+
+    home = tmp_path / "home"
+    cache = home / ".cache" / "huggingface" / "hub"
+    cfg = json.dumps(TINY_LLAMA).encode()
+    hf_repo(cache, "models--org--good", {REV_OLD: {"config.json": cfg}}, main=REV_OLD)
+    fifo_repo = hf_repo(cache, "models--org--fifo", {REV_OLD: {"config.json": cfg}}, main=REV_OLD)
+    (fifo_repo / "refs" / "main").unlink()
+    os.mkfifo(fifo_repo / "refs" / "main")
+    (cache / "models--org--zero" / "refs").mkdir(parents=True)
+    (cache / "models--org--zero" / "snapshots").mkdir()
+    (cache / "models--org--zero" / "refs" / "main").symlink_to("/dev/zero")
+    env = dict(os.environ, HOME=str(home), HF_HUB_CACHE=str(cache), KVSCOPE_ENGINE="thread", QT_QPA_PLATFORM="offscreen")
+    env.pop("OLLAMA_MODELS", None)
+    root = Path(__file__).resolve().parent.parent
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", QUIT_SCRIPT, str(tmp_path / "kvscope.ini"), when], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=180)
+    took = time.monotonic() - started
+    lines = {line.split(" ", 1)[0]: line.split(" ", 1)[1] if " " in line else "" for line in proc.stdout.splitlines()}
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    closing, quit_at = float(lines["CLOSING"]), float(lines["QUIT"])
+    assert quit_at - closing < 5, f"the window took {quit_at - closing:.1f} s to quit"
+    if when == "scan":
+        assert lines["LISTED"].split("|") == ["org/fifo", "org/good"]
+        notes = lines["NOTES"].split("|")
+        assert any("models--org--fifo/refs/main" in n and "FIFO" in n for n in notes), notes
+        assert any("models--org--zero/refs/main" in n and "character device" in n for n in notes), notes
+        assert "Skipped (2)" in lines["TIP"]
+    print(f"window with a FIFO in the HF cache ({when}): quit {quit_at - closing:.2f} s after close, "
+          f"{took:.1f} s in all")

@@ -16,7 +16,7 @@ import os
 import threading
 from pathlib import Path
 
-from PySide6.QtCore import QObject, QRunnable, QSettings, Qt, QThreadPool, Signal
+from PySide6.QtCore import QObject, QSettings, Qt, Signal
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QFileDialog, QGroupBox, QHBoxLayout, QLabel, QLineEdit,
                                QPlainTextEdit, QPushButton, QScrollArea, QSpinBox, QStackedWidget, QToolButton,
                                QVBoxLayout, QWidget)
@@ -24,9 +24,10 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QFileDialog, QGroupBox, QHB
 from core.gguf import is_gguf_source
 from core.attention import parse_attention
 from core.caches import parse_cache
-from core.installed import ORIGINS, InstalledModel, find_installed
+from core.installed import ORIGINS, InstalledModel, scan_installed
 from core.llamacpp import CACHE_TYPES as LLAMACPP_CACHE_TYPES, LlamaCppOptions
 from core.request import DEFAULT_PROMPT, RunRequest, llamacpp_missing
+from core.safe_text import safe_text
 from core.sample import Sample
 from core.settings import ATTN_IMPLS, RunSettings, attention_choices, cache_choices, parse_attn_impl
 from core.spec import SpecError, human_bytes, load_spec, parse_size
@@ -46,6 +47,8 @@ IMPORT_LOCK = threading.Lock()
 FIRST_START_TOKENS = 3000
 CONTROLS_MIN_W = 300
 KEYS_HELP = "1\u20135 attention \u00b7 F flash \u00b7 C cache \u00b7 Space pause \u00b7 F11 presenter \u00b7 Ctrl+S screenshot"
+#: The installed-model list's tooltip (the entries the scan skipped follow it, one line each).
+INSTALLED_TIP = "The models found on this machine: name \u00b7 where \u00b7 size"
 #: The axes a live switch changes, in the command line's spelling.
 SWITCH_KEYS = ("attention", "attn-impl", "cache")
 
@@ -60,41 +63,51 @@ def saved_folders(s: QSettings) -> list[str]:
     return list(dict.fromkeys(str(v) for v in value if v))
 
 
-class _ScanJob(QRunnable):
-    """``find_installed`` off the GUI thread: the stores that need no import first, then all of them."""
+class _ScanJob:
+    """``scan_installed`` off the GUI thread: the stores that need no import first, then all of them.
+
+    It runs on a daemon thread of its own, not a QThreadPool's: a pool waits for its threads when it is
+    destroyed, and the window must never wait on a store (the scan is bounded and cancellable anyway)."""
 
     def __init__(self, serial: int, home: Path, folders: tuple[str, ...], found) -> None:
-        super().__init__()
         self.serial, self.home, self.folders, self.found = serial, home, folders, found
+        self.cancel = threading.Event()
 
     def run(self) -> None:
-        models = None
+        scan = None
         try:
             quick = [o for o in ORIGINS if o != "hf-cache"]
-            self._emit(find_installed(self.home, self.folders, origins=quick), False)
-            with IMPORT_LOCK:  # scanning the Hugging Face cache imports huggingface_hub (about 0.2 s)
+            self._emit(scan_installed(self.home, self.folders, origins=quick, cancelled=self.cancel.is_set), False)
+            # huggingface_hub's constants say where its cache is: imported by one pool thread at a time.
+            while not IMPORT_LOCK.acquire(timeout=0.1):
+                if self.cancel.is_set():
+                    return
+            try:
                 import huggingface_hub.constants  # noqa: F401
-                from huggingface_hub import scan_cache_dir  # noqa: F401
-            models = find_installed(self.home, self.folders)
-        except Exception:  # find_installed never raises; a dead scan must still say it ended
+            finally:
+                IMPORT_LOCK.release()
+            scan = scan_installed(self.home, self.folders, cancelled=self.cancel.is_set)
+        except Exception:  # scan_installed never raises; a dead scan must still say it ended
             log.exception("looking for installed models")
-        self._emit(models, True)
+        if not self.cancel.is_set():
+            self._emit(scan, True)
 
-    def _emit(self, models, complete: bool) -> None:
+    def _emit(self, scan, complete: bool) -> None:
         try:
-            self.found.emit(self.serial, models, complete)
+            self.found.emit(self.serial, scan, complete)
         except RuntimeError:  # its window has closed meanwhile
             pass
 
 
 class InstalledModels(QObject):
-    """The models already on this machine (``core.installed.find_installed``), looked for off the GUI thread.
+    """The models already on this machine (``core.installed.scan_installed``), looked for off the GUI thread.
 
     ``for_settings(s)`` gives the one of a settings file: the window's Source list and the calculator's
-    picker share it, so a folder added in one is listed in both. ``changed``: ``models`` is new."""
+    picker share it, so a folder added in one is listed in both. ``changed``: ``models`` (and ``notes``, one
+    line per entry the scan skipped) is new."""
 
     changed = Signal()
-    _found = Signal(int, object, bool)  # scan serial, list of InstalledModel (None: failed), whether complete
+    _found = Signal(int, object, bool)  # scan serial, InstalledScan (None: failed), whether complete
 
     NAME = "kvscope-installed-models"
 
@@ -104,12 +117,13 @@ class InstalledModels(QObject):
         self.settings = settings
         self.folders: tuple[str, ...] = tuple(saved_folders(settings)) if settings is not None else ()
         self.models: list[InstalledModel] = []
+        self.notes: list[str] = []
         self.scanned = False  # a complete scan has come back
         self._serial = 0
         self._done = 0
         self._key: tuple | None = None
-        self._pool = QThreadPool(self)
-        self._pool.setMaxThreadCount(1)
+        self._job: _ScanJob | None = None
+        self._thread: threading.Thread | None = None
         self._found.connect(self._on_found)
 
     @classmethod
@@ -129,9 +143,13 @@ class InstalledModels(QObject):
                os.environ.get("HF_HOME"))
         if self.busy and key == self._key:
             return
+        if self._job is not None:
+            self._job.cancel.set()  # a newer look replaces it
         self._serial += 1
         self._key = key
-        self._pool.start(_ScanJob(self._serial, home, self.folders, self._found))
+        self._job = _ScanJob(self._serial, home, self.folders, self._found)
+        self._thread = threading.Thread(target=self._job.run, name="kvscope-installed-models", daemon=True)
+        self._thread.start()
 
     def add_folder(self, folder: str) -> None:
         """Look in ``folder`` too, from now on (saved in the settings) and at once."""
@@ -143,14 +161,21 @@ class InstalledModels(QObject):
         self.refresh()
 
     def wait(self, timeout_ms: int = 3000) -> bool:
-        """Wait for a scan in flight (the pool thread must not outlive the window)."""
-        return self._pool.waitForDone(timeout_ms)
+        """Stop a scan in flight, for the window's shutdown: it ends at its next entry (milliseconds); its
+        daemon thread is waited for ``timeout_ms`` at most, and never holds the process after that."""
+        if self._job is not None:
+            self._job.cancel.set()
+        if self._thread is not None:
+            self._thread.join(max(timeout_ms, 0) / 1000)
+            return not self._thread.is_alive()
+        return True
 
-    def _on_found(self, serial: int, models, complete: bool) -> None:
+    def _on_found(self, serial: int, scan, complete: bool) -> None:
         if serial != self._serial:
             return  # a newer look was asked for meanwhile
-        if models is not None:
-            self.models = list(models)
+        if scan is not None:
+            self.models = list(scan.models)
+            self.notes = list(scan.notes)
         if complete:
             self._done = serial
             self.scanned = True
@@ -215,7 +240,7 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
         self.installed: InstalledModels | None = None  # bound to the window's settings in restore()
         self._installed_wanted = ""  # the installed model to show once the scan has listed it
         self.installed_combo = QComboBox()
-        self.installed_combo.setToolTip("The models found on this machine: name \u00b7 where \u00b7 size")
+        self.installed_combo.setToolTip(INSTALLED_TIP)
         self.installed_combo.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
         self.installed_combo.setMinimumContentsLength(8)
         self.installed_combo.activated.connect(self._installed_chosen)
@@ -378,7 +403,8 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
             for m in models:
                 combo.addItem(m.describe(), m.source)
                 kind = "GGUF file" if m.kind == "gguf" else "transformers model folder"
-                combo.setItemData(combo.count() - 1, f"{m.describe()}\n{kind}: {m.source}", Qt.ItemDataRole.ToolTipRole)
+                combo.setItemData(combo.count() - 1, f"{m.describe()}\n{kind}: {safe_text(m.source)}",
+                                  Qt.ItemDataRole.ToolTipRole)
             if wanted and combo.findData(wanted) < 0 and Path(wanted).exists():
                 combo.addItem(Path(wanted).name, wanted)  # chosen before; the scan has not (yet) listed it
                 combo.setItemData(combo.count() - 1, wanted, Qt.ItemDataRole.ToolTipRole)
@@ -388,6 +414,10 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
                 combo.model().item(0).setEnabled(False)
             i = combo.findData(wanted) if wanted else -1
             combo.setCurrentIndex(max(i, 0))
+            notes = self.installed.notes if self.installed is not None else []
+            skipped = (f"\n\nSkipped ({len(notes)}):\n" + "\n".join(notes[:12]) + ("\n\u2026" if len(notes) > 12 else "")
+                       if notes else "")
+            combo.setToolTip(INSTALLED_TIP + skipped)
         finally:
             combo.blockSignals(False)
 

@@ -852,3 +852,32 @@ def test_safe_text_escapes_what_a_terminal_or_a_bidi_renderer_would_obey():
     assert safe_text("x" * 300, limit=200) == "x" * 199 + "…"
     printed = safe_text("\x1b]0;pwned\x07\x1b[2J\x1b[Hfake line\r\nok \u202eevil")
     assert is_safe(printed) and printed == "\\x1b]0;pwned\\x07\\x1b[2J\\x1b[Hfake line\\r\\nok \\u202eevil"
+
+
+def test_the_events_table_and_the_model_badge_show_hostile_names_as_text(qtbot):
+    """A recording's event text and a model's name (from a GGUF, a config or a recording) reach the window's
+    events table and badge row escaped, as plain text: no control character, and HTML shown, never rendered."""
+    from PySide6.QtCore import Qt
+
+    from core.request import ModelInfo
+    from core.spec import load_spec
+    from tests.synthetic import synthetic_samples as samples
+    from ui.badges import BadgeRow
+    from ui.diagnose import EventsTable
+    from ui.theme import theme
+
+    table = EventsTable(theme("dark"))
+    qtbot.addWidget(table)
+    hostile = "switch\x1b]0;pwned\x07\x1b[2J\r\nfake line \u202eevil"
+    event = next(s for s in samples(30, switches={20: "mqa"}) if s.is_event).replace(text=hostile)
+    table.add_event(event)
+    cells = [table.item(0, c).text() for c in range(table.columnCount())]
+    assert all(is_safe(text) for text in cells) and any("\\x1b]0;pwned\\x07" in text for text in cells), cells
+    row = BadgeRow()
+    qtbot.addWidget(row)
+    name = "<img src='file:///etc/passwd'>\x1b[2J<b>big</b>"
+    spec = load_spec("embedded")
+    row.show_model(ModelInfo(name, "/models/x.gguf", "cpu", "CPU", "f16", spec, None, (), (), ()))
+    badge = row.badges["model"]
+    assert badge.textFormat() == Qt.TextFormat.PlainText and badge.text() == safe_text(name)
+    assert "&lt;img src=" in badge.toolTip() and "<img" not in badge.toolTip()

@@ -3,15 +3,26 @@ the run state, a busy bar while loading and a lasting REC badge while a run reco
 
 from __future__ import annotations
 
+import html
+
 from PySide6.QtCore import QSize, Qt
 from PySide6.QtGui import QFont, QFontMetrics
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QProgressBar, QSizePolicy, QWidget
 
+from core.safe_text import NAME_LIMIT, safe_text
 from core.sample import Sample
 
 #: What the state badge says.
 STATE_TEXT = {"idle": "idle", "loading": "\u23f3 loading", "running": "\u25cf running",
               "paused": "\u275a\u275a paused", "stopping": "stopping\u2026"}
+
+
+def plain_tip(text: str) -> str:
+    """A tooltip shown as the text it is: Qt renders a tooltip that looks like HTML as HTML (a model named
+    "<img src=...>" would load an image), so such text is escaped into HTML that shows it literally."""
+    if "<" not in text:
+        return text
+    return "<p style='white-space:pre-wrap'>" + html.escape(text) + "</p>"
 
 
 class ElidedLabel(QLabel):
@@ -20,6 +31,7 @@ class ElidedLabel(QLabel):
     def __init__(self, text: str = "", parent: QWidget | None = None, pad: int = 0) -> None:
         super().__init__(parent)
         self._full = ""
+        self.setTextFormat(Qt.TextFormat.PlainText)  # a model's name comes from a file or a recording: never HTML
         # Horizontal room the style sheet's padding and border take (not in contentsRect for a QLabel).
         self.pad = pad
         self.setText(text)
@@ -58,14 +70,14 @@ class ElidedLabel(QLabel):
             shown = ""
         if shown != super().text():
             super().setText(shown)
-            self.setToolTip(self._full if shown != self._full else self._tip)
+            self.setToolTip(plain_tip(self._full) if shown != self._full else self._tip)
 
     _tip = ""
 
     def set_tip(self, tip: str) -> None:
         """The tooltip shown while the whole text fits (an elided text shows itself whole instead)."""
-        self._tip = tip
-        self.setToolTip(tip)
+        self._tip = plain_tip(tip)
+        self.setToolTip(self._tip)
 
 
 class BadgeRow(QWidget):
@@ -167,8 +179,9 @@ class BadgeRow(QWidget):
         self.loading_bar.setVisible(state == "loading")
 
     def show_model(self, info) -> None:
-        self.badges["model"].setText(info.label)
-        self.badges["model"].set_tip(f"{info.label}\nsource: {info.source}\n{info.spec.num_layers} layers, "
+        name = safe_text(info.label, limit=NAME_LIMIT)  # from a file, a config or a recording: escaped
+        self.badges["model"].setText(name)
+        self.badges["model"].set_tip(f"{name}\nsource: {safe_text(info.source)}\n{info.spec.num_layers} layers, "
                                         f"{info.spec.num_query_heads} query / {info.spec.num_kv_heads} KV heads of "
                                         f"{info.spec.head_dim}, {info.dtype}")
 

@@ -26,6 +26,7 @@ from PySide6.QtGui import QGuiApplication, QKeySequence, QShortcut
 from PySide6.QtWidgets import (QFrame, QGroupBox, QHBoxLayout, QLabel, QMainWindow, QPushButton, QScrollArea, QSizePolicy, QSplitter, QTabWidget, QVBoxLayout,
                                QWidget)
 
+from core.safe_text import NAME_LIMIT, safe_text
 from core.sample import Sample
 from core.session import Session
 from core.settings import ATTN_IMPLS, attention_choices, cache_choices
@@ -574,11 +575,11 @@ class MainWindow(FileActions, QMainWindow):
                                   tuple(info.cache_choices) or cache_choices(info.device),
                                   tuple(info.attn_impl_choices) or ATTN_IMPLS)
         self.badge_row.show_model(info)
-        self.setWindowTitle(f"KV Scope \u2014 {info.label}")  # whole here, where the badge row is too narrow
+        self.setWindowTitle(f"KV Scope \u2014 {safe_text(info.label, limit=NAME_LIMIT)}")  # whole here, where the badge row is too narrow
         self._reserve_badges()
         memory = f" \u00b7 {human_bytes(info.total_memory)}" if info.total_memory else ""
         self.status_device.setText(f"{info.device_name}{memory}")
-        self.statusBar().showMessage(f"loaded {info.label} on {info.device_name} ({info.dtype})", 5000)
+        self.statusBar().showMessage(f"loaded {safe_text(info.label, limit=NAME_LIMIT)} on {info.device_name} ({info.dtype})", 5000)
         self.calculator.set_spec(info.spec, source=f"{info.spec.name}")
         if info.total_memory and str(info.device).startswith(("cuda", "mps")):
             self.calculator.set_detected_memory(info.total_memory, info.device_name)

@@ -12,9 +12,9 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from core.attention import AttentionMode, SettingsError, native_attention, parse_attention
-from core.caches import CacheStrategy, Dynamic, parse_cache
-from core.spec import MAX_COUNT, ModelSpec, canonical_dtype, shown_count
+from core.attention import MLA, AttentionMode, SettingsError, Window, native_attention, parse_attention
+from core.caches import CacheStrategy, Dynamic, Quantized, TokenSelecting, kv_layout, parse_cache
+from core.spec import INDEXED_ATTENTION, MAX_COUNT, ModelSpec, canonical_dtype, dtype_bytes, shown_count
 
 
 ATTN_IMPLS = ("eager", "sdpa", "flash")
@@ -165,3 +165,71 @@ def _applied(spec: ModelSpec, mode: AttentionMode) -> ModelSpec:
     return mode.apply(spec)
 
 
+
+
+# ------------------------------------------------------------------------------------------------
+# What a key may offer from the settings in force (issue 25: C stuck on a quantized cache the engine refuses).
+
+#: The settings of a run, keyed by switch axis (``attention``, ``attn-impl``, ``cache``).
+Now = dict
+
+
+def switch_problem(spec: ModelSpec, device: str | None, now: Now, key: str, value: str,
+                   tokens: int = 0, max_context: int | None = None) -> str | None:
+    """Why the engine would refuse ``key=value`` from the settings ``now`` (keyed ``attention``,
+    ``attn-impl``, ``cache``, canonical spellings as a Sample carries them), found from the spec and
+    the device alone: the same rules ``Engine._check_target`` applies first. None when they allow it
+    (the engine may still refuse what only the loaded model shows: fused projections, a backend that
+    cannot build; the window remembers those refusals). ``tokens``: the run's context so far (a quantized
+    cache's groups must divide what it quantizes at every flush up to ``max_context``, as the engine checks)."""
+    try:
+        name, parsed = parse_switch_value(key, value)
+        mode = parsed if name == "attention" else parse_attention(now["attention"])
+        impl = parsed if name == "attn_impl" else parse_attn_impl(now["attn-impl"])
+        strategy = parsed if name == "cache" else parse_cache(now["cache"])
+    except (SettingsError, KeyError, ValueError) as exc:
+        return str(exc) or "not a setting of this run"
+    if name == "cache" and strategy.needs_attention_weights:
+        impl = "eager"  # a cache switch takes the kernel along (Engine.apply)
+    try:
+        eff = _applied(spec, mode)
+    except (SettingsError, ValueError) as exc:
+        return str(exc).splitlines()[0]
+    if strategy.needs_attention_weights and impl != "eager":
+        return f"the {strategy.key} cache needs eager attention (switch the cache first)"
+    if isinstance(strategy, TokenSelecting) and INDEXED_ATTENTION in eff.layer_types:
+        return f"a {strategy.name} cache cannot evict the DSA indexer keys"
+    if strategy.needs_cuda and not str(device or "").startswith("cuda"):
+        return "needs CUDA"
+    if isinstance(mode, Window) and mode.window < 2:
+        return "a window of at least 2 tokens"
+    if isinstance(mode, MLA) and impl == "flash" and not str(device or "").startswith("cuda"):
+        # SDPA's flash kernel off CUDA takes one head size for K and V; MLA's differ ("No available kernel").
+        return "SDPA's flash kernel off CUDA cannot run MLA's K/V head sizes"
+    if spec.is_mla and not isinstance(mode, MLA):
+        return "the model caches an MLA latent: no K/V heads to regroup"
+    if isinstance(strategy, Quantized):
+        if eff.num_sliding_layers:
+            return ("a quantized cache needs full-attention layers (the sliding window)" if isinstance(mode, Window)
+                    else "a quantized cache needs full-attention layers (this model slides)")
+        if eff.num_state_layers:
+            return "a quantized cache needs full-attention layers (this model keeps states)"
+        if strategy.backend != "fp8" and tokens > 0:
+            return _quantized_shape_problem(eff, strategy, dtype_bytes(spec.dtype), tokens,
+                                            int(max_context or spec.max_position_embeddings))
+    return None
+
+
+@functools.lru_cache(maxsize=1024)
+def _quantized_shape_problem(eff: ModelSpec, strategy: Quantized, elem: float, tokens: int, limit: int) -> str | None:
+    # The engine's check (Engine._check_quantized_shapes): the backends' groups must divide what is quantized
+    # at each flush. Sizes at the flushes repeat modulo any group size after at most 64 flushes (groups are
+    # powers of two up to 64 here), so those are enough, and a key press never waits on thousands of them.
+    layout = kv_layout(eff)
+    step = strategy.residual_length
+    for n in range(tokens, min(max(limit, tokens), tokens + 64 * step) + 1, step):
+        try:
+            strategy.kv_bytes(layout, 1, n, elem, prompt_tokens=tokens)
+        except SettingsError as exc:
+            return str(exc).splitlines()[0]
+    return None

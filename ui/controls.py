@@ -29,7 +29,7 @@ from core.llamacpp import CACHE_TYPES as LLAMACPP_CACHE_TYPES, LlamaCppOptions
 from core.request import DEFAULT_PROMPT, RunRequest, llamacpp_missing
 from core.safe_text import safe_text
 from core.sample import Sample
-from core.settings import ATTN_IMPLS, RunSettings, attention_choices, cache_choices, parse_attn_impl
+from core.settings import ATTN_IMPLS, RunSettings, attention_choices, cache_choices, parse_attn_impl, switch_problem
 from core.spec import SpecError, human_bytes, load_spec, parse_size
 from ui.forms import form_box
 
@@ -202,6 +202,11 @@ class FollowsInstalled:
         raise NotImplementedError
 
 
+def _short(reason: str, limit: int = 44) -> str:
+    """A reason short enough for a combo entry (the whole one is its tooltip)."""
+    return reason if len(reason) <= limit else reason[:limit - 1].rstrip() + "\u2026"
+
+
 def _default_attention_choices() -> tuple[str, ...]:
     try:
         return attention_choices(load_spec("embedded"))
@@ -222,6 +227,15 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
         self.cache_choices = cache_choices()
         self.impl_choices = ATTN_IMPLS
         self.last_non_flash = "sdpa"
+        # What a key may offer (issue 25): the loaded model's spec and device, the settings in force, the
+        # switches the engine refused from a state (never proposed again from it) and the last reason a key had none.
+        self.model_spec = None
+        self.model_device: str | None = None
+        self.runtime = "transformers"
+        self.running: dict[str, str] = {}
+        self.refusals: dict[tuple[str, str, tuple[str, str, str]], str] = {}
+        self.last_problem = ""
+        self.context_tokens = lambda: 0  # the run's tokens so far (the window's session tells)
         self._build()
 
     def _build(self) -> None:
@@ -484,6 +498,7 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
                 if reason:
                     self._disable_item(self.cache_combo, key, reason)
             self.select(self.cache_combo, current)
+            self.grey_what_cannot_run()
         finally:
             self._updating = False
 
@@ -511,44 +526,126 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
     def show_settings(self, s: Sample) -> None:
         """The combos follow the settings a sample carries (the truth, after a switch or a refusal); a
         setting the choices do not list (a size given on the command line, 'sink:4+60') is added."""
+        self.runtime = s.runtime
+        self.running = {"attention": s.attention, "attn-impl": s.attn_impl, "cache": s.cache}
+        if s.event == "refused" and s.switch_key in SWITCH_KEYS and s.switch_after:
+            # What the engine refused from these settings is not offered again from them.
+            reason = s.text.split(" refused: ", 1)[-1]
+            self.refusals[(s.switch_key, s.switch_after, self._state(self.running))] = reason
         for combo, key in ((self.attention_combo, s.attention), (self.impl_combo, s.attn_impl),
                            (self.cache_combo, s.cache)):
             if not self.select(combo, key) and key:
                 combo.addItem(key, key)
                 self.select(combo, key)
+        self.grey_what_cannot_run()
         if s.runtime == "llama.cpp":  # another KV type is a reload of llama.cpp's context: say so
             for i in range(self.cache_combo.count()):
                 key = self.cache_combo.itemData(i)
                 if key in LLAMACPP_CACHE_TYPES:
                     self.cache_combo.setItemText(i, f"{key} KV" if key == s.cache else f"reload with {key} KV")
 
+    # ---- what can run from here (issue 25: C stuck on a quantized cache the engine refuses)
+
+    def set_model(self, spec, device: str | None) -> None:
+        """The loaded model's spec and device: what ``switch_problem`` judges by; refusals learned for
+        another model are forgotten."""
+        self.model_spec, self.model_device = spec, device
+        self.refusals.clear()
+        self.running = {}
+
+    @staticmethod
+    def _state(now: dict[str, str]) -> tuple[str, str, str]:
+        return (now.get("attention", ""), now.get("attn-impl", ""), now.get("cache", ""))
+
+    def settings_ahead(self) -> dict[str, str]:
+        """The settings once the switches asked are in: the combos (which show what was asked), else what runs."""
+        out = dict(self.running)
+        for key in SWITCH_KEYS:
+            data = self.combo(key).currentData()
+            if data:
+                out[key] = data
+        return out
+
+    def problem(self, key: str, value: str, now: dict[str, str] | None = None) -> str | None:
+        """Why ``key=value`` cannot run from ``now`` (default: the settings ahead), or None: a refusal the
+        engine gave from that state, else ``core.settings.switch_problem``'s rules. Only a transformers
+        run with a known model is judged (llama.cpp's own choices say what it reloads)."""
+        now = self.settings_ahead() if now is None else now
+        if self.model_spec is None or self.runtime != "transformers" or len(now) < 3:
+            return None
+        if now.get(key) == value:
+            return None  # what runs: no switch
+        learned = self.refusals.get((key, value, self._state(now)))
+        if learned:
+            return learned
+        return switch_problem(self.model_spec, self.model_device, now, key, value, tokens=self.context_tokens())
+
+    def grey_what_cannot_run(self) -> None:
+        """Grey out, with the reason, each combo entry the engine cannot apply from the settings ahead;
+        enable again what can (the entries the choices themselves rule out stay grey)."""
+        base = {"cache": dict(self.cache_choices),
+                "attn-impl": {k: None if k in self.impl_choices else "not available here" for k in ATTN_IMPLS}}
+        now = self.settings_ahead()
+        for key in SWITCH_KEYS:
+            combo = self.combo(key)
+            model = combo.model()
+            for i in range(combo.count()):
+                value = combo.itemData(i)
+                item = model.item(i)
+                if not value or item is None or (self.runtime == "llama.cpp" and key == "cache"):
+                    continue
+                fixed = base.get(key, {}).get(value)
+                reason = fixed or self.problem(key, value, now)
+                item.setEnabled(reason is None)
+                item.setToolTip(reason or "")
+                item.setText(value if reason is None else f"{value} ({_short(reason)})")
+
+    def _offer(self, key: str, value: str | None) -> str | None:
+        """``value`` when it can run from the settings ahead; else None, with the reason in ``last_problem``."""
+        if value is None:
+            self.last_problem = "not available for this model"
+            return None
+        reason = self.problem(key, value)
+        if reason:
+            self.last_problem = f"{value}: {reason}"
+            return None
+        self.last_problem = ""
+        return value
+
     # ---- what the keys mean for this model
 
     def attention_for_key(self, n: int) -> str | None:
-        """Keys 1-5: mha, the middle GQA choice, mqa, mla, the smallest window (its plateau shows soonest)."""
+        """Keys 1-5: mha, the middle GQA choice, mqa, mla, the smallest window (its plateau shows soonest);
+        None (with ``last_problem``) when the model has none or the engine cannot apply it from here."""
         choices = list(self.attention_choices)
         gqa = [c for c in choices if c.startswith("gqa:")]
-        return {
+        return self._offer("attention", {
             1: "mha" if "mha" in choices else None,
             2: gqa[len(gqa) // 2] if gqa else None,
             3: "mqa" if "mqa" in choices else None,
             4: "mla" if "mla" in choices else None,
             5: next((c for c in reversed(choices) if c.startswith("window")), None),
-        }.get(n)
+        }.get(n))
 
     def flash_toggled(self) -> str | None:
-        """Key F: the kernel to switch to (flash, or back to the last other one); None if flash is not here."""
+        """Key F: the kernel to switch to (flash, or back to the last other one); None (with ``last_problem``)
+        if flash is not here or cannot run from the settings ahead."""
         if (self.impl_combo.currentData() or "sdpa") == "flash":
-            return self.last_non_flash or "sdpa"
-        return "flash" if "flash" in self.impl_choices else None
+            return self._offer("attn-impl", self.last_non_flash or "sdpa")
+        return self._offer("attn-impl", "flash" if "flash" in self.impl_choices else None)
 
     def next_cache(self) -> str | None:
-        """Key C: the next cache strategy available here."""
-        available = [k for k, reason in self.cache_choices if reason is None]
-        if not available:
-            return None
+        """Key C: the next cache strategy after the one shown that the engine can apply from the settings
+        ahead (what it cannot is skipped, never proposed again and again); None when there is none."""
+        listed = [k for k, reason in self.cache_choices if reason is None]
         current = self.cache_combo.currentData() or "dynamic"
-        return available[(available.index(current) + 1) % len(available)] if current in available else available[0]
+        start = listed.index(current) + 1 if current in listed else 0
+        for k in listed[start:] + listed[:start]:
+            if k != current and self.problem("cache", k) is None:
+                self.last_problem = ""
+                return k
+        self.last_problem = "no other cache can run with these settings"
+        return None
 
     # ---- requests
 

@@ -571,6 +571,8 @@ class MainWindow(FileActions, QMainWindow):
 
     def set_model_info(self, info) -> None:
         """A model is loaded (or a recording opened): show it and what it can switch to."""
+        self.controls.set_model(info.spec, str(info.device))
+        self.controls.context_tokens = lambda: getattr(self.session.last_sample, "context_tokens", 0) or 0
         self.controls.set_choices(tuple(info.attention_choices) or attention_choices(info.spec),
                                   tuple(info.cache_choices) or cache_choices(info.device),
                                   tuple(info.attn_impl_choices) or ATTN_IMPLS)
@@ -608,6 +610,7 @@ class MainWindow(FileActions, QMainWindow):
     def request_switch(self, key: str, value: str) -> None:
         """Switch ``key`` (attention / attn-impl / cache) to ``value`` now, or set it for the next run."""
         self.controls.select(self.controls.combo(key), value)
+        self.controls.grey_what_cannot_run()  # what each key offers next follows the settings asked
         if key == "attn-impl" and value != "flash":
             self.controls.last_non_flash = value
         if self.controller is not None and self.mode == "live" and self.state in ("running", "paused", "loading"):
@@ -626,20 +629,22 @@ class MainWindow(FileActions, QMainWindow):
         wanted = self.controls.attention_for_key(n)
         if wanted is None:
             names = {1: "MHA", 2: "GQA", 3: "MQA", 4: "MLA", 5: "a sliding window"}
-            self.statusBar().showMessage(f"{names[n]} is not available for this model", 4000)
+            self.statusBar().showMessage(f"{names[n]} is not available: {self.controls.last_problem}", 6000)
             return
         self.request_switch("attention", wanted)
 
     def toggle_flash(self) -> None:
         kernel = self.controls.flash_toggled()
         if kernel is None:
-            self.statusBar().showMessage("flash attention is not available here", 4000)
+            self.statusBar().showMessage(f"flash attention is not available here: {self.controls.last_problem}", 6000)
         else:
             self.request_switch("attn-impl", kernel)
 
     def next_cache(self) -> None:
         cache = self.controls.next_cache()
-        if cache is not None:
+        if cache is None:
+            self.statusBar().showMessage(self.controls.last_problem, 6000)
+        else:
             self.request_switch("cache", cache)
 
     # ============================================================================================

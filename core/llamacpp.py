@@ -31,6 +31,9 @@ from core.attention import SettingsError
 from core.spec import INDEXED_ATTENTION, NO_KV, ModelSpec, human_bytes
 
 LLAMA_CPP_COMMIT = "0c1e570"
+#: Said wherever a compute buffer is shown: what was checked, and what was not.
+COMPUTE_NOTE = ("compute buffer: llama.cpp's CPU backend, checked byte for byte against the real llama.cpp; CUDA and "
+                "Metal reserve their compute buffers through other kernels and are not checked yet")
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 LLAMA_CPP_VERSION = f"llama.cpp {LLAMA_CPP_COMMIT} (vendored by llama-cpp-python {LLAMA_CPP_PYTHON_VERSION})"
 #: The KV cache types llama.cpp accepts (common/arg.cpp ``kv_cache_types``), ggml's (block, bytes per block).
@@ -134,6 +137,20 @@ class LlamaCppPlan:
     weights_gpu: int | None
     gpu_layers: tuple[int, ...]  # layers whose weights (and K/V with offload_kqv) sit on the GPU
     notes: tuple[str, ...] = ()
+    compute: "ComputeEstimate | None" = None  # the compute buffer (core.llamacpp_compute), CPU backend
+    output_bytes: int | None = None  # the output buffer at creation (logits for n_seq_max outputs)
+
+    @property
+    def compute_bytes(self) -> int | None:
+        return self.compute.bytes if self.compute is not None else None
+
+    @property
+    def total_bytes(self) -> int | None:
+        """Weights + KV + compute + output buffers: every buffer llama.cpp allocates for this context (None where
+        a part is unknown)."""
+        if self.weights is None or self.compute_bytes is None or self.output_bytes is None:
+            return None
+        return self.weights + self.kv_bytes + self.compute_bytes + self.output_bytes
 
     @property
     def kv_bytes(self) -> int:
@@ -166,6 +183,10 @@ class LlamaCppPlan:
             "type_v": o.type_v, "flash_attn": self.flash_attn, "swa_full": o.swa_full, "n_ubatch": self.n_ubatch,
             "n_gpu_layers": len(self.gpu_layers), "kv_cache_bytes": self.kv_bytes, "kv_gpu_bytes": self.kv_gpu_bytes,
             "weights_bytes": self.weights, "weights_gpu_bytes": self.weights_gpu,
+            "compute_buffer_bytes": self.compute_bytes, "output_buffer_bytes": self.output_bytes,
+            "compute_graphs": {name: n for name, n in self.compute.graphs} if self.compute else {},
+            "compute_buffer_note": (self.compute.why_not if self.compute and self.compute.bytes is None else
+                                    COMPUTE_NOTE),
             "caches": [{"name": b.name, "cells": b.cells, "streams": b.streams, "layers": len(b.layers),
                         "k_bytes": b.k_bytes, "v_bytes": b.v_bytes, "bytes_per_cell": b.row_bytes,
                         "window": b.window or None} for b in self.buffers],
@@ -221,8 +242,10 @@ def _layers_of(source) -> tuple[list[_Layer], int, int, str, str]:
     return layers, spec.num_layers, spec.sliding_window or 0, spec.model_type, spec.label
 
 
-def plan(source, options: LlamaCppOptions | None = None, n_ctx_train: int | None = None) -> LlamaCppPlan:
-    """What llama.cpp allocates for ``source`` (a ``core.gguf.GgufModel`` or a ``ModelSpec``) under ``options``."""
+def plan(source, options: LlamaCppOptions | None = None, n_ctx_train: int | None = None, with_buffers: bool = True
+         ) -> LlamaCppPlan:
+    """What llama.cpp allocates for ``source`` (a ``core.gguf.GgufModel`` or a ``ModelSpec``) under ``options``
+    (``with_buffers`` False: the KV and weights only, without replaying the compute graph)."""
     from core.gguf import GgufModel
 
     o = options or LlamaCppOptions()
@@ -307,8 +330,28 @@ def plan(source, options: LlamaCppOptions | None = None, n_ctx_train: int | None
                 weights_gpu += dup
                 if o.n_gpu_layers != 0:
                     notes.append(f"tied output: llama.cpp loads the token embedding twice, {dup:,} B more on the GPU")
+    compute, output = (_compute_and_output(source, o, n_batch, n_ubatch, flash, buffers, v_trans, v_max)
+                       if with_buffers else (None, None))
     return LlamaCppPlan(name, o, n_ctx, n_ctx_seq, n_ubatch, flash, tuple(buffers), n_layer, weights, weights_gpu,
-                        gpu_layers, tuple(notes))
+                        gpu_layers, tuple(notes), compute, output)
+
+
+def _compute_and_output(source, o: LlamaCppOptions, n_batch: int, n_ubatch: int, flash: bool, buffers, v_trans: bool,
+                        v_max: int):
+    """The compute buffer (``core.llamacpp_compute``: llama.cpp's reserved graphs through its allocator) and the
+    output buffer (``llama_context::output_reserve(n_seq_max)``: n_vocab x n_seq_max f32 logits)."""
+    from core.gguf import GgufModel
+    from core.llamacpp_compute import CacheGeom, estimate, graph_shape, output_buffer_bytes, shape_of_spec
+
+    if isinstance(source, GgufModel):
+        shape, n_vocab = graph_shape(source), source.n_vocab
+    else:
+        shape, n_vocab = shape_of_spec(source), source.vocab_size
+    caches = {("swa" if b.window else "full"): CacheGeom(b.cells, b.streams, o.type_k, o.type_v, v_trans, v_max)
+              for b in buffers}
+    compute = estimate(shape, n_ubatch=n_ubatch, n_batch=n_batch, n_seq_max=o.n_seq_max, flash=flash,
+                       unified=o.kv_unified, caches=caches)
+    return compute, output_buffer_bytes(n_vocab, o.n_seq_max) if n_vocab else None
 
 
 def render(p: LlamaCppPlan, trained: int | None = None) -> list[str]:
@@ -319,7 +362,7 @@ def render(p: LlamaCppPlan, trained: int | None = None) -> list[str]:
         "src/llama-kv-cache-iswa.cpp):",
         f"  -c {o.n_ctx or trained or p.n_ctx} -np {o.n_seq_max}{' --kv-unified' if o.kv_unified else ''} "
         f"--cache-type-k {o.type_k} --cache-type-v {o.type_v} -fa {o.flash_attn}{' --swa-full' if o.swa_full else ''} "
-        f"-ub {o.n_ubatch} -ngl {'all' if o.n_gpu_layers < 0 else o.n_gpu_layers}",
+        f"-b {o.n_batch} -ub {o.n_ubatch} -ngl {'all' if o.n_gpu_layers < 0 else o.n_gpu_layers}",
         f"  n_ctx {p.n_ctx:,}, n_ctx_seq {p.n_ctx_seq:,}, flash attention {'on' if p.flash_attn else 'off'}",
     ]
     for b in p.buffers:
@@ -334,8 +377,27 @@ def render(p: LlamaCppPlan, trained: int | None = None) -> list[str]:
             lines.append(f"  -ngl {o.n_gpu_layers} (a GPU build): {out}{len(p.gpu_layers)} of {p.n_layer} repeating layers "
                          f"on the GPU: weights {p.weights_gpu:,} B, KV {p.kv_gpu_bytes:,} B there; the rest in system "
                          "memory")
+    lines += render_buffers(p)
     for note in p.notes:
         lines.append(f"  {note}")
+    return lines
+
+
+def render_buffers(p: LlamaCppPlan) -> list[str]:
+    """The compute and output buffers, with what each is and how far it was checked."""
+    lines = []
+    c = p.compute
+    if c is not None and c.bytes is not None:
+        graphs = ", ".join(f"{name} graph {n:,} B" for name, n in c.graphs)
+        lines.append(f"  compute buffer (sched_reserve, CPU backend): {c.bytes:,} B ({human_bytes(c.bytes)}), the "
+                     f"largest of its reserved graphs ({graphs}; n_ubatch {p.n_ubatch}, flash attention "
+                     f"{'on' if p.flash_attn else 'off'})")
+        lines.append(f"  ({COMPUTE_NOTE})")
+    else:
+        lines.append(f"  compute buffer: n/a ({c.why_not if c is not None else 'not predicted'})")
+    if p.output_bytes is not None:
+        lines.append(f"  output buffer (output_reserve, host memory): {p.output_bytes:,} B ({human_bytes(p.output_bytes)}): "
+                     f"logits for {p.options.n_seq_max} output{'s' if p.options.n_seq_max != 1 else ''} x n_vocab x 4 B")
     return lines
 
 
@@ -355,27 +417,151 @@ class LlamaCppCalc:
     trained: int
     by_type: tuple[tuple[str, int], ...] = ()  # a GGUF's tensor bytes per ggml type, largest first
 
+    fit: "LlamaCppFit | None" = None
+
     def rows(self) -> list[dict]:
-        return [{"context": c, "kv_cache_bytes": p.kv_bytes, "weights_bytes": self.weights, "activation_bytes": None,
-                 "total_bytes": p.kv_bytes + self.weights} for c, p in zip(self.contexts, self.plans)]
+        """One row per context: weights, KV, compute and output buffers; total_bytes is their sum (None where the
+        compute buffer is not predicted: unknown, never counted as 0)."""
+        rows = []
+        for c, p in zip(self.contexts, self.plans):
+            parts = (self.weights, p.kv_bytes, p.compute_bytes, p.output_bytes)
+            rows.append({"context": c, "kv_cache_bytes": p.kv_bytes, "weights_bytes": self.weights,
+                         "compute_buffer_bytes": p.compute_bytes, "output_buffer_bytes": p.output_bytes,
+                         "activation_bytes": p.compute_bytes,
+                         "total_bytes": None if any(x is None for x in parts) else sum(parts)})
+        return rows
+
+
+def gpu_bytes(p: LlamaCppPlan, weights: int) -> int | None:
+    """What one GPU holds for plan ``p``: its layers' weights (``weights`` where the model is not a GGUF) and K/V, and
+    the compute buffer where any layer is there (the CPU backend's figure: CUDA's follows other kernels). The output
+    buffer is host memory. None where the compute buffer is not predicted."""
+    if p.compute_bytes is None:
+        return None
+    w = p.weights_gpu if p.weights_gpu is not None else weights
+    on_gpu = p.options.n_gpu_layers != 0
+    return w + p.kv_gpu_bytes + (p.compute_bytes if on_gpu else 0)
 
 
 def largest_context_on_gpu(model, options_for, memory: int, weights: int, limit: int = MAX_CONTEXT) -> int | None:
-    """The largest context whose weights and KV on the GPU (``plan``'s -ngl split; ``weights`` where the model is
-    not a GGUF) fit in ``memory``; None if not even one token does. llama.cpp's compute buffers come on top."""
+    """The largest context whose GPU total (weights and KV on the GPU, by ``plan``'s -ngl split, plus the compute
+    buffer; ``weights`` where the model is not a GGUF) fits in ``memory``; None if not even one token does. Where the
+    compute buffer is not predicted, weights + KV only (and the caller says so)."""
     from core.predict import last_true
+
+    def weights_kv(n: int) -> int:
+        p = plan(model, options_for(n), with_buffers=False)
+        return (p.weights_gpu if p.weights_gpu is not None else weights) + p.kv_gpu_bytes
 
     def fits(n: int) -> bool:
         p = plan(model, options_for(n))
-        return (p.weights_gpu if p.weights_gpu is not None else weights) + p.kv_gpu_bytes <= memory
+        total = gpu_bytes(p, weights)
+        return (total if total is not None else weights_kv(n)) <= memory
 
-    return last_true(fits, 1, limit) if fits(1) else None
+    if not fits(1):
+        return None
+    # Bounds from the cheap part (weights + KV): the answer is at most where they alone fill the memory, and at least
+    # where they fill it less the compute buffer of that upper bound (the buffer grows with the context).
+    hi = last_true(lambda n: weights_kv(n) <= memory, 1, limit)
+    top = plan(model, options_for(hi)).compute_bytes
+    if top is None:
+        return hi
+    lo = last_true(lambda n: weights_kv(n) + top <= memory, 1, hi) if weights_kv(1) + top <= memory else 1
+    # llama.cpp pads the context to 256 cells: search whole steps, then within the last one
+    step = 256
+    k = last_true(lambda i: fits(max(lo, min(hi, i * step))), lo // step, hi // step + 1)
+    base = max(lo, min(hi, k * step))
+    return last_true(fits, base, min(hi, base + step))
+
+
+#: common/common.h: llama.cpp's --fit defaults (on; 1 GiB left free per device; contexts down to 4,096).
+FIT_TARGET_BYTES = 1 << 30
+FIT_MIN_CTX = 4096
+
+
+@dataclass(frozen=True)
+class LlamaCppFit:
+    """What llama.cpp's ``--fit`` (common/fit.cpp ``common_params_fit_impl``, one GPU) settles on."""
+
+    free: int  # the device memory given
+    target: int  # free - the --fit-target margin: what the projection must stay under
+    n_ctx: int
+    n_gpu_layers: int  # -ngl (n_layer + 1: everything, the output layer included)
+    n_layer: int
+    projected: int  # the device bytes at that n_ctx and -ngl
+    steps: tuple[str, ...]
+
+
+def fit_llamacpp(model, options: LlamaCppOptions, free: int, weights: int = 0, target_margin: int = FIT_TARGET_BYTES,
+                 n_ctx_min: int = FIT_MIN_CTX) -> LlamaCppFit | None:
+    """llama.cpp's own fitting for one GPU with ``free`` bytes (common/fit.cpp, the llama.cpp llama-cpp-python 0.3.36
+    vendors): (1) project weights + context + compute at the given -c and every layer on the GPU: if it leaves
+    ``target_margin`` free, nothing changes; (2) only with -c 0 (the trained context): the context is interpolated
+    linearly between --fit-ctx (4,096) and the trained context on the projected bytes, rounded down to 256 x streams;
+    (3) -ngl (if not given) is the most layers whose projection stays under free - margin. None where the compute
+    buffer is not predicted."""
+    from core.gguf import GgufModel
+
+    n_all = model.n_layer_all if isinstance(model, GgufModel) else model.num_layers
+    trained = model.n_ctx_train if isinstance(model, GgufModel) else model.max_position_embeddings
+    streams = 1 if options.kv_unified else max(1, options.n_seq_max)
+    target = free - target_margin
+    steps = []
+
+    def used(n_ctx: int, ngl: int) -> int | None:
+        from dataclasses import replace
+
+        return gpu_bytes(plan(model, replace(options, n_ctx=n_ctx, n_gpu_layers=ngl)), weights)
+
+    ctx_auto = options.n_ctx == 0
+    n_ctx = trained * streams if ctx_auto else options.n_ctx
+    ngl_all = n_all + 1
+    full = used(n_ctx, ngl_all if options.n_gpu_layers < 0 else options.n_gpu_layers)
+    if full is None:
+        return None
+    if full <= target:
+        steps.append(f"projected {full:,} B at -c {n_ctx:,} with every layer on the GPU leaves at least "
+                     f"{human_bytes(target_margin)} free: no change")
+        ngl = ngl_all if options.n_gpu_layers < 0 else options.n_gpu_layers
+        return LlamaCppFit(free, target, n_ctx, ngl, n_all, full, tuple(steps))
+    if ctx_auto and n_ctx > n_ctx_min * streams:
+        lo_ctx = n_ctx_min * streams
+        at_min = used(lo_ctx, ngl_all)
+        if target > at_min:
+            n_new = lo_ctx + (n_ctx - lo_ctx) * (target - at_min) // (full - at_min)
+            align = 256 * streams
+            n_new = max(n_new - n_new % align, lo_ctx)
+            steps.append(f"context reduced from {n_ctx:,} to {n_new:,} (linear between {lo_ctx:,} and {n_ctx:,} on the "
+                         f"projected bytes, rounded down to {align})")
+            proj = used(n_new, ngl_all)
+            return LlamaCppFit(free, target, n_new, ngl_all, n_all, proj, tuple(steps))
+        steps.append(f"even -c {lo_ctx:,} does not fit with every layer on the GPU")
+        n_ctx = lo_ctx
+    elif not ctx_auto:
+        steps.append(f"context set by the user ({n_ctx:,}): not changed")
+    if options.n_gpu_layers >= 0:
+        proj = used(n_ctx, options.n_gpu_layers)
+        steps.append(f"-ngl set by the user ({options.n_gpu_layers}): llama.cpp's fit stops here (does not fit)")
+        return LlamaCppFit(free, target, n_ctx, options.n_gpu_layers, n_all, proj, tuple(steps))
+    # step 3, one device, a dense model: the largest number of layers whose projection meets the target
+    from core.predict import last_true
+
+    def fits(ngl: int) -> bool:  # monotone: every added layer adds its weights and K/V
+        proj = used(n_ctx, ngl)
+        return proj is not None and proj <= target
+
+    best = last_true(fits, 0, ngl_all) if fits(0) else 0
+    proj = used(n_ctx, best)
+    steps.append(f"-ngl {best}: the most layers (of {ngl_all}, the output layer first) whose projection stays under "
+                 f"{human_bytes(target)}")
+    return LlamaCppFit(free, target, n_ctx, best, n_all, proj, tuple(steps))
 
 
 def calculate_llamacpp(source: str, spec: ModelSpec, contexts: list[int], options_for, gpu_memory: int | None = None
                        ) -> LlamaCppCalc:
     """One llama.cpp plan per context (``options_for(n_ctx)`` gives the options); with ``gpu_memory``, the largest
-    context whose weights and KV on the GPU fit in it (llama.cpp's compute buffers come on top: not predicted)."""
+    context whose GPU total (weights, KV and compute buffer there) fits in it, and what llama.cpp's --fit settles on
+    for the last context (``fit_llamacpp``)."""
     from core.gguf import is_gguf_source, read_gguf
 
     model = read_gguf(source) if is_gguf_source(source) else spec
@@ -385,7 +571,8 @@ def calculate_llamacpp(source: str, spec: ModelSpec, contexts: list[int], option
     trained = model.n_ctx_train if gguf else spec.max_position_embeddings
     fits = largest_context_on_gpu(model, options_for, gpu_memory, weights) if gpu_memory else None
     by_type = tuple(model.bytes_by_type().items()) if gguf else ()
-    return LlamaCppCalc(spec.label, gguf, plans, tuple(contexts), weights, gpu_memory, fits, trained, by_type)
+    fit = fit_llamacpp(model, options_for(contexts[-1]), gpu_memory, weights) if gpu_memory else None
+    return LlamaCppCalc(spec.label, gguf, plans, tuple(contexts), weights, gpu_memory, fits, trained, by_type, fit)
 
 
 def render_llamacpp_json(r: LlamaCppCalc) -> str:
@@ -393,7 +580,12 @@ def render_llamacpp_json(r: LlamaCppCalc) -> str:
 
     return json.dumps({"model": r.model, "runtime": "llama.cpp", "llama_cpp_version": LLAMA_CPP_VERSION,
                        "weights_exact": r.gguf, "weights_by_type": dict(r.by_type), "rows": r.rows(), "llama_cpp": [p.to_json() for p in r.plans],
-                       "gpu_memory": r.gpu_memory, "max_context": r.max_context})
+                       "gpu_memory": r.gpu_memory, "max_context": r.max_context,
+                       "fit": None if r.fit is None else {
+                           "n_ctx": r.fit.n_ctx, "n_gpu_layers": r.fit.n_gpu_layers, "n_layer": r.fit.n_layer,
+                           "projected_bytes": r.fit.projected, "target_bytes": r.fit.target,
+                           "steps": list(r.fit.steps)},
+                       "compute_buffer_note": COMPUTE_NOTE})
 
 
 def render_llamacpp_table(r: LlamaCppCalc) -> str:
@@ -405,25 +597,37 @@ def render_llamacpp_table(r: LlamaCppCalc) -> str:
              "weights: the GGUF file's tensors, exact: " + ", ".join(f"{t} {human_bytes(n)}" for t, n in r.by_type)
              if r.gguf else
              "weights: the parameters at 2 bytes (an F16 GGUF); give a .gguf file for its exact tensor bytes", ""]
-    header = ("context", "cells", "KV allocated at load", "weights", "weights + KV")
+    header = ("context", "cells", "KV allocated at load", "compute buffer", "output", "weights", "total")
     table = [header]
     beyond = False
-    for c, p in zip(r.contexts, r.plans):
+    for c, p, row in zip(r.contexts, r.plans, r.rows()):
         cells = " + ".join(f"{b.cells:,}" + (f" x{b.streams}" if b.streams > 1 else "") for b in p.buffers)
         mark = "*" if r.trained and c > r.trained else ""
         beyond = beyond or bool(mark)
-        table.append((f"{c:,}{mark}", cells, bytes_cell(p.kv_bytes), bytes_cell(r.weights), bytes_cell(p.kv_bytes + r.weights)))
+        total = row["total_bytes"]
+        table.append((f"{c:,}{mark}", cells, bytes_cell(p.kv_bytes),
+                      bytes_cell(p.compute_bytes) if p.compute_bytes is not None else "n/a",
+                      bytes_cell(p.output_bytes) if p.output_bytes is not None else "n/a", bytes_cell(r.weights),
+                      bytes_cell(total) if total is not None else "n/a"))
     lines += aligned(table)
     lines.append("")
     if beyond:
         lines += [f"* beyond the model's trained context of {r.trained:,} tokens (llama.cpp warns, and allocates it)", ""]
     lines += render(r.plans[-1], r.trained)[1:]
     if r.gpu_memory is not None:
+        counted = ("weights, KV and compute buffer" if r.plans[-1].compute_bytes is not None else
+                   "weights and KV (the compute buffer is not predicted for this model: it comes on top)")
         if r.max_context is None:
             lines.append(f"Does not fit in {human_bytes(r.gpu_memory)} even at 1 token.")
         else:
-            lines.append(f"Largest context whose weights and KV fit in {human_bytes(r.gpu_memory)}: {r.max_context:,} "
-                         "tokens (llama.cpp's compute buffers come on top).")
+            lines.append(f"Largest context whose GPU {counted} fit in {human_bytes(r.gpu_memory)}: "
+                         f"{r.max_context:,} tokens.")
+        if r.fit is not None:
+            f = r.fit
+            lines.append(f"llama.cpp's --fit (common/fit.cpp, --fit-target {human_bytes(f.free - f.target)} left free) "
+                         f"with {human_bytes(f.free)}: -c {f.n_ctx:,} -ngl {f.n_gpu_layers} (of {f.n_layer + 1}), "
+                         f"projected {f.projected:,} B ({human_bytes(f.projected)}) on the GPU:")
+            lines += [f"  {step}" for step in f.steps]
     lines.append("llama.cpp allocates the whole context's KV cache when the model loads: the context is paid for "
                  "before the first token.")
     return "\n".join(lines)
@@ -448,21 +652,25 @@ def options_for(context: int, cache: str = "f16", n_seq_max: int = 1) -> LlamaCp
 
 def predict_llamacpp(spec: ModelSpec, context: int, cache: str = "f16", n_seq_max: int = 1):
     """What llama.cpp puts on the GPU for ``context`` (-ngl all) as a ``core.predict.Prediction``: the weights there
-    (a GGUF's tensors but the token embedding, plus a tied output's copy; else the parameters at 2 bytes) and the
-    KV allocated at load; llama.cpp's compute buffers are not predicted (None)."""
+    (a GGUF's tensors but the token embedding, plus a tied output's copy; else the parameters at 2 bytes), the KV
+    allocated at load, and the compute buffer as the activations (the CPU backend's, ``core.llamacpp_compute``; None
+    where the graph is not replayed). The prompt graph's mark is the prefill peak, the one-token graph's the decode
+    step's."""
     from core.predict import MemoryBreakdown, Prediction
 
     model = gguf_of(spec) or spec
     p = plan(model, options_for(context, cache, n_seq_max))
     weights = p.weights_gpu if p.weights_gpu is not None else int(spec.num_parameters * 2)
-    return Prediction(context=context, breakdown=MemoryBreakdown(weights=weights, kv_cache=p.kv_bytes, activations=None),
-                      activations_prefill=0, activations_decode=0,
+    graphs = dict(p.compute.graphs) if p.compute is not None else {}
+    return Prediction(context=context, breakdown=MemoryBreakdown(weights=weights, kv_cache=p.kv_bytes,
+                                                                 activations=p.compute_bytes),
+                      activations_prefill=graphs.get("prompt", 0), activations_decode=graphs.get("token", 0),
                       kv_bytes_per_token=sum(b.row_bytes for b in p.buffers))  # one cell in each cache per token
 
 
 def max_context_llamacpp(spec: ModelSpec, memory: int, cache: str = "f16", limit: int = MAX_CONTEXT) -> int | None:
-    """The largest context whose GPU weights and allocated KV fit in ``memory`` (None: not even one token), by the
-    same rule as ``calc --runtime llama.cpp --gpu-memory`` (``largest_context_on_gpu``)."""
+    """The largest context whose GPU weights, allocated KV and compute buffer fit in ``memory`` (None: not even one
+    token), by the same rule as ``calc --runtime llama.cpp --gpu-memory`` (``largest_context_on_gpu``)."""
     return largest_context_on_gpu(gguf_of(spec) or spec, lambda n: options_for(n, cache), memory,
                                   int(spec.num_parameters * 2), limit)
 

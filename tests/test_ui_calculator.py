@@ -174,7 +174,11 @@ def test_llamacpp_runtime_shows_the_allocation_at_load(calc, llama, tmp_path):
     calc.runtime_combo.setCurrentIndex(calc.runtime_combo.findData("llama.cpp"))
     assert [calc.cache_combo.itemText(i) for i in range(3)] == ["f32", "f16", "bf16"]
     assert calc.cache_combo.currentText() == "f16" and not calc.batch.isEnabled()
-    assert calc.state.kv == 536_870_912 and calc.numbers["activations"].text() == "not predicted"
+    assert calc.state.kv == 536_870_912
+    # the compute buffer llama.cpp reserves (core.llamacpp_compute), shown in place of transformers' activations
+    compute = plan(llama, LlamaCppOptions(n_ctx=4096)).compute_bytes
+    assert compute and calc.numbers["activations"].text() == human_bytes(compute)
+    assert calc.number_names["activations"].text() == "Compute buffer"
     calc.cache_combo.setCurrentText("q8_0")
     assert calc.state.kv == plan(llama, LlamaCppOptions(n_ctx=4096, type_k="q8_0", type_v="q8_0")).kv_bytes
     assert calc.state.max_fit == max_context_llamacpp(llama, 24 * 1024**3, "q8_0", calc._context_values[-1])

@@ -348,6 +348,7 @@ class CalculatorTab(FollowsInstalled, QWidget):
         }
         names = {"weights": "Weights", "kv": "KV cache", "activations": "Activations (peak)", "total": "Total",
                  "per_token": "KV per token"}
+        self.number_names: dict[str, QLabel] = {}
         for row, key in enumerate(names):
             name = QLabel(names[key])
             name.setObjectName("statName")
@@ -359,6 +360,7 @@ class CalculatorTab(FollowsInstalled, QWidget):
             grid.addWidget(name, row, 0)
             grid.addWidget(value, row, 1)
             self.numbers[key] = value
+            self.number_names[key] = name
         self.formula_label = QLabel("")
         self.formula_label.setObjectName("formula")
         self.formula_label.setWordWrap(True)
@@ -697,6 +699,13 @@ class CalculatorTab(FollowsInstalled, QWidget):
         n["weights"].setText(human_bytes(b.weights))
         n["kv"].setText(human_bytes(b.kv_cache))
         n["activations"].setText("not predicted" if b.activations is None else human_bytes(b.activations))
+        # llama.cpp's activations are its compute buffer (core.llamacpp_compute: the CPU backend's, byte for byte)
+        self.number_names["activations"].setText("Compute buffer" if llama else "Activations (peak)")
+        for w in (self.number_names["activations"], n["activations"]):
+            w.setToolTip("llama.cpp's compute buffer (sched_reserve: the largest of its reserved graphs through its "
+                         "allocator), exact for the CPU backend; CUDA and Metal follow other kernels, not checked yet"
+                         if llama else "Peak transient bytes of one forward pass (the larger of the prefill and one "
+                         "decode step).")
         n["total"].setText(human_bytes(p.total))
         per_token = (p.kv_bytes_per_token if llama else kv_bytes(spec, settings.with_(cache=parse_cache("dynamic")), 1))
         n["per_token"].setText(human_bytes(per_token))

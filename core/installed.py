@@ -9,7 +9,7 @@ Every store is untrusted input, and the scan never blocks on one:
 
 - only regular files are opened, and only after ``os.stat`` says so; the open is non-blocking and the open
   file is checked again (``fstat``), so a FIFO, a device or a link to ``/dev/zero`` is never read;
-- reads are bounded (a ref 4 KiB, a manifest 1 MiB, a params blob 64 KiB, a config.json 8 MiB, its size
+- reads are bounded (a ref 4 KiB, a manifest 16 KiB, a params blob 64 KiB, a config.json 8 MiB, its size
   checked before it is read: ``core.spec.read_config_json``);
 - walks are bounded in depth, in entries and in time (``STORE_BUDGET_S`` per store), and stop at once when
   the caller cancels;
@@ -41,8 +41,8 @@ ORIGIN_NAMES = {"hf-cache": "Hugging Face cache", "ollama": "Ollama", "lm-studio
 OLLAMA_MODEL = "application/vnd.ollama.image.model"
 OLLAMA_PARAMS = "application/vnd.ollama.image.params"
 OLLAMA_REGISTRY = "registry.ollama.ai"
-#: An Ollama manifest is a few hundred bytes; anything past this is not one.
-MAX_MANIFEST_BYTES = 1 << 20
+#: An Ollama manifest is a few hundred bytes (a kilobyte or two with many layers); anything past this is not one.
+MAX_MANIFEST_BYTES = 16 << 10
 #: Ollama's params blob is a small JSON object (num_ctx, stop, temperature...).
 MAX_PARAMS_BYTES = 64 << 10
 #: A Hugging Face ref (refs/main) is a 40-character commit hash.

@@ -79,7 +79,7 @@ def files(root: Path) -> list[tuple[str, Path]]:
     write("2,097,112 empty strings (the cap)", g.to_bytes())
     tiny = b"GGUF" + struct.pack("<IQQ", 3, 0, 2) + gstr("general.architecture") + struct.pack("<I", STR) + gstr("llama")
     tiny += gstr("tokenizer.ggml.tokens") + struct.pack("<IIQ", ARR, U32, 10**9) + b"\0" * 12
-    write("114 B claiming 10^9 u32", tiny)
+    write("126 B claiming 10^9 u32", tiny)
     g, _ = model(vocab=40)
     g.set("llama.block_count", U32, 100_000)
     write("block_count 100,000", g.to_bytes())

@@ -261,6 +261,8 @@ _INT_TYPES = {0, 1, 2, 3, 4, 5, 10, 11}
 _LAYER_ARRAY_TYPES = {4, 5, 7}
 _U32 = struct.Struct("<I").unpack_from
 _U64 = struct.Struct("<Q").unpack_from
+#: A tensor info after its name and dimension count: n u64 dimensions, the u32 ggml type, the u64 offset.
+_TENSOR_TAILS = tuple(struct.Struct(f"<{n}QIQ") for n in range(GGML_MAX_DIMS + 1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,44 +294,50 @@ class _Cursor:
     def __init__(self, buf, end: int, file: str) -> None:
         self.buf, self.off, self.end, self.file = buf, 0, end, file
 
-    def need(self, n: int, what: str) -> None:
+    # ``what`` names the field in a refusal; "{}" in it is filled with ``arg`` only then (a header of 65,536
+    # tensors does not format 300,000 strings that are never shown).
+
+    def need(self, n: int, what: str, arg: object = "") -> None:
         left = self.end - self.off
         if n > left:
-            raise SpecError(f"{self.file} is cut short or damaged: {what} needs {n:,} bytes at byte {self.off:,}, "
-                            f"and the file has {left:,} left")
+            raise SpecError(f"{self.file} is cut short or damaged: {what.format(arg)} needs {n:,} bytes at byte "
+                            f"{self.off:,}, and the file has {left:,} left")
 
-    def u32(self, what: str) -> int:
-        self.need(4, what)
+    def u32(self, what: str, arg: object = "") -> int:
+        if self.end - self.off < 4:
+            self.need(4, what, arg)
         value = _U32(self.buf, self.off)[0]
         self.off += 4
         return value
 
-    def u64(self, what: str) -> int:
-        self.need(8, what)
+    def u64(self, what: str, arg: object = "") -> int:
+        if self.end - self.off < 8:
+            self.need(8, what, arg)
         value = _U64(self.buf, self.off)[0]
         self.off += 8
         return value
 
-    def raw_string(self, what: str, limit: int) -> bytes:
-        n = self.u64(what)
+    def raw_string(self, what: str, limit: int, arg: object = "") -> bytes:
+        n = self.u64(what, arg)
         if n > limit:
-            raise SpecError(f"{self.file}: {what} claims {n:,} bytes (at most {limit:,}); the header is damaged")
-        self.need(n, what)
+            raise SpecError(f"{self.file}: {what.format(arg)} claims {n:,} bytes (at most {limit:,}); the header is "
+                            "damaged")
+        self.need(n, what, arg)
         raw = self.buf[self.off:self.off + n]
         self.off += n
         return raw
 
-    def skip_string(self, what: str) -> None:
-        n = self.u64(what)
+    def skip_string(self, key: str) -> None:
+        n = self.u64("{}", key)
         if n > GGUF_MAX_STRING_LENGTH:
-            raise SpecError(f"{self.file}: {what} claims {n:,} bytes, past llama.cpp's limit of {GGUF_MAX_STRING_LENGTH:,} "
-                            "(GGUF_MAX_STRING_LENGTH in ggml/src/gguf.cpp)")
-        self.need(n, what)
+            raise SpecError(f"{self.file}: {key} claims {n:,} bytes, past llama.cpp's limit of "
+                            f"{GGUF_MAX_STRING_LENGTH:,} (GGUF_MAX_STRING_LENGTH in ggml/src/gguf.cpp)")
+        self.need(n, "{}", key)
         self.off += n
 
-    def skip_strings(self, count: int, what: str) -> None:
+    def skip_strings(self, count: int, key: str) -> None:
         """Walk ``count`` length-prefixed strings without decoding them (a vocabulary of 262,144 tokens: ~60 ms)."""
-        self.need(8 * count, what)  # every string has its 8-byte length at least
+        self.need(8 * count, "{}", key)  # every string has its 8-byte length at least
         buf, off, end, u64 = self.buf, self.off, self.end, _U64
         try:
             for _ in range(count):
@@ -337,7 +345,7 @@ class _Cursor:
         except struct.error:  # a length prefix past the end of the file
             off = end + 1
         if off > end:
-            raise SpecError(f"{self.file} is cut short or damaged: the strings of {what} run past the end of the file")
+            raise SpecError(f"{self.file} is cut short or damaged: the strings of {key} run past the end of the file")
         self.off = off
 
 
@@ -381,25 +389,24 @@ def _walk(cur: _Cursor) -> tuple[dict[str, _Field], list[GgufTensor]]:
     # The least a key-value pair takes is 14 bytes (8-byte length, a 1-byte key, 4-byte type, a 1-byte value);
     # a tensor info 24 (8-byte name length, 4-byte dimension count, 4-byte type, 8-byte offset).
     left = cur.end - cur.off
-    if n_kv > MAX_KEYS or n_kv * 14 > left:
-        raise SpecError(f"{file}: the header claims {n_kv:,} metadata keys, more than "
-                        + (f"the {left:,} bytes left can hold" if n_kv * 14 > left else f"any model has (at most {MAX_KEYS:,})"))
-    if n_tensors > MAX_TENSORS or n_tensors * 24 > left:
-        raise SpecError(f"{file}: the header claims {n_tensors:,} tensors, more than "
-                        + (f"the {left:,} bytes left can hold" if n_tensors * 24 > left else f"any model has (at most {MAX_TENSORS:,})"))
+    for count, least, most, what in ((n_kv, 14, MAX_KEYS, "metadata keys"), (n_tensors, 24, MAX_TENSORS, "tensors")):
+        if count * least > left:
+            raise SpecError(f"{file}: the header claims {count:,} {what}, more than the {left:,} bytes left can hold")
+        if count > most:
+            raise SpecError(f"{file}: the header claims {count:,} {what}, more than any model has (at most {most:,})")
     fields: dict[str, _Field] = {}
     strings = 0
     for i in range(n_kv):
-        raw = cur.raw_string(f"metadata key {i}", MAX_KEY_BYTES)
+        raw = cur.raw_string("metadata key {}", MAX_KEY_BYTES, i)
         if not raw:
             raise SpecError(f"{file}: metadata key {i} is empty (llama.cpp refuses the file)")
         key = _name_of(raw)
         if key in fields:
             raise SpecError(f"{file}: the metadata key {key} appears twice (llama.cpp refuses the file)")
-        vtype = cur.u32(f"the type of {key}")
+        vtype = cur.u32("the type of {}", key)
         if vtype == ARRAY:
-            sub = cur.u32(f"the element type of {key}")
-            count = cur.u64(f"the length of {key}")
+            sub = cur.u32("the element type of {}", key)
+            count = cur.u64("the length of {}", key)
             if count > GGUF_MAX_ARRAY_ELEMENTS:
                 raise SpecError(f"{file}: {key} claims {count:,} elements, past llama.cpp's limit of "
                                 f"{GGUF_MAX_ARRAY_ELEMENTS:,} (GGUF_MAX_ARRAY_ELEMENTS in ggml/src/gguf.cpp)")
@@ -416,7 +423,7 @@ def _walk(cur: _Cursor) -> tuple[dict[str, _Field], list[GgufTensor]]:
                                 "(nested arrays and unknown types are refused)")
             fmt = _VALUE_TYPES[sub][1]
             nbytes = count * struct.calcsize(fmt)
-            cur.need(nbytes, key)
+            cur.need(nbytes, "{}", key)
             values = None
             if count <= LLAMA_MAX_LAYERS:  # a per-layer array, or small enough to keep; longer ones are skipped
                 values = list(struct.unpack_from(f"<{count}{fmt}", cur.buf, cur.off))
@@ -424,7 +431,7 @@ def _walk(cur: _Cursor) -> tuple[dict[str, _Field], list[GgufTensor]]:
             fields[key] = _Field(ARRAY, values, sub, count)
         elif vtype == STRING:
             if key.startswith("general."):  # the architecture and the name; every other string is skipped
-                raw_value = cur.raw_string(key, GGUF_MAX_STRING_LENGTH)
+                raw_value = cur.raw_string("{}", GGUF_MAX_STRING_LENGTH, key)
                 fields[key] = _Field(STRING, raw_value[:4096].decode("utf-8", "replace"))
             else:
                 cur.skip_string(key)
@@ -432,7 +439,7 @@ def _walk(cur: _Cursor) -> tuple[dict[str, _Field], list[GgufTensor]]:
         elif vtype in _VALUE_TYPES:
             fmt = _VALUE_TYPES[vtype][1]
             n = struct.calcsize(fmt)
-            cur.need(n, key)
+            cur.need(n, "{}", key)
             fields[key] = _Field(vtype, struct.unpack_from("<" + fmt, cur.buf, cur.off)[0])
             cur.off += n
         else:
@@ -452,30 +459,30 @@ def _walk(cur: _Cursor) -> tuple[dict[str, _Field], list[GgufTensor]]:
     expected = 0  # gguf.cpp: each tensor's offset is the previous ones' sizes, each padded to the alignment
     data_end = 0
     for i in range(n_tensors):
-        name_len = cur.u64(f"the name of tensor {i}")
+        name_len = cur.u64("the name of tensor {}", i)
         if name_len >= GGML_MAX_NAME:
             raise SpecError(f"{file}: tensor {i}'s name is {name_len:,} bytes long; llama.cpp's limit is "
                             f"{GGML_MAX_NAME - 1} (GGML_MAX_NAME)")
-        cur.need(name_len, f"the name of tensor {i}")
+        cur.need(name_len + 4, "the name of tensor {}", i)
         name = _name_of(cur.buf[cur.off:cur.off + name_len])
         cur.off += name_len
         if name in names:
             raise SpecError(f"{file}: the tensor {name} appears twice (llama.cpp refuses the file)")
         names.add(name)
-        n_dims = cur.u32(f"the dimensions of {name}")
+        n_dims = cur.u32("the dimensions of {}", name)
         if n_dims > GGML_MAX_DIMS:
             raise SpecError(f"{file}: tensor {name} has {n_dims:,} dimensions; ggml's limit is {GGML_MAX_DIMS}")
-        cur.need(8 * n_dims, f"the shape of {name}")
-        shape = struct.unpack_from(f"<{n_dims}Q", cur.buf, cur.off)
-        cur.off += 8 * n_dims
+        tail = _TENSOR_TAILS[n_dims]  # the dimensions, the type and the offset
+        cur.need(tail.size, "the shape of {}", name)
+        *shape, type_id, offset = tail.unpack_from(cur.buf, cur.off)
+        cur.off += tail.size
         elements = 1
         for d in shape:
             if d > INT64_MAX:
                 raise SpecError(f"{file}: tensor {name} has a negative dimension (llama.cpp refuses the file)")
             elements *= d
         if elements > INT64_MAX:
-            raise SpecError(f"{file}: tensor {name} of shape {shape} has more elements than ggml can count (2^63)")
-        type_id = cur.u32(f"the type of {name}")
+            raise SpecError(f"{file}: tensor {name} of shape {tuple(shape)} has more elements than ggml can count (2^63)")
         ggml = GGML_TYPES.get(type_id)
         if ggml is None:
             raise SpecError(f"{file}: tensor {name} has ggml type {type_id}, which llama.cpp does not know "
@@ -485,7 +492,6 @@ def _walk(cur: _Cursor) -> tuple[dict[str, _Field], list[GgufTensor]]:
             raise SpecError(f"{file}: tensor {name} is {type_name}, whose blocks of {block} values do not divide its "
                             f"rows of {shape[0]:,} (llama.cpp refuses the file)")
         n_bytes = elements // block * type_size
-        offset = cur.u64(f"the offset of {name}")
         if offset != expected:
             raise SpecError(f"{file}: tensor {name} is at offset {offset:,} of the data, where llama.cpp expects "
                             f"{expected:,} (the header is damaged)")

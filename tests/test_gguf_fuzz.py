@@ -326,7 +326,7 @@ def generate(seed: int = SEED) -> list[Variant]:
     # The issue's 110-byte file: an array that claims 10^9 elements and ends 12 bytes later.
     tiny = b"GGUF" + struct.pack("<IQQ", 3, 0, 2) + gstr("general.architecture") + struct.pack("<I", STR) + gstr("llama")
     tiny += gstr("tokenizer.ggml.tokens") + struct.pack("<IIQ", ARR, U32, 10**9) + b"\0" * 12
-    add("huge counts", "array of 10^9 u32 in 114 bytes", tiny, "refused", match="needs 4,000,000,000 bytes")
+    add("huge counts", "array of 10^9 u32 in a 126-byte file", tiny, "refused", match="needs 4,000,000,000 bytes")
     for n in (10**9, 2**31, 2**40, 2**64 - 1, 5_000_000):
         g, _ = model(vocab=40)
         g.set("tokenizer.ggml.tokens", ARR, _Raw(struct.pack("<IQ", STR, n) + gstr("a") * 40), STR)
@@ -498,6 +498,16 @@ def generate(seed: int = SEED) -> list[Variant]:
     g, _ = model(vocab=40)
     g.set("llama.block_count", STR, "\x1b[2J\x1b[31mevil")
     add("escape codes", "escape codes in a refused value", g, "refused", match="block_count")
+    for key in ("general.{0}{x}", "tokenizer.{}", "{{", "x}{:>99999999}"):  # format fields in a key: text, never a template
+        g, truth = model(vocab=40)
+        g.set(key, U32, 1)
+        add("escape codes", f"a key named {key!r}", g, "correct", truth)
+        g, _ = model(vocab=40)
+        g.set(key, STR, _Raw(struct.pack("<Q", 10**7) + b"x"))
+        add("escape codes", f"a key named {key!r} cut short", g, "refused", match=re.escape(key))
+    g, truth = model(vocab=40)
+    g.tensors[1].name = "{0}{name!r}"
+    add("escape codes", "a tensor named with format fields", g, "correct", truth)
     g, _ = model(vocab=40, arch="ll\x1b[2Jama")
     add("escape codes", "escape codes in the architecture", g, "either")
     g, _ = model(vocab=40)
@@ -744,7 +754,7 @@ def issue_files(root: Path) -> list[tuple[str, Path, int, str]]:
 
     tiny = b"GGUF" + struct.pack("<IQQ", 3, 0, 2) + gstr("general.architecture") + struct.pack("<I", STR) + gstr("llama")
     tiny += gstr("tokenizer.ggml.tokens") + struct.pack("<IIQ", ARR, U32, 10**9) + b"\0" * 12
-    made.append(("an array of 10^9 elements in 114 bytes", write("claims", tiny), 2, "needs 4,000,000,000 bytes"))
+    made.append(("an array of 10^9 elements in a 126-byte file", write("claims", tiny), 2, "needs 4,000,000,000 bytes"))
     g, _ = model(vocab=40)
     g.set("tokenizer.ggml.token_type", ARR, [1] * 1_000_000, I32)
     g.set("tokenizer.ggml.merges", ARR, ["ab cd"] * 300_000, STR)

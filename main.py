@@ -16,12 +16,15 @@ import os
 import sys
 
 from core import __version__ as APP_VERSION
+from core.errors import BAD_INPUT, KVScopeError, is_user_error
 from core.outputs import OutputError, check_output_path, display_path
 from core.safe_text import safe_text
 
 
-class CliError(Exception):
+class CliError(KVScopeError):
     """A bad command line or input: printed as one line on stderr, exit status 2."""
+
+    category = BAD_INPUT
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
@@ -57,7 +60,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quality-probe", action="store_true",
                    help="also run every token through a full-cache twin and report top-1 agreement and KL of the "
                         "next-token distributions (costs a second forward pass and a second cache; off by default)")
-    p.add_argument("--runtime", default=None, choices=("transformers", "llama.cpp"),
+    p.add_argument("--runtime", default=None, choices=_runtime_names(),
                    help="llama.cpp: generate in the real llama.cpp (a .gguf --model; default the embedded model "
                         "converted) and watch the KV cache it reserves at load against the cells that hold tokens "
                         "(default: llama.cpp for a .gguf --model, else transformers)")
@@ -84,12 +87,9 @@ def _add_llamacpp_options(p: argparse.ArgumentParser) -> None:
 
 
 def _llamacpp_options(args: argparse.Namespace, n_ctx: int):
-    from core.llamacpp import LlamaCppOptions
+    from core.runtimes.llamacpp import options_from_args
 
-    return LlamaCppOptions(n_ctx=n_ctx, n_seq_max=args.parallel, kv_unified=args.kv_unified, type_k=args.cache_type_k,
-                           type_v=args.cache_type_v, flash_attn=args.flash_attn, swa_full=args.swa_full,
-                           n_batch=args.batch_size, n_ubatch=args.ubatch_size, n_gpu_layers=args.n_gpu_layers,
-                           offload_kqv=not args.no_kv_offload)
+    return options_from_args(args, n_ctx)
 
 
 def _add_metrics_options(p: argparse.ArgumentParser) -> None:
@@ -97,6 +97,12 @@ def _add_metrics_options(p: argparse.ArgumentParser) -> None:
                    help="serve Prometheus metrics at http://127.0.0.1:PORT/metrics (0: any free port)")
     p.add_argument("--metrics-host", default=None, metavar="HOST",
                    help="bind the metrics server to HOST instead of 127.0.0.1 (e.g. 0.0.0.0: every interface)")
+
+
+def _runtime_names() -> tuple[str, ...]:
+    from core import runtimes
+
+    return runtimes.names()
 
 
 def _start_metrics(args: argparse.Namespace):
@@ -336,20 +342,18 @@ def _run_request(args: argparse.Namespace):
 
         if is_gguf_source(args.model.strip()):
             read_gguf(args.model.strip())
-    runtime = getattr(args, "runtime", None)
-    if runtime is None:  # a GGUF runs where it was made to run
-        from core.gguf import is_gguf_source
+    from core import runtimes
 
-        runtime = "llama.cpp" if args.model and is_gguf_source(str(args.model).strip()) else "transformers"
-    llamacpp = None
-    if runtime == "llama.cpp":
-        llamacpp = _llamacpp_run_options(args)
-    elif getattr(args, "context", None) is not None:
-        raise CliError("--context is llama.cpp's -c (with --runtime llama.cpp); a transformers run's static cache "
+    # A model runs where it was made to run (a GGUF in llama.cpp) unless --runtime says otherwise.
+    runtime = getattr(args, "runtime", None) or runtimes.runtime_for_source(args.model)
+    options = runtimes.get(runtime).hook("cli_options")  # the request fields of the runtime's own flags
+    fields = options(args) if options is not None else {}
+    if options is None and getattr(args, "context", None) is not None:
+        raise CliError(f"--context is llama.cpp's -c (with --runtime llama.cpp); a {runtime} run's static cache "
                        "takes --max-context")
     return RunRequest(
         runtime=runtime,
-        llamacpp=llamacpp,
+        **fields,
         source=args.model,
         device=args.device,
         dtype=args.dtype or "auto",
@@ -366,26 +370,6 @@ def _run_request(args: argparse.Namespace):
         seed=check_seed(args.seed),
         quality_probe=bool(getattr(args, "quality_probe", False)),
     )
-
-
-def _llamacpp_run_options(args: argparse.Namespace):
-    """--runtime llama.cpp: the model must be a GGUF (or the embedded model, converted); -c defaults to 4096."""
-    from core.gguf import is_gguf_source
-    from core.spec import parse_tokens
-
-    if args.model != "embedded" and not is_gguf_source(args.model):
-        raise CliError(f"--runtime llama.cpp runs a .gguf file, and {args.model} is not one (convert a transformers "
-                       "model with llama.cpp's convert_hf_to_gguf.py, or leave --model out for the embedded model)")
-    for flag, value in (("--quality-probe", args.quality_probe), ("--memory-budget", args.memory_budget),
-                        ("--snapshot", args.snapshot), ("--max-context", args.max_context)):
-        if value:
-            hint = " (llama.cpp's context is --context)" if flag == "--max-context" else ""
-            raise CliError(f"{flag} is for transformers runs, not --runtime llama.cpp{hint}")
-    if args.context is None:
-        n_ctx = 4096
-    else:  # -c 0, as llama-server takes it: the file's trained context
-        n_ctx = 0 if str(args.context).strip() == "0" else parse_tokens(args.context)
-    return _llamacpp_options(args, n_ctx)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -528,22 +512,17 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `| head`: the reader left; not an error of ours
         sys.stderr.close()
         return 0
-    except Exception as exc:  # one line for the user; tracebacks only with KVSCOPE_DEBUG=1
+    except Exception as exc:  # decided by type (core.errors): one line for the user's errors, a traceback for ours
         if os.environ.get("KVSCOPE_DEBUG"):
             raise
-        if not _is_user_error(exc):
-            print(f"kvscope: internal error: {type(exc).__name__}: {safe_text(exc)} (set KVSCOPE_DEBUG=1 for details)",
-                  file=sys.stderr)
+        if not is_user_error(exc):
+            import traceback
+
+            traceback.print_exc()
+            print(f"kvscope: internal error: {type(exc).__name__}: {safe_text(exc)}", file=sys.stderr)
             return 1
         print(f"kvscope: {safe_text(exc)}", file=sys.stderr)  # messages name files and quote what they hold
         return 2
-
-
-def _is_user_error(exc: Exception) -> bool:
-    """Errors whose message is written for the user (bad input, unloadable model, broken recording)."""
-    names = {"CliError", "OutputError", "SpecError", "SettingsError", "LoadError", "RecordingError", "BudgetExceeded",
-             "GenerationError"}
-    return any(cls.__name__ in names for cls in type(exc).__mro__)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from core.engine import Engine  # noqa: E402
-from core.run import limit_cpu_threads  # noqa: E402
+from core.runtimes.transformers import limit_cpu_threads  # noqa: E402
 from core.request import DEFAULT_PROMPT  # noqa: E402
 from core.loading import load_model  # noqa: E402
 from core.probes import MemoryProbe  # noqa: E402

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from core.errors import UNAVAILABLE, KVScopeError
 from core.spec import ASSETS, EMBEDDED_PRESET, PRESETS_DIR, _cache_dir
 
 #: Bump when the build changes in a way the files would show (init scheme, tokenizer options...).
@@ -70,8 +71,10 @@ _BUILD_NAME = re.compile(r"^\.build-(?P<pid>\d+)@(?P<host>[A-Za-z0-9._]+)-[^-]*$
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "kvscope_recipe.json")
 
 
-class EmbeddedBuildError(RuntimeError):
+class EmbeddedBuildError(KVScopeError, RuntimeError):
     """The embedded model could not be built (unwritable cache, missing recipe). Message is for the user."""
+
+    category = UNAVAILABLE
 
 
 def _read_corpus() -> str:

@@ -22,6 +22,7 @@ import torch
 
 from core.attention import MLA, AttentionMode, SettingsError, Window, native_attention
 from core.caches import CacheStrategy, Quantized, Static, TokenSelecting
+from core.errors import GenerationError  # noqa: F401 - its old home: `from core.engine import GenerationError`
 from core.measure import cache_bytes, model_weight_bytes
 from core.predict import activation_bytes, kv_bytes, predict
 from core.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
@@ -29,10 +30,6 @@ from core.settings import RunSettings, effective_spec, parse_attn_impl, parse_sw
 from core.spec import INDEXED_ATTENTION, SLIDING_ATTENTION, ModelSpec, SpecError
 
 TOP_K = 40
-
-
-class GenerationError(RuntimeError):
-    """The run cannot go on (cache full, out of memory...). The message is for the user."""
 
 
 def _sync(device: str) -> None:
@@ -668,7 +665,9 @@ class Engine:
             kernel=self.kernel,
             device=self.device,
             dtype=self.loaded.dtype,
-            kv_bytes_observed=observed.logical if observed else (0 if self.cache is None else None),
+            # transformers reserves nothing ahead of the tokens: the cache's tensors are both figures
+            kv_bytes_held=observed.logical if observed else (0 if self.cache is None else None),
+            kv_bytes_reserved=observed.logical if observed else (0 if self.cache is None else None),
             kv_bytes_storage=observed.storage if observed else None,
             weights_bytes=self._weights_observed,
             allocator_allocated=getattr(reading, "allocator_allocated", None),

@@ -1,15 +1,16 @@
 """llama.cpp as a live engine: a GGUF generated token by token in the real llama.cpp, one ``Sample`` per token.
 
-The same stream as the transformers engine (``core.run``): load, prefill, decode, switches and refusals as
-events, the recording, the CLI table and the window all read it. What differs is what the KV figures mean:
+The same stream as the transformers engine: load, prefill, decode, switches and refusals as events; the one
+run loop (``core.run``) drives it through ``core.runtimes.llamacpp``, which keeps it in a child process (an
+abort in llama.cpp ends that process, not the app). The KV figures:
 
-- ``kv_bytes_observed``: what llama.cpp reserved for its KV cache when the context was created, taken from the
+- ``kv_bytes_reserved``: what llama.cpp reserved for its KV cache when the context was created, taken from the
   allocation itself: the cells, streams and layers its log reports (``llama_kv_cache: size = ...``) times the
   bytes of one cell in each cache, read from llama.cpp's own state of a one-token sequence
   (``LlamaCppContext.measure_cell_bytes``).
   It is flat from the first token: the whole context is paid for at load (the prepayment).
 - ``kv_bytes_predicted``: ``core.llamacpp.plan(...).kv_bytes``, the predictor's answer for the same options.
-- ``kv_bytes_used``: the bytes of the cells that hold tokens so far (``llama_memory_seq_pos_max`` + 1 cells
+- ``kv_bytes_held``: the bytes of the cells that hold tokens so far (``llama_memory_seq_pos_max`` + 1 cells
   times the measured bytes per cell, a window cache capped at its window), so the plot shows what the reserved
   buffer is actually filled with.
 
@@ -32,7 +33,7 @@ from typing import Any, Callable
 
 from core.attention import SettingsError, native_attention
 from core.llamacpp import LlamaCppOptions, LlamaCppPlan, cells_held, plan
-from core.request import LLAMACPP_ATTENTION_KEYS, ModelInfo, RunRequest, parse_llamacpp_switch_value
+from core.request import LLAMACPP_ATTENTION_KEYS, RunRequest, parse_llamacpp_switch_value
 from core.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
 from core.spec import human_bytes
 
@@ -46,8 +47,7 @@ OFFERED_CACHE_TYPES = ("f16", "q8_0", "q4_0", "f32")
 
 
 class LlamaCppRunError(SettingsError):
-    """A llama.cpp run failed for a reason written for the user (a SettingsError, so every error filter that
-    says a user's error in one line says this one too)."""
+    """A llama.cpp run failed for a reason written for the user (a ``KVScopeError``, category ``refused``)."""
 
 
 def resolve_model(source: str, progress: Callable[[str], None] | None = None) -> Path:
@@ -229,12 +229,12 @@ class LlamaCppEngine:
             token=self.generated, phase=phase, time_s=self.clock() - self.t0, text=text,
             attention=self.attention, attn_impl=self.attn_impl, cache=self.cache_key, kernel=f"llama.cpp {self.device}",
             device=self.device, dtype=self.dtype,
-            kv_bytes_observed=self.allocation.reserved, kv_bytes_storage=self.allocation.reserved,
+            kv_bytes_held=used, kv_bytes_reserved=self.allocation.reserved, kv_bytes_storage=self.allocation.reserved,
             weights_bytes=self.weights, process_rss=rss,
             kv_bytes_predicted=self.plan.kv_bytes, weights_predicted=weights_predicted,
             total_predicted=(weights_predicted + self.plan.kv_bytes) if weights_predicted is not None else None,
             tokens_per_s=self.tokens_per_s if phase == PHASE_DECODE else None, event=event,
-            context_tokens=len(self.tokens), kv_bytes_used=used, runtime=RUNTIME, **fields)
+            context_tokens=len(self.tokens), runtime=RUNTIME, **fields)
 
     def event(self, kind: str, text: str, **fields: Any) -> Sample:
         return self._sample(PHASE_EVENT, text, event=kind, **fields)
@@ -319,117 +319,9 @@ class LlamaCppEngine:
 # ---------------------------------------------------------------------------------------------------- the run
 
 
-def model_info(engine: LlamaCppEngine) -> ModelInfo:
-    total = None
-    try:
-        import psutil
-
-        total = int(psutil.virtual_memory().total)
-    except Exception:  # noqa: BLE001
-        pass
-    from core.llamacpp import CACHE_TYPES
-
-    cache_choices = tuple((t, None) for t in OFFERED_CACHE_TYPES if t in CACHE_TYPES)
-    if engine.cache_key not in OFFERED_CACHE_TYPES:
-        cache_choices = ((engine.cache_key, None),) + cache_choices
-    return ModelInfo(label=f"{engine.spec.label} (llama.cpp)", source=str(engine.path), device=engine.device,
-                     device_name="llama.cpp on the CPU" if engine.device == "cpu" else "llama.cpp on the GPU",
-                     dtype=engine.dtype, spec=engine.spec, total_memory=total,
-                     attention_choices=(engine.attention,), cache_choices=cache_choices,
-                     attn_impl_choices=(engine.attn_impl,), max_context=engine.cells, runtime=RUNTIME)
-
-
-def _settings_dict(request: RunRequest, engine: LlamaCppEngine) -> dict[str, Any]:
-    o = engine.options
-    return {"runtime": RUNTIME, "attention": engine.attention, "attn_impl": engine.attn_impl, "cache": engine.cache_key,
-            "batch": 1, "max_new_tokens": request.max_new_tokens, "max_context": engine.cells,
-            "dtype": engine.dtype, "source": request.source,
-            "switches": [list(s) for s in request.switches], "memory_budget": None,
-            "llama_cpp": {"n_ctx": o.n_ctx, "n_seq_max": o.n_seq_max, "kv_unified": o.kv_unified,
-                          "type_k": o.type_k, "type_v": o.type_v, "flash_attn": o.flash_attn, "swa_full": o.swa_full,
-                          "n_batch": o.n_batch, "n_ubatch": o.n_ubatch, "n_gpu_layers": o.n_gpu_layers,
-                          "offload_kqv": o.offload_kqv, "file": engine.path.name}}
-
-
 def run_llamacpp(request: RunRequest, hooks: Any) -> list[Sample]:
-    """``core.run.run_generation`` for ``request.runtime == "llama.cpp"``: the same hooks (emit, loaded, progress,
-    poll, should_stop), the same events and recording. Returns the prefill and the last decode Sample."""
-    from core.llamacpp_live import available
-    from core.outputs import OutputError, check_output_path
-    from core.recording import RecordingError
+    """``core.run.run_generation`` for a llama.cpp run (its old entry point): the one run loop, with this engine
+    in a child process (``core.runtimes.llamacpp``)."""
+    from core.run import run_generation
 
-    missing = available()
-    if missing:
-        raise SettingsError(missing)
-    if request.record_path:
-        try:
-            check_output_path(request.record_path, force=request.overwrite, allow_stdout=False)
-        except OutputError as exc:
-            raise RecordingError(f"cannot create recording: {exc}") from None
-    if request.memory_budget is not None or request.snapshot_path or request.quality_probe:
-        raise SettingsError("--memory-budget, --snapshot and --quality-probe are transformers runs' (not llama.cpp's)")
-    options = request.llamacpp or LlamaCppOptions()
-    path = resolve_model(request.source, hooks.progress)
-    hooks.progress(f"loading {path.name} into llama.cpp")
-    engine = LlamaCppEngine(path, options, seed=request.seed)
-    writer = None
-    try:
-        info = model_info(engine)
-        hooks.loaded(info)
-        if request.record_path:
-            from core import __version__
-            from core.recording import RecordingWriter, header_for
-
-            device = {"name": engine.device, "device_name": info.device_name, "total_memory": info.total_memory}
-            writer = RecordingWriter(request.record_path, header_for(engine.spec, device, _settings_dict(request, engine),
-                                                                     __version__), overwrite=request.overwrite)
-
-        def emit(sample: Sample) -> None:
-            if writer is not None:
-                writer.write(sample)
-            hooks.emit(sample)
-
-        emit(engine.event("load", f"loaded {path.name} into llama.cpp ({engine.gguf.arch}, "
-                                  f"{human_bytes(engine.weights)} of weights) on the {engine.device.upper()}"))
-        emit(engine.event("note", f"llama.cpp reserved the KV cache at load: {engine.describe_allocation()}, before "
-                                  "the first token (the prepayment); 'used' is the cells that hold tokens"))
-        try:
-            kept = _loop(request, engine, hooks, emit)
-        except Exception as exc:
-            try:
-                emit(engine.event("error", f"{exc} (at token {engine.generated}; llama.cpp, cache {engine.cache_key})"))
-            except Exception:  # noqa: BLE001 - the failure itself is what reaches the caller
-                pass
-            raise
-        if writer is not None:
-            writer.check_still_there()
-        return kept
-    finally:
-        if writer is not None:
-            writer.close()
-        engine.close()
-
-
-def _loop(request: RunRequest, engine: LlamaCppEngine, hooks: Any, emit: Callable[[Sample], None]) -> list[Sample]:
-    first = engine.prefill(request.prompt)
-    emit(first)
-    kept = [first]
-    scripted = sorted(request.switches, key=lambda switch: switch[0])
-    while engine.generated < request.max_new_tokens:
-        if hooks.should_stop():
-            emit(engine.event("stop", f"stopped by the user at token {engine.generated}"))
-            break
-        pending = [(k, v) for at, k, v in scripted if at == engine.generated]
-        scripted = [s for s in scripted if s[0] != engine.generated]
-        for key, value in pending + list(hooks.poll()):
-            emit(engine.apply(key, value))
-        if hooks.should_stop():
-            continue
-        if engine.full():
-            emit(engine.event("note", f"the context is full at {len(engine.tokens):,} tokens ({engine.cells:,} cells: "
-                                      "llama.cpp's -c); the run ends here"))
-            break
-        sample = engine.step()
-        emit(sample)
-        kept = [first, sample]
-    return kept
+    return run_generation(dataclasses.replace(request, runtime=RUNTIME), hooks)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from core.errors import UNAVAILABLE, KVScopeError
 from core.spec import (PRESETS_DIR, ModelSpec, SpecError, canonical_dtype, check_config, is_transformers_refusal,
                         path_kind, preset_names, read_config_json, spec_from_config, transformers_refusal)
 
@@ -51,12 +52,14 @@ _TOKENIZER_GLOBS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
                     "vocab.txt", "spiece.model")
 
 
-class LoadError(Exception):
+class LoadError(KVScopeError):
     """A model could not be loaded. ``str(err)`` is one line for the user.
 
     ``offer_embedded`` is True when the problem is the model source (the embedded demo model
     would load instead); False for problems the embedded model shares (device, dtype).
     """
+
+    category = UNAVAILABLE
 
     def __init__(self, message: str, offer_embedded: bool = False):
         message = " ".join(str(message).split())  # one line, whatever the cause said

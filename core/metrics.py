@@ -30,16 +30,19 @@ from core.sample import PHASE_EVENT, Sample
 from core.spikes import SpikeMonitor, reading_from_sample, spike_events, spike_threshold
 
 LOOPBACK = "127.0.0.1"
+from core.errors import BAD_INPUT, KVScopeError
 PREFIX = "kvscope"
 
 
-class MetricsError(ValueError):
+class MetricsError(KVScopeError, ValueError):
     """A port or host the exporter refuses (said in one line)."""
 
 
 def check_bind(host: str, port: int) -> tuple[str, int]:
     """The (host, port) to bind, checked: a port 0-65535 (0: any free one); any host is allowed, but
     only because the caller asked for it by name (the default is loopback)."""
+    category = BAD_INPUT
+
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
         raise MetricsError(f"--metrics-port {port!r}: give a port from 0 to 65535 (0: any free port)")
     host = str(host).strip()

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from core.errors import BAD_INPUT, KVScopeError
+
 #: The name that means standard output.
 STDOUT = "-"
 
@@ -46,8 +48,10 @@ _KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"), (sta
           (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"))
 
 
-class OutputError(ValueError):
+class OutputError(KVScopeError, ValueError):
     """An output path KV Scope will not write, or a write that failed. The message is one line, for the user."""
+
+    category = BAD_INPUT
 
 
 def display_path(path: str | os.PathLike[str] | None) -> str:

@@ -25,6 +25,8 @@ import re
 
 import psutil
 
+from core.errors import UNAVAILABLE, KVScopeError
+
 #: NVML reports "not available" as the all-ones 64-bit value (``NVML_VALUE_NOT_AVAILABLE_ulonglong``).
 #: Recent pynvml already maps it to None in process lists; older ones pass the raw value through.
 _NVML_NOT_AVAILABLE_ULL = (1 << 64) - 1
@@ -37,8 +39,10 @@ NOTE_NOT_LISTED = ("this process is not in NVML's process list (no CUDA context 
 NOTE_V1_MEMORY = "NVML memory v2 not available on this driver: device used includes reserved memory"
 
 
-class ProbeError(RuntimeError):
+class ProbeError(KVScopeError, RuntimeError):
     """A probe request that cannot be honoured (bad device name, snapshot off CUDA). Message is for the user."""
+
+    category = UNAVAILABLE
 
 
 @dataclass(frozen=True)

@@ -55,8 +55,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
 
+from core.errors import BAD_INPUT, KVScopeError
 from core.outputs import OutputError, check_output_path, display_path, replacing
-from core.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
+from core.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample, legacy_kv_fields
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +93,10 @@ _SAMPLE_FIELDS = dataclasses.fields(Sample)
 _FIELD_NAMES = tuple(f.name for f in _SAMPLE_FIELDS)
 
 
-class RecordingError(ValueError):
+class RecordingError(KVScopeError, ValueError):
     """A recording that cannot be written or read. The message is one line, for the user."""
+
+    category = BAD_INPUT
 
 
 def _name(path: Path) -> str:
@@ -504,6 +507,9 @@ def _field_kinds() -> dict[str, tuple[str, bool]]:
 
 
 _KINDS = _field_kinds()
+# The old names of the KV figures (``core.sample.legacy_kv_fields`` maps them): checked like any int field, so
+# that recordings made before kv_bytes_held / kv_bytes_reserved (the shipped demo) read, and damaged ones say so.
+_KINDS.update({"kv_bytes_observed": ("int", True), "kv_bytes_used": ("int", True)})
 _REQUIRED = tuple(f.name for f in _SAMPLE_FIELDS
                   if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
 #: The upper bound of each float field (the lower bound of every number is 0).
@@ -528,10 +534,13 @@ def sample_from_json(data: Any, *, check_unicode: bool = True) -> Sample:
     source had no ``\\uD8xx`` escape (it is the one check that costs a pass over every text).
     """
     fields = _checked_fields(data, check_unicode=check_unicode)
-    used = fields.get("kv_bytes_used")
-    if used is not None and fields.get("kv_bytes_observed") is not None and used > fields["kv_bytes_observed"]:
-        # llama.cpp's cells that hold tokens are part of what it reserved: more is a damaged or forged line
-        raise ValueError(f"sample kv_bytes_used {used} is more than kv_bytes_observed {fields['kv_bytes_observed']}")
+    if "kv_bytes_observed" in fields or "kv_bytes_used" in fields:
+        fields = dict(fields)
+        legacy_kv_fields(fields, fields.pop("kv_bytes_observed", None), fields.pop("kv_bytes_used", None))
+    held, reserved = fields.get("kv_bytes_held"), fields.get("kv_bytes_reserved")
+    if held is not None and reserved is not None and held > reserved:
+        # The bytes the tokens hold are part of what the runtime set aside: more is a damaged or forged line
+        raise ValueError(f"sample kv_bytes_held {held} is more than kv_bytes_reserved {reserved}")
     if fields.get("event") == "switch" and fields.get("switch_key") is None:
         fields.update(_legacy_switch_fields(str(fields.get("text", ""))))
     return Sample(**fields)

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from core.attention import SettingsError
 from core.sample import Sample
-from core.settings import RunSettings, parse_switch_value
+from core.settings import RunSettings
 from core.spec import ModelSpec
 
 DEFAULT_PROMPT = "Every token keeps a key and a value in every layer, so the cache grows: "
@@ -39,7 +39,8 @@ class RunRequest:
     #: Also run every token through a full-cache twin (teacher-forced) and report top-1 agreement and the KL
     #: divergence of the next-token distributions; costs a second forward pass and a second cache.
     quality_probe: bool = False
-    #: "transformers" (the model in torch) or "llama.cpp" (a GGUF in the real llama.cpp: core.llamacpp_engine).
+    #: A name in ``core.runtimes``' registry: "transformers" (the model in torch), "llama.cpp" (a GGUF in the
+    #: real llama.cpp, in a child process)...
     runtime: str = "transformers"
     #: llama.cpp's context options (``core.llamacpp.LlamaCppOptions``) for ``runtime == "llama.cpp"``.
     llamacpp: Any = None
@@ -60,7 +61,7 @@ class ModelInfo:
     cache_choices: tuple[tuple[str, str | None], ...]
     attn_impl_choices: tuple[str, ...]
     max_context: int | None = None  # the run's context limit (the model's maximum unless set lower)
-    runtime: str = "transformers"  # or "llama.cpp": its cache choices are KV types, each a reload of the context
+    runtime: str = "transformers"  # the registry name of the runtime that loaded it (``core.runtimes``)
 
 
 #: What a llama.cpp run can switch: its cache types (each a reload of the context; ``context`` too), and the
@@ -95,8 +96,8 @@ def parse_llamacpp_switch_value(key: str, value: str) -> tuple[str, Any]:
 
 @dataclass
 class RunHooks:
-    """How a driver talks to its host (terminal or Qt worker). All optional; every runtime's run loop
-    (``core.run.run_generation``, ``core.llamacpp_engine.run_llamacpp``) takes the same."""
+    """How the run loop (``core.run.run_generation``, every runtime's) talks to its host (terminal or Qt worker).
+    All optional."""
 
     emit: Callable[[Sample], None] = lambda s: None
     loaded: Callable[[ModelInfo], None] = lambda info: None
@@ -108,17 +109,17 @@ class RunHooks:
 
 def parse_switch(text: str, runtime: str = "transformers") -> tuple[int, str, str]:
     """Parse ``T:KEY=VALUE`` (e.g. ``32:attention=mqa``); the value is validated now, not at token T.
-    ``runtime="llama.cpp"`` takes that runtime's keys (``32:cache-type=q8_0``, ``64:context=8192``)."""
+    Each runtime checks its own keys (``core.runtimes.check_switch``): llama.cpp's are ``32:cache-type=q8_0``,
+    ``64:context=8192``."""
     spelled = str(text).strip()
     at, sep, rest = spelled.partition(":")
     key, eq, value = rest.partition("=")
     # ASCII digits only: str.isdigit() also accepts "²" and "٣", which int() then refuses or reads.
     if not sep or not eq or not re.fullmatch(r"[0-9]+", at.strip()):
         raise SettingsError(f"--switch {spelled!r}: write T:KEY=VALUE, e.g. 32:attention=mqa or 64:attn-impl=eager")
-    if runtime == "llama.cpp":
-        parse_llamacpp_switch_value(key, value)
-    else:
-        parse_switch_value(key, value)
+    from core import runtimes
+
+    runtimes.check_switch(runtime, key, value)  # each runtime's own keys (llama.cpp: cache-type, context)
     return int(at), key.strip().lower().replace("_", "-"), value.strip().lower()
 
 

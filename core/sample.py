@@ -32,9 +32,14 @@ class Sample:
     device: str
     dtype: str
     # observed
-    kv_bytes_observed: int | None
     kv_bytes_storage: int | None  # bytes of the storage blocks the cache tensors keep alive
     weights_bytes: int | None
+    # The KV cache, two figures that each mean one thing for every runtime:
+    kv_bytes_held: int | None = None  # the bytes of the tokens' K/V (what the cache holds now)
+    #: What the runtime set aside for the cache: llama.cpp's allocation for the whole context at load (flat:
+    #: the prepayment), a chunked cache's whole chunks; equal to ``kv_bytes_held`` where a runtime reserves
+    #: nothing ahead (transformers: the cache's tensors). ``kv_bytes_predicted`` predicts this figure.
+    kv_bytes_reserved: int | None = None
     allocator_allocated: int | None = None
     allocator_reserved: int | None = None
     allocator_peak: int | None = None
@@ -58,10 +63,7 @@ class Sample:
     # The quality probe (``--quality-probe``, off by default): the same tokens through a full-cache twin.
     quality_top1: int | None = None  # 1 when this cache's most likely next token is the twin's, else 0
     quality_kl: float | None = None  # KL(twin || this cache) of the next-token distributions, nats
-    # The runtime that made the sample: "transformers" (torch) or "llama.cpp" (core.llamacpp_engine). Under
-    # llama.cpp, kv_bytes_observed is what it reserved at load (flat: the prepayment) and kv_bytes_used the
-    # bytes of the cells that hold tokens so far; the transformers cache holds only what it uses (None here).
-    kv_bytes_used: int | None = None
+    # The runtime that made the sample (a name in core.runtimes' registry): data to show, never a branch.
     runtime: str = "transformers"
 
     @property
@@ -82,3 +84,46 @@ class Sample:
 
     def replace(self, **changes: Any) -> "Sample":
         return dataclasses.replace(self, **changes)
+
+
+# ---------------------------------------------------------------------------------------------------- old names
+# Before kv_bytes_held / kv_bytes_reserved, ``kv_bytes_observed`` was held under transformers and reserved under
+# llama.cpp, and ``kv_bytes_used`` llama.cpp's held. They are no fields (never stored, never in a new recording
+# or CSV): read-only aliases, and keywords the constructor maps (code and tests written before the split;
+# the recording reader maps old lines the same way: ``legacy_kv_fields``).
+
+Sample.kv_bytes_observed = property(  # type: ignore[attr-defined]
+    lambda self: self.kv_bytes_reserved,
+    doc="``kv_bytes_reserved``: the measured counterpart of ``kv_bytes_predicted`` (its name before the split).")
+Sample.kv_bytes_used = property(  # type: ignore[attr-defined]
+    lambda self: self.kv_bytes_held, doc="``kv_bytes_held`` (llama.cpp's name for it before the split).")
+
+_MISSING: Any = object()
+
+
+def legacy_kv_fields(fields: dict[str, Any], observed: Any = _MISSING, used: Any = _MISSING) -> dict[str, Any]:
+    """``fields`` with the old ``kv_bytes_observed`` / ``kv_bytes_used`` mapped onto held and reserved: observed
+    was the figure the prediction is of (reserved), and held too unless ``used`` (llama.cpp's cells that hold
+    tokens) says otherwise."""
+    if observed is _MISSING and used is _MISSING:
+        return fields
+    observed = None if observed is _MISSING else observed
+    used = None if used is _MISSING else used
+    if observed is not None:
+        fields["kv_bytes_reserved"] = observed
+    held = used if used is not None else observed
+    if held is not None:
+        fields["kv_bytes_held"] = held
+    return fields
+
+
+_dataclass_init = Sample.__init__
+
+
+def _init(self: Sample, *args: Any, kv_bytes_observed: Any = _MISSING, kv_bytes_used: Any = _MISSING,
+          **fields: Any) -> None:
+    _dataclass_init(self, *args, **legacy_kv_fields(fields, kv_bytes_observed, kv_bytes_used))
+
+
+_init.__doc__ = _dataclass_init.__doc__
+Sample.__init__ = _init  # type: ignore[method-assign]

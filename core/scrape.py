@@ -44,6 +44,8 @@ import urllib.parse
 import urllib.request
 from dataclasses import asdict, dataclass, field
 
+from core.errors import UNAVAILABLE, KVScopeError
+
 #: The most a metrics page may be; a vLLM page with histograms is ~100 KiB.
 MAX_PAGE_BYTES = 8 << 20
 #: Usage at which a warning is raised before the server starts preempting (vLLM preempts when no
@@ -66,8 +68,10 @@ MAX_BYTES = 1 << 60
 MAX_REDIRECTS = 4
 
 
-class ScrapeError(ValueError):
+class ScrapeError(KVScopeError, ValueError):
     """A URL watch refuses (said in one line)."""
+
+    category = UNAVAILABLE
 
 
 def metrics_url(url: str) -> str:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from core.errors import BAD_INPUT, KVScopeError
 from core.states import KVShape, LayerState, kv_shapes_from_json, states_from_json
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -57,8 +58,10 @@ DTYPE_ALIASES: dict[str, str] = {
 }
 
 
-class SpecError(ValueError):
+class SpecError(KVScopeError, ValueError):
     """A model source or config that cannot be turned into a ModelSpec. The message is for the user."""
+
+    category = BAD_INPUT
 
 
 def is_transformers_refusal(exc: BaseException) -> bool:

@@ -6,8 +6,9 @@ import signal
 import sys
 from typing import TextIO
 
+from core import runtimes
+from core.errors import is_user_error
 from core.outputs import display_path
-from core.recording import RecordingError
 from core.request import ModelInfo, RunHooks, RunRequest
 from core.safe_text import NAME_LIMIT, safe_text
 from core.sample import PHASE_EVENT, Sample
@@ -16,8 +17,8 @@ from core.spec import human_bytes
 COLUMNS = ("token", "phase", "KV observed", "KV predicted", "match", "allocator", "device used", "RSS", "tok/s")
 #: Added with --quality-probe: the cache's next token against the full-cache twin's.
 QUALITY_COLUMNS = ("top-1", "KL (nats)")
-#: A llama.cpp run's (--runtime llama.cpp): KV observed is what llama.cpp reserved at load, used what holds tokens.
-LLAMACPP_COLUMNS = ("token", "phase", "KV reserved", "KV predicted", "match", "KV used", "RSS", "tok/s")
+#: A runtime that reserves its KV cache at load (llama.cpp): what it reserved, and what the tokens hold of it.
+RESERVED_COLUMNS = ("token", "phase", "KV reserved", "KV predicted", "match", "KV used", "RSS", "tok/s")
 
 
 def _fmt(n: int | None) -> str:
@@ -28,7 +29,7 @@ class TerminalView:
     """Prints one row per token and one line per event, then a summary."""
 
     def __init__(self, out: TextIO | None = None, every: int = 1, quality: bool = False,
-                 runtime: str = "transformers") -> None:
+                 runtime: str | None = None) -> None:
         # Looked up per call, not bound at import: sys.stdout may be replaced (pytest, an embedding app).
         self.out = out if out is not None else sys.stdout
         self.every = max(1, every)
@@ -39,7 +40,9 @@ class TerminalView:
         self.events: list[Sample] = []
         self.max_abs_error = 0
         self.quality = quality
-        self.llamacpp = runtime == "llama.cpp"
+        self.runtime = runtime or runtimes.DEFAULT
+        #: The runtime's cache is set aside at load (its registry entry says): the reserved/used columns.
+        self.reserves = runtimes.get(self.runtime).reserves_at_load
         self.quality_rows: list[tuple[int, float]] = []  # (top-1 agrees, KL) per decoded token
 
     def loaded(self, info: ModelInfo) -> None:
@@ -49,7 +52,7 @@ class TerminalView:
               file=self.out)
         print(f"device {info.device_name} ({info.device}), dtype {info.dtype}, memory {_fmt(info.total_memory)}",
               file=self.out)
-        columns = LLAMACPP_COLUMNS if self.llamacpp else COLUMNS + (QUALITY_COLUMNS if self.quality else ())
+        columns = RESERVED_COLUMNS if self.reserves else COLUMNS + (QUALITY_COLUMNS if self.quality else ())
         print("  ".join(f"{c:>13}" for c in columns), file=self.out, flush=True)
 
     def emit(self, s: Sample) -> None:
@@ -60,21 +63,21 @@ class TerminalView:
         self.samples += 1
         self.first = self.first or s
         self.last = s
-        match = s.kv_bytes_observed == s.kv_bytes_predicted
+        match = s.kv_bytes_reserved == s.kv_bytes_predicted
         if not match:
             self.mismatches += 1
-            if s.kv_bytes_observed is not None and s.kv_bytes_predicted is not None:
-                self.max_abs_error = max(self.max_abs_error, abs(s.kv_bytes_observed - s.kv_bytes_predicted))
+            if s.kv_bytes_reserved is not None and s.kv_bytes_predicted is not None:
+                self.max_abs_error = max(self.max_abs_error, abs(s.kv_bytes_reserved - s.kv_bytes_predicted))
         if s.quality_top1 is not None and s.quality_kl is not None and s.phase == "decode":
             self.quality_rows.append((s.quality_top1, s.quality_kl))
         if s.token % self.every and s.phase != "prefill":
             return
-        row = (str(s.token), s.phase, f"{s.kv_bytes_observed:,}" if s.kv_bytes_observed is not None else "n/a",
+        row = (str(s.token), s.phase, f"{s.kv_bytes_reserved:,}" if s.kv_bytes_reserved is not None else "n/a",
                f"{s.kv_bytes_predicted:,}" if s.kv_bytes_predicted is not None else "n/a", "yes" if match else "NO",
                _fmt(s.allocator_allocated), _fmt(s.device_used), _fmt(s.process_rss),
                f"{s.tokens_per_s:.1f}" if s.tokens_per_s else "-")
-        if self.llamacpp:
-            row = row[:5] + (f"{s.kv_bytes_used:,}" if s.kv_bytes_used is not None else "n/a",) + row[7:]
+        if self.reserves:
+            row = row[:5] + (f"{s.kv_bytes_held:,}" if s.kv_bytes_held is not None else "n/a",) + row[7:]
         if self.quality:
             row += (("same" if s.quality_top1 else "differs") if s.quality_top1 is not None else "-",
                     f"{s.quality_kl:.4f}" if s.quality_kl is not None else "-")
@@ -87,14 +90,14 @@ class TerminalView:
         print("", file=self.out)
         print(f"generated {last.token} tokens ({last.context_tokens} in context); attention {last.attention}, "
               f"attn-impl {last.attn_impl} ({last.kernel}), cache {last.cache}", file=self.out)
-        print(f"KV cache: observed {_fmt(last.kv_bytes_observed)} ({last.kv_bytes_observed:,} B), predicted "
+        print(f"KV cache: observed {_fmt(last.kv_bytes_reserved)} ({last.kv_bytes_reserved:,} B), predicted "
               f"{_fmt(last.kv_bytes_predicted)}; observed == predicted at {self.samples - self.mismatches} of "
               f"{self.samples} samples" + (f" (largest gap {self.max_abs_error:,} B)" if self.mismatches else ""),
               file=self.out)
-        if last.kv_bytes_used is not None:
-            print(f"llama.cpp reserved {last.kv_bytes_observed:,} B at load; the cells that hold the "
-                  f"{last.context_tokens} tokens use {last.kv_bytes_used:,} B ({_fmt(last.kv_bytes_used)}), "
-                  f"{100 * last.kv_bytes_used / max(1, last.kv_bytes_observed or 1):.1f}% of it", file=self.out)
+        if self.reserves and last.kv_bytes_held is not None and last.kv_bytes_reserved is not None:
+            print(f"{self.runtime} reserved {last.kv_bytes_reserved:,} B at load; the cells that hold the "
+                  f"{last.context_tokens} tokens use {last.kv_bytes_held:,} B ({_fmt(last.kv_bytes_held)}), "
+                  f"{100 * last.kv_bytes_held / max(1, last.kv_bytes_reserved or 1):.1f}% of it", file=self.out)
         print(f"weights {_fmt(last.weights_bytes)}; predicted total {_fmt(last.total_predicted)}; "
               f"process RSS {_fmt(last.process_rss)}; switches {sum(1 for e in self.events if e.event == 'switch')}",
               file=self.out, flush=True)
@@ -118,7 +121,6 @@ def run_terminal(request: RunRequest, out: TextIO | None = None, observers: tupl
     recording too), the summary is printed and the exit status is 0, as for a finished run. A
     second signal of the same kind gets its default behaviour (KeyboardInterrupt; termination).
     """
-    llamacpp = request.runtime == "llama.cpp"
     view = TerminalView(out, quality=request.quality_probe, runtime=request.runtime)
     emit = view.emit
     if observers:  # e.g. the metrics exporter (core.metrics): each gets every Sample after the table
@@ -132,18 +134,16 @@ def run_terminal(request: RunRequest, out: TextIO | None = None, observers: tupl
         stopping["flag"] = True
         signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
 
-    if llamacpp:  # a GGUF in llama.cpp: torch is never imported
-        from core.llamacpp_engine import LlamaCppRunError as GenerationError, run_llamacpp as run_generation
-    else:
-        from core.engine import GenerationError
-        from core.run import run_generation
+    from core.run import run_generation  # every runtime's one loop; llama.cpp in a child process of its own
+
     previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
     try:
         run_generation(request, RunHooks(emit=emit, loaded=view.loaded,
                                          progress=lambda t: print(safe_text(t), file=sys.stderr, flush=True),
                                          should_stop=lambda: stopping["flag"]))
-    except (GenerationError, RecordingError):  # e.g. the recording was deleted mid-run: said after the summary
-        view.summary()
+    except Exception as exc:  # a user's error (a budget, a deleted recording, llama.cpp aborting): after the summary
+        if is_user_error(exc):
+            view.summary()
         raise
     finally:
         for signum, handler in previous.items():

@@ -205,9 +205,11 @@ def test_out_of_memory_in_decode_is_recovered(tmp_path, monkeypatch):
 
     monkeypatch.setattr(engine.model, "forward", failing)
     from core import run
+    from core.runtimes.transformers import TransformersRuntime
 
+    request = RunRequest(max_new_tokens=20)
     with pytest.raises(GenerationError, match="out of memory in decode at token 5"):
-        run._loop(RunRequest(max_new_tokens=20), engine, RunHooks(), seen.append, None)
+        run._loop(request, TransformersRuntime.around(engine, request), RunHooks(), seen.append)
     assert seen[-1].event == "oom" and "predictor had said" in seen[-1].text
     assert engine.cache is None  # freed
 
@@ -225,7 +227,7 @@ def test_cli_run_prints_table_and_records(tmp_path):
     attention = [r["attention"] for r in lines[1:] if r["phase"] == "decode"]
     assert attention[0] == "mha" and attention[20] == "gqa:2" and attention[-1] == "mqa"
     for r in lines[1:]:
-        assert {"token", "phase", "attention", "attn_impl", "cache", "kv_bytes_observed", "kv_bytes_predicted"} <= set(r)
+        assert {"token", "phase", "attention", "attn_impl", "cache", "kv_bytes_held", "kv_bytes_reserved", "kv_bytes_predicted"} <= set(r)
 
 
 @pytest.mark.parametrize("args,message", [

@@ -148,7 +148,8 @@ def test_writer_rejects_unserialisable_header(tmp_path):
 @pytest.mark.parametrize("bad, why", [
     (dict(time_s=float("nan")), "sample time must be a finite number, got nan"),
     (dict(phase="warmup"), "sample phase must be one of prefill, decode, event, got 'warmup'"),
-    (dict(kv_bytes_observed=1.5), "sample field kv_bytes_observed must be an integer, got 1.5"),
+    (dict(kv_bytes_held=1.5), "sample field kv_bytes_held must be an integer, got 1.5"),
+    (dict(kv_bytes_reserved=-1), "sample field kv_bytes_reserved must be from 0 to 2**63-1, got -1"),
 ])
 def test_writer_refuses_a_sample_no_reader_would_accept(tmp_path, bad, why):
     path = tmp_path / "run.jsonl"

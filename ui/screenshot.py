@@ -10,11 +10,14 @@ from PySide6.QtCore import QBuffer, QByteArray, QIODevice, QStandardPaths
 from PySide6.QtGui import QImage
 from PySide6.QtWidgets import QWidget
 
+from core.errors import UNAVAILABLE, KVScopeError
 from core.outputs import STDOUT, Output, OutputError, check_output_path, write_output
 
 
-class ScreenshotError(RuntimeError):
+class ScreenshotError(KVScopeError, RuntimeError):
     """The PNG could not be written. The message is for the user."""
+
+    category = UNAVAILABLE
 
 
 def png_bytes(pixmap) -> bytes:

@@ -17,10 +17,12 @@ import time
 #: Tokens the self-test decodes; each one must have observed KV bytes == predicted KV bytes.
 SELF_TEST_TOKENS = 8
 #: Loading includes building the embedded model on first use (a few seconds); generous for slow CI.
+from core.errors import INTERNAL, KVScopeError
+
 SELF_TEST_TIMEOUT_S = 120.0
 
 
-class SelfTestFailed(Exception):
+class SelfTestFailed(KVScopeError):
     """The self-test found something wrong; the message is the one line the user sees."""
 
 
@@ -28,6 +30,8 @@ def self_test(timeout_s: float = SELF_TEST_TIMEOUT_S, tokens: int = SELF_TEST_TO
     """Load the embedded model, decode ``tokens`` tokens offscreen on the CPU, check the KV bytes.
 
     Prints one line ("self-test OK: ..." or "self-test FAILED: ...") and returns the exit status:
+    category = INTERNAL
+
     0 when every decoded token's observed KV bytes equal the predicted ones, else 1.
     """
     # A crash in native code (a broken bundle, a mismatched Qt) should still say where it happened.

@@ -13,7 +13,7 @@ from __future__ import annotations
 from PySide6.QtCore import QObject, Signal, Slot
 
 from core.kernels import start_profiler_threads
-from core.run import limit_cpu_threads
+from core.runtimes.transformers import limit_cpu_threads
 from core.request import ModelInfo, RunRequest
 from core.engine_process import RunDriver
 from workers.threaded import RUN_MESSAGES, RunSignals, WorkerThread, relay

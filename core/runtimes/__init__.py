@@ -1,0 +1,103 @@
+"""The runtimes KV Scope can drive, by name: the one place that lists them.
+
+Each entry is a ``RuntimeInfo`` (``core.runtimes.base``): the name, where its ``open`` lives (imported only
+when a run starts, so the window's process never imports torch, llama_cpp or mlx) and what it can do.
+Nothing outside a runtime's own module compares a runtime's name: the command line, the engine process and
+the window ask this registry (``get``, ``runtime_for_source``, ``check_switch``) and read the answers.
+
+Adding a runtime is one module (or package) implementing ``core.runtimes.base.Runtime`` and one
+``register(RuntimeInfo(...))`` line below (a test registers its own the same way, at run time).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from core.runtimes.base import OPTIONS, Runtime, RuntimeInfo, resolve
+
+__all__ = ["OPTIONS", "Runtime", "RuntimeInfo", "DEFAULT", "register", "unregister", "get", "names", "open_runtime",
+           "runtime_for_source", "check_switch", "missing", "resolve"]
+
+#: The runtime of a run that names none (and of every recording made before runtimes had names).
+DEFAULT = "transformers"
+
+_REGISTRY: dict[str, RuntimeInfo] = {}
+
+
+def register(info: RuntimeInfo, *, replace: bool = False) -> RuntimeInfo:
+    """Add a runtime; ValueError if the name is taken (unless ``replace``) or empty. Returns ``info``."""
+    if not info.name or not isinstance(info.name, str):
+        raise ValueError("a runtime needs a name")
+    if info.name in _REGISTRY and not replace and _REGISTRY[info.name] != info:
+        raise ValueError(f"a runtime named {info.name!r} is already registered")
+    _REGISTRY[info.name] = info
+    return info
+
+
+def unregister(name: str) -> None:
+    """Remove a runtime (a test's own, after the test)."""
+    _REGISTRY.pop(name, None)
+
+
+def names() -> tuple[str, ...]:
+    """The registered runtimes' names, in registration order (``--runtime``'s choices)."""
+    return tuple(_REGISTRY)
+
+
+def get(name: str | None) -> RuntimeInfo:
+    """The runtime called ``name`` (None: the default); SettingsError names the choices."""
+    info = _REGISTRY.get(name or DEFAULT)
+    if info is None:
+        from core.attention import SettingsError
+
+        raise SettingsError(f"unknown runtime {name!r}; choose one of {', '.join(_REGISTRY)}")
+    return info
+
+
+def open_runtime(request: Any, progress: Any = lambda text: None) -> Runtime:
+    """The Runtime for ``request.runtime``, checked and ready to ``load()`` (this imports the runtime)."""
+    info = get(getattr(request, "runtime", None))
+    problem = missing(info.name)
+    if problem:
+        from core.attention import SettingsError
+
+        raise SettingsError(problem)
+    return info.hook("open")(request, progress)
+
+
+def missing(name: str) -> str | None:
+    """Why the runtime ``name`` cannot run here (not installed), else None; never imports it."""
+    hook = get(name).hook("missing")
+    return hook() if hook is not None else None
+
+
+def runtime_for_source(source: str | None) -> str:
+    """The runtime a model source runs in when none is named: the first that claims it, else the default."""
+    text = str(source or "").strip()
+    for info in _REGISTRY.values():
+        claims = info.hook("claims")
+        if claims is not None and text and claims(text):
+            return info.name
+    return DEFAULT
+
+
+def check_switch(name: str | None, key: str, value: str) -> tuple[str, Any]:
+    """A switch ``key=value`` checked for the runtime ``name`` before the run (SettingsError: why not)."""
+    parse = get(name).hook("parse_switch")
+    if parse is None:
+        return key, value
+    return parse(key, value)
+
+
+# ------------------------------------------------------------------------------------------------ the entries
+
+register(RuntimeInfo(
+    name="transformers", open="core.runtimes.transformers:open_runtime",
+    label="transformers (the model in torch)", parse_switch="core.settings:parse_switch_value",
+    supports=frozenset(OPTIONS)))
+register(RuntimeInfo(
+    name="llama.cpp", open="core.runtimes.llamacpp:open_runtime",
+    label="llama.cpp (a GGUF in the real llama.cpp, in its own process)",
+    parse_switch="core.request:parse_llamacpp_switch_value", claims="core.gguf:is_gguf_source",
+    missing="core.request:llamacpp_missing", cli_options="core.runtimes.llamacpp:cli_options",
+    cache_switch_reloads=True, reserves_at_load=True))

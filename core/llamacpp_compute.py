@@ -56,6 +56,7 @@ class Tensor:
     view_src: "Tensor | None" = None
     nb: tuple[int, int, int, int] = ()
     external: bool = False  # weights and the KV cache: memory of their own, never the compute buffer's
+    view_offs: int = 0  # a view's byte offset into its source
     is_input: bool = False
     is_output: bool = False
     name: str = ""
@@ -121,13 +122,20 @@ class Graph:
         t = Tensor(_shape(*ne), a.type)  # contiguous strides
         return self.view(a, "RESHAPE", t.ne, t.nb)
 
-    def view_nd(self, a: Tensor, ne, nb_123) -> Tensor:
+    def view_nd(self, a: Tensor, ne, nb_123, offset: int = 0) -> Tensor:
         ne = _shape(*ne)
         nb = (TYPES[a.type][1],) + tuple(nb_123) + tuple(0 for _ in range(3 - len(nb_123)))
         nb = list(nb)
         for i in range(1 + len(nb_123), 4):  # ggml_view_impl: the unused strides follow the last one
             nb[i] = nb[i - 1] * ne[i - 1]
-        return self.view(a, "VIEW", ne, nb)
+        t = self.view(a, "VIEW", ne, nb)
+        t.view_offs = a.view_offs + offset
+        return t
+
+    def concat(self, a: Tensor, b: Tensor, dim: int = 0) -> Tensor:
+        ne = list(a.ne)
+        ne[dim] += b.ne[dim]
+        return self.new("CONCAT", a.type, tuple(ne), a, b)
 
     def permute(self, a: Tensor, *axes: int) -> Tensor:
         ne, nb = [0] * 4, [0] * 4
@@ -253,7 +261,7 @@ def gallocr_high_water(graph: Graph, alignment: int = CPU_ALIGNMENT) -> int:
                 if parent.n_children == 1 and parent.n_views == 0:
                     vs = parent.view_src
                     if vs is not None:
-                        if vs.n_views == 1 and vs.n_children == 0:  # view_src->data == parent->data: offset 0
+                        if vs.n_views == 1 and vs.n_children == 0 and parent.view_offs == 0:  # data == view_src->data
                             node.offset = parent.offset
                             parent.allocated = False
                             vs.allocated = False
@@ -305,11 +313,6 @@ def gallocr_high_water(graph: Graph, alignment: int = CPU_ALIGNMENT) -> int:
     return alloc.max_size
 
 
-def _view_offset_zero(t: Tensor) -> bool:
-    # view_src->data == parent->data: every view built here starts at its source's first byte
-    return True
-
-
 def _free_extra(alloc: _DynAllocator, node: Tensor, parent: Tensor, parent_offset: int) -> None:
     """ggml_gallocr_free_extra_space: an in-place node smaller than its parent gives back the tail."""
     psize, nsize = alloc._align(parent.nbytes), alloc._align(node.nbytes)
@@ -337,6 +340,8 @@ class GraphShape:
     swa: tuple[bool, ...]
     has_kv: tuple[bool, ...]
     weight_type: dict = field(default_factory=dict, hash=False, compare=False)
+    #: deepseek2's MLA (kv_lora_rank, rope, nope, v_head): the latent cache, Q absorbed (src/models/deepseek2.cpp)
+    mla: tuple[int, int, int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -549,18 +554,116 @@ def _build_decoder(c: _Ctx) -> Graph:
     return g
 
 
+def _build_mla(c: _Ctx) -> Graph:
+    """src/models/deepseek2.cpp with MLA (the latent cache, build_attn_inp_k / build_attn for a K-only cache), Q from
+    one projection, dense FFNs; build_attn_mha with v_mla (the V up-projection after the attention)."""
+    g, s, T = c.g, c.s, c.T
+    kvl, rope, nope, v_head = s.mla
+    k_mla = nope + rope
+    tokens = g.input("i32", T, name="inp_tokens")
+    embd_in = g.input("f32", s.n_embd, T, name="inp_embd")
+    x = g.get_rows(c.w(s.n_embd, s.n_vocab), tokens)
+    g.expand(x)
+    g.expand(embd_in)
+    pos = g.input("i32", T, name="inp_pos")
+    cache = c.caches["full"]
+    k_idxs = g.input("i64", T, name="k_idxs")
+    mask = g.input("f16" if c.flash else "f32", cache.cells, T // c.n_stream, 1, c.n_stream, name="kq_mask")
+    out_ids = g.input("i32", c.n_outputs, name="inp_out_ids")
+    inpL = x
+    f32 = TYPES["f32"][1]
+    for il in range(s.n_layer):
+        nh = s.n_head[il]
+        inpSA = inpL
+        cur = _norm(c, inpL)
+        q = g.reshape(g.mul_mat(c.w(s.n_embd, nh * k_mla), cur), k_mla, nh, T)
+        kv_pe = g.mul_mat(c.w(s.n_embd, kvl + rope), cur)
+        row = (kvl + rope) * f32
+        kv_cmpr = g.view_nd(kv_pe, (kvl, T), (row,))
+        k_pe = g.view_nd(kv_pe, (rope, 1, T), (row, row), offset=kvl * f32)
+        k_pe = g.new("ROPE", "f32", k_pe.ne, k_pe, pos)
+        kv_cmpr = _norm(c, kv_cmpr)
+        q_nope = g.view_nd(q, (nope, nh, T), (q.nb[1], q.nb[2]))
+        q_pe = g.view_nd(q, (rope, nh, T), (q.nb[1], q.nb[2]), offset=nope * f32)
+        q_pe = g.new("ROPE", "f32", q_pe.ne, q_pe, pos)
+        q_nope = g.permute(q_nope, 0, 2, 1, 3)
+        absorbed = g.permute(g.mul_mat(c.w(nope, kvl, nh), q_nope), 0, 2, 1, 3)
+        q_cur = g.concat(absorbed, q_pe)
+        kv_cmpr = g.reshape(kv_cmpr, kvl, 1, T)
+        k_cur = g.concat(kv_cmpr, k_pe)
+        v_cur = kv_cmpr
+        for t in (q_cur, v_cur, k_cur):
+            g.expand(t)
+        k_cache = c._cache_tensors.get(("full", il))
+        if k_cache is None:
+            k_cache = Tensor(_shape(kvl + rope, cache.cells, cache.streams), cache.type_k, external=True)
+            c._cache_tensors[("full", il)] = k_cache
+        kc = k_cache if cache.streams == 1 else g.reshape(k_cache, kvl + rope, cache.cells * cache.streams)
+        g.expand(g.set_rows(kc, g.view_nd(k_cur, (kvl + rope, T), (k_cur.nb[2],)), k_idxs))
+        krow = _row(cache.type_k, kvl + rope)
+        k = g.view_nd(k_cache, (kvl + rope, 1, cache.cells, cache.streams), (krow, krow, krow * cache.cells))
+        v = g.view_nd(k, (kvl, 1, cache.cells, cache.streams), (k.nb[1], k.nb[2], k.nb[3]))
+        # build_attn_mha
+        qv = g.view_nd(q_cur, (q_cur.ne[0], q_cur.ne[1], T // c.n_stream, c.n_stream),
+                       (q_cur.nb[1], q_cur.nb[2], q_cur.nb[2] * (T // c.n_stream)))
+        qv = g.permute(qv, 0, 2, 1, 3)
+        k = g.permute(k, 0, 2, 1, 3)
+        v = g.permute(v, 0, 2, 1, 3)
+        v_mla = c.w(kvl, v_head, nh)
+        if c.flash:
+            if k.type == "f32":
+                k = g.cast(k, "f16")
+            if v.type == "f32":
+                v = g.cast(v, "f16")
+            cur = g.new("FLASH_ATTN_EXT", "f32", (v.ne[0], qv.ne[2], qv.ne[1], qv.ne[3]), qv, k, v, mask)
+            cur = g.permute(cur, 0, 2, 1, 3)
+            cur = g.mul_mat(v_mla, cur)
+            cur = g.permute(cur, 0, 2, 1, 3)
+            cur = g.cont(cur)
+            cur = g.reshape(cur, cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3])
+        else:
+            kq = g.mul_mat(k, qv)
+            kq = g.new("SOFT_MAX", "f32", kq.ne, kq, mask)
+            v = g.cont(g.transpose(v))
+            kqv = g.mul_mat(v, kq)
+            kqv = g.mul_mat(v_mla, kqv)
+            cur = g.permute(kqv, 0, 2, 1, 3)
+            cur = g.cont(cur, cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3])
+        g.expand(cur)
+        cur = g.mul_mat(c.w(nh * v_head, s.n_embd), cur)
+        if il == s.n_layer - 1:
+            cur = g.get_rows(cur, out_ids)
+            inpSA = g.get_rows(inpSA, out_ids)
+        ffn_inp = g.new("ADD", "f32", cur.ne, cur, inpSA)
+        cur = _ffn(c, _norm(c, ffn_inp), s.n_ff[il])
+        inpL = g.new("ADD", "f32", cur.ne, cur, ffn_inp)
+    cur = _norm(c, inpL)
+    cur.is_output = True  # h_nextn, result_norm
+    logits = g.mul_mat(c.w(s.n_embd, s.n_vocab), cur)
+    logits.is_output = True
+    g.expand(logits)
+    return g
+
+
 SUPPORTED = frozenset({"llama", "gemma3"})
 
 
 def graph_shape(model) -> GraphShape | None:
     """The graph-relevant shape of a ``core.gguf.GgufModel`` (None: an architecture whose graph is not replayed)."""
-    if model.arch not in SUPPORTED or model.is_mla:
-        return None
     n = model.n_layer
+    mla = None
+    if model.arch == "deepseek2":
+        names = {t.name for t in model.tensors}
+        # the graph replayed: MLA with Q from one projection (q_lora_rank 0) and dense FFNs (no expert router)
+        if not model.is_mla or model.q_lora_rank or any(name.endswith("ffn_gate_inp.weight") for name in names):
+            return None
+        mla = (model.kv_lora_rank, model.n_rot, model.head_k_mla - model.n_rot, model.head_v_mla)
+    elif model.arch not in SUPPORTED or model.is_mla:
+        return None
     return GraphShape(model.arch, n, model.n_embd, tuple(model.n_head[:n]), tuple(model.n_head_kv[:n]),
                       tuple(model.head_k_of(il) for il in range(n)), tuple(model.head_v_of(il) for il in range(n)),
                       tuple(model.n_ff[:n]), model.n_vocab, tuple(model.is_swa[:n]),
-                      tuple(model.has_kv(il) for il in range(n)))
+                      tuple(model.has_kv(il) for il in range(n)), mla=mla)
 
 
 def _period(shape: GraphShape) -> int:
@@ -579,12 +682,14 @@ def truncated(shape: GraphShape, n: int) -> GraphShape:
         return shape
     cut = lambda t: t[:p] + t[total - (n - p):]  # noqa: E731
     return GraphShape(shape.arch, n, shape.n_embd, cut(shape.n_head), cut(shape.n_head_kv), cut(shape.head_k),
-                      cut(shape.head_v), cut(shape.n_ff), shape.n_vocab, cut(shape.swa), cut(shape.has_kv))
+                      cut(shape.head_v), cut(shape.n_ff), shape.n_vocab, cut(shape.swa), cut(shape.has_kv),
+                      mla=shape.mla)
 
 
 def _mark(shape: GraphShape, n_tokens: int, n_seqs: int, n_outputs: int, flash: bool, unified: bool,
           caches: dict[str, CacheGeom]) -> int:
-    return gallocr_high_water(_build_decoder(_Ctx(shape, n_tokens, n_seqs, n_outputs, flash, unified, caches)))
+    ctx = _Ctx(shape, n_tokens, n_seqs, n_outputs, flash, unified, caches)
+    return gallocr_high_water(_build_mla(ctx) if shape.mla else _build_decoder(ctx))
 
 
 def _converged_mark(shape: GraphShape, *args) -> int:

@@ -58,6 +58,9 @@ class RunDriver:
         self.paused = False
         self._batch: list[Any] = []
         self._last_flush = time.monotonic()
+        # Switches waiting for what they need (a quantized cache's backend) to be prepared off the token path.
+        self._deferred: dict[str, tuple[str, str]] = {}
+        self._said_preparing = 0.0
 
     def command(self, *command: Any) -> None:
         """Queue ``("switch", key, value)``, ``("pause",)`` or ``("resume",)`` for between two tokens."""
@@ -110,7 +113,29 @@ class RunDriver:
                 break
             if not self.paused and self.commands.empty():
                 break
-        return list(switches.values())
+        return self._ready(switches)
+
+    def _ready(self, switches: dict[str, tuple[str, str]]) -> list[tuple[str, str]]:
+        """The switches that can apply at this token. One that needs a quantized-cache backend not yet built
+        or loaded in this process waits (core.prepare builds it on a thread of its own; the run goes on under
+        the current settings and the window is told every second) and applies at the first token after."""
+        from core.prepare import backend_needed, is_ready, prepare, progress_text
+
+        for axis, switch in switches.items():
+            self._deferred.pop(axis, None)  # a newer press on the axis replaces one still waiting
+            self._deferred[axis] = switch
+        out: list[tuple[str, str]] = []
+        for axis, (key, value) in list(self._deferred.items()):
+            backend = backend_needed(key, value)
+            if backend is None or is_ready(backend):
+                out.append(self._deferred.pop(axis))
+                continue
+            prepare(backend)
+            now = time.monotonic()
+            if now - self._said_preparing >= 1.0:
+                self._said_preparing = now
+                self.send("progress", progress_text(backend))
+        return out
 
     def run(self) -> None:
         from core.request import RunHooks

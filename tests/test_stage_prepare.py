@@ -1,0 +1,70 @@
+"""Issue 25, item 1: a key never blocks the token stream. A switch to a quantized cache whose backend is
+not yet prepared in this process waits while core.prepare builds/loads it on a thread of its own; the
+run goes on under the current settings, the driver says what it prepares, and the switch applies at a
+later token. On a fresh install this is optimum-quanto's C++ build (minutes): the token gaps stay small.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from core import prepare
+from core.engine_process import RunDriver
+from core.request import RunRequest
+
+#: The longest gap between two tokens allowed while the backend is prepared (the issue's done-when: 2 s);
+#: a busy 2-core CI machine gets some slack.
+GAP_S = 4.0
+
+
+def test_backend_needed_names_only_the_quantized_caches_that_build_something():
+    assert prepare.backend_needed("cache", "quantized:4") == "quanto"
+    assert prepare.backend_needed("cache", "quantized:hqq:4") == "hqq"
+    assert prepare.backend_needed("cache", "quantized:fp8") is None
+    assert prepare.backend_needed("cache", "static") is None
+    assert prepare.backend_needed("attention", "mqa") is None
+    assert prepare.backend_needed("cache", "no such cache") is None
+
+
+@pytest.mark.parametrize("value", ["quantized:4", "quantized:hqq:4"])
+def test_a_quantized_switch_waits_for_its_backend_off_the_token_path(value, monkeypatch):
+    monkeypatch.setattr(prepare, "_jobs", {})  # as in a fresh engine process: nothing prepared yet
+    messages: list[tuple[float, str, object]] = []
+    lock = threading.Lock()
+
+    def send(kind, payload):
+        with lock:
+            messages.append((time.monotonic(), kind, payload))
+
+    driver = RunDriver(RunRequest(source="embedded", device="cpu", max_new_tokens=100_000), send)
+    runner = threading.Thread(target=driver.run, name="test-run", daemon=True)
+    runner.start()
+
+    def samples():
+        with lock:
+            return [(t, s) for t, kind, batch in messages if kind == "samples" for s in batch]
+
+    deadline = time.monotonic() + 180
+    while len([s for _, s in samples() if s.phase == "decode"]) < 5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pressed_at = max(s.token for _, s in samples())
+    driver.command("switch", "cache", value)
+    deadline = time.monotonic() + 900  # a fresh install builds quanto's extension here: minutes on 2 cores
+    while time.monotonic() < deadline and not any(s.event in ("switch", "refused") for _, s in samples()):
+        time.sleep(0.1)
+    driver.stop()
+    runner.join(60)
+    answers = [s for _, s in samples() if s.event in ("switch", "refused")]
+    assert answers and answers[0].event == "switch" and answers[0].cache == value, [a.text for a in answers]
+    with lock:
+        progress = [p for _, kind, p in messages if kind == "progress"]
+    assert any(p.startswith("preparing quantized cache") for p in progress), progress
+    assert answers[0].token > pressed_at  # tokens went on while the backend was prepared
+    # Tokens arrive in batches (every 50 ms at most); the gap between two arrivals is what a viewer sees.
+    times = [t for t, s in samples() if s.phase == "decode" and s.token <= answers[0].token + 1]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    print(f"{value}: {len(times)} tokens while preparing; longest gap {max(gaps):.2f} s")
+    assert max(gaps) < GAP_S

@@ -22,6 +22,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QFileDialog, QGroupBox, QHB
                                QVBoxLayout, QWidget)
 
 from core.gguf import is_gguf_source
+from core import runtimes
 from core.attention import parse_attention
 from core.caches import parse_cache
 from core.installed import ORIGINS, InstalledModel, scan_installed
@@ -538,7 +539,7 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
                 combo.addItem(key, key)
                 self.select(combo, key)
         self.grey_what_cannot_run()
-        if s.runtime == "llama.cpp":  # another KV type is a reload of llama.cpp's context: say so
+        if runtimes.reloads_cache(s.runtime):  # another KV type is a reload of the context (llama.cpp): say so
             for i in range(self.cache_combo.count()):
                 key = self.cache_combo.itemData(i)
                 if key in LLAMACPP_CACHE_TYPES:
@@ -592,7 +593,7 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
             for i in range(combo.count()):
                 value = combo.itemData(i)
                 item = model.item(i)
-                if not value or item is None or (self.runtime == "llama.cpp" and key == "cache"):
+                if not value or item is None or (key == "cache" and runtimes.reloads_cache(self.runtime)):
                     continue
                 fixed = base.get(key, {}).get(value)
                 reason = fixed or self.problem(key, value, now)

@@ -27,6 +27,7 @@ from PySide6.QtWidgets import QGraphicsItem, QSplitter, QVBoxLayout, QWidget
 
 from core.sample import PHASE_EVENT, Sample
 from core.compare import error_percent, observed_and_predicted_total
+from core.session import MARK_LABEL_CHARS, marker_label
 from ui.axes import BytesAxis, SparseAxis, format_bytes, format_slope
 from ui.curves import DeviceCurve
 from ui.decimate import PeakDecimator
@@ -40,8 +41,6 @@ DEFAULT_CAPACITY = 200_000  # points per curve kept in memory (about 1.6 MB per 
 #: few graphics items every frame draws and every new item re-bounds, so a recording with thousands
 #: of switches made each sample slower than the last (2,000 took 100 s to replay).
 MAX_MARKS = 200
-#: The longest marker label drawn on a plot (characters).
-MARK_LABEL_CHARS = 80
 
 TOKEN_COLUMNS = ("token", "kv_observed", "kv_predicted", "total_observed", "total_predicted", "error_total",
                  "error_kv", "quality_kl", "kv_reserved", "kv_used")
@@ -260,8 +259,8 @@ class LivePlots(QWidget):
         t, m = self.tokens, self.times
         self._add_curve("kv_observed", self.kv_plot, t, "token", "kv_observed", "observed", z=1)
         self._add_curve("kv_predicted", self.kv_plot, t, "token", "kv_predicted", "predicted", "dash", z=2)
-        # A llama.cpp run: what it reserved at load (flat, filled: the prepayment) and the cells holding tokens.
-        self._add_curve("kv_reserved", self.kv_plot, t, "token", "kv_reserved", "llama.cpp reserved", fill=True, z=0,
+        # A runtime that reserves ahead (llama.cpp at load: flat, filled: the prepayment) and what the tokens hold.
+        self._add_curve("kv_reserved", self.kv_plot, t, "token", "kv_reserved", "reserved", fill=True, z=0,
                         color="kv_share")
         self._add_curve("kv_used", self.kv_plot, t, "token", "kv_used", "used", z=3, color="allocated")
         # The previous live run's KV curve (hold_previous), dotted under this one: not decimated, it is fixed.
@@ -471,17 +470,19 @@ class LivePlots(QWidget):
                 continue
             total_obs, total_pred = observed_and_predicted_total(s)
             self.tokens_cache = s.cache
-            llamacpp = s.runtime == "llama.cpp"  # observed is what llama.cpp reserved: its own curve
+            # A runtime that set more aside than the tokens hold (llama.cpp's context, reserved at load) gets two
+            # curves, reserved (filled) and used; one that reserves nothing ahead, the one observed curve.
+            ahead = s.kv_bytes_reserved is not None and s.kv_bytes_held is not None and s.kv_bytes_reserved != s.kv_bytes_held
             token_rows.append({
                 "token": s.token,
-                "kv_observed": None if llamacpp else s.kv_bytes_observed,
-                "kv_reserved": s.kv_bytes_observed if llamacpp else None,
-                "kv_used": s.kv_bytes_used,
+                "kv_observed": None if ahead else s.kv_bytes_held,
+                "kv_reserved": s.kv_bytes_reserved if ahead else None,
+                "kv_used": s.kv_bytes_held if ahead else None,
                 "kv_predicted": s.kv_bytes_predicted,
                 "total_observed": total_obs,
                 "total_predicted": total_pred,
                 "error_total": error_percent(total_obs, total_pred),
-                "error_kv": error_percent(s.kv_bytes_observed, s.kv_bytes_predicted),
+                "error_kv": error_percent(s.kv_bytes_reserved, s.kv_bytes_predicted),
                 "quality_kl": s.quality_kl,
             })
             if s.quality_kl is not None and not self.kv_plot.getAxis("right").isVisible():
@@ -595,18 +596,8 @@ class LivePlots(QWidget):
         font.setBold(True)
         text.setFont(font)
 
-    def _marker_label(self, s: Sample) -> str:
-        """What a marker says: the setting switched to ('mqa', 'flash', 'cache static'), else the event."""
-        if s.event == "switch" and s.switch_after:
-            return f"cache {s.switch_after}" if s.switch_key == "cache" else s.switch_after
-        if s.event == "switch":
-            return s.text or "switch"
-        return s.event or s.text
-
     def _add_marker(self, s: Sample) -> None:
-        label = self._marker_label(s)
-        if len(label) > MARK_LABEL_CHARS:  # a recorded text can be long: the plot shows a line's worth
-            label = label[:MARK_LABEL_CHARS - 1] + "\u2026"
+        label = marker_label(s, MARK_LABEL_CHARS)  # the session's rule: the plot only draws it
         token = max(int(s.token), 0)
         # Stagger labels of neighbouring markers so they do not print over each other.
         position = (0.93, 0.80, 0.67)[len(self.markers) % 3]

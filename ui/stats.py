@@ -69,23 +69,25 @@ def _free(last: Sample, host_available: int | None) -> tuple[int | None, str]:
 
 
 def _kv_error_pct(last: Sample) -> float | None:
-    if last.kv_bytes_observed is not None and last.kv_bytes_predicted:
-        return 100.0 * (last.kv_bytes_observed - last.kv_bytes_predicted) / last.kv_bytes_predicted
+    if last.kv_bytes_reserved is not None and last.kv_bytes_predicted:
+        return 100.0 * (last.kv_bytes_reserved - last.kv_bytes_predicted) / last.kv_bytes_predicted
     return None
 
 
 def _prepaid_stats(last: Sample, max_ctx: int | None, host_available: int | None) -> LiveStats:
-    """llama.cpp allocated the whole context's KV at load: the cache "now" is that allocation, a token adds
-    no memory (it fills one cell, paid for already: KV per token is the used bytes per token), the KV at the
-    max context is the same allocation, and what stops the run is the context, not memory."""
-    used, tokens = last.kv_bytes_used, last.context_tokens
+    """The runtime set the cache aside ahead of the tokens (llama.cpp: the whole context at load): the cache "now"
+    is that reservation, a token adds no memory (it fills a slot paid for already: KV per token is the held bytes
+    per token), the KV at the max context is the reservation (or the held bytes per token times the context,
+    where that is more), and what stops the run is the context, not memory."""
+    used, tokens = last.kv_bytes_held, last.context_tokens
     bpt = used / tokens if used is not None and tokens else None
     free, free_source = _free(last, host_available)
     left = max(max_ctx - tokens, 0) if max_ctx else None
     kv_err = _kv_error_pct(last)
     return LiveStats(
-        kv_now=last.kv_bytes_observed, bytes_per_token=bpt, bytes_per_token_source="one cell, prepaid" if bpt else "",
-        kv_at_max=last.kv_bytes_observed, max_context=max_ctx, free=free, free_source=free_source,
+        kv_now=last.kv_bytes_reserved, bytes_per_token=bpt, bytes_per_token_source="one cell, prepaid" if bpt else "",
+        kv_at_max=max(last.kv_bytes_reserved, int(bpt * max_ctx)) if bpt and max_ctx else last.kv_bytes_reserved,
+        max_context=max_ctx, free=free, free_source=free_source,
         tokens_fit=left, fit_limit="the allocated context is full" if left is not None else "", tokens=last.token + 1,
         tokens_per_s=last.tokens_per_s, kv_error_pct=kv_err, prepaid=True)
 
@@ -102,8 +104,8 @@ def compute_stats(last: Sample | None, slope: float | None, spec: ModelSpec | No
     if last is None:
         return LiveStats()
     max_ctx = max_context or (spec.max_position_embeddings if spec else None)
-    if last.runtime == "llama.cpp":
-        return _prepaid_stats(last, max_ctx, host_available)
+    if last.kv_bytes_reserved is not None and last.kv_bytes_held is not None and last.kv_bytes_reserved > last.kv_bytes_held:
+        return _prepaid_stats(last, max_ctx, host_available)  # set aside ahead of the tokens (the fields say so)
     kv_at_max = None
     if spec is not None and max_ctx:
         kv_at_max = kv_at_max_context(spec, last.attention, last.cache, last.attn_impl, last.dtype, batch, kv_dtype,
@@ -129,7 +131,7 @@ def compute_stats(last: Sample | None, slope: float | None, spec: ModelSpec | No
 
     kv_err = _kv_error_pct(last)
     return LiveStats(
-        kv_now=last.kv_bytes_observed, bytes_per_token=bpt, bytes_per_token_source=bpt_source if bpt is not None else "",
+        kv_now=last.kv_bytes_held, bytes_per_token=bpt, bytes_per_token_source=bpt_source if bpt is not None else "",
         kv_at_max=kv_at_max, max_context=max_ctx, free=free, free_source=free_source, tokens_fit=tokens_fit,
         fit_limit=limit, tokens=last.token + 1, tokens_per_s=last.tokens_per_s, kv_error_pct=kv_err,
     )
@@ -225,7 +227,7 @@ class StatsPanel(QWidget):
     def show_stats(self, s: LiveStats) -> None:
         self.stats = s
         t = self.tiles
-        t["kv_now"].set(human_bytes(s.kv_now), ("allocated at load (llama.cpp)" if s.prepaid else "measured")
+        t["kv_now"].set(human_bytes(s.kv_now), ("allocated at load" if s.prepaid else "measured")
                         if s.kv_now is not None else "not available")
         if s.bytes_per_token is not None and s.bytes_per_token < 0 and s.bytes_per_token_source == "residual just quantized":
             bpt = "\u2193 quantized"  # the drop, said in words: never a negative size per token

@@ -15,7 +15,8 @@ from typing import Any
 
 from core.runtimes.base import OPTIONS, Runtime, RuntimeInfo, resolve
 
-__all__ = ["OPTIONS", "Runtime", "RuntimeInfo", "DEFAULT", "register", "unregister", "get", "names", "open_runtime",
+__all__ = ["OPTIONS", "Runtime", "RuntimeInfo", "DEFAULT", "register", "unregister", "get", "find", "names",
+           "reloads_cache", "open_runtime",
            "runtime_for_source", "check_switch", "missing", "resolve"]
 
 #: The runtime of a run that names none (and of every recording made before runtimes had names).
@@ -52,6 +53,17 @@ def get(name: str | None) -> RuntimeInfo:
 
         raise SettingsError(f"unknown runtime {name!r}; choose one of {', '.join(_REGISTRY)}")
     return info
+
+
+def find(name: str | None) -> RuntimeInfo | None:
+    """The runtime called ``name``, or None (a recording's runtime this build does not have)."""
+    return _REGISTRY.get(name or DEFAULT)
+
+
+def reloads_cache(name: str | None) -> bool:
+    """Whether a cache switch reloads the runtime's whole context (the window says "reload with q8_0 KV")."""
+    info = find(name)
+    return bool(info and info.cache_switch_reloads)
 
 
 def open_runtime(request: Any, progress: Any = lambda text: None) -> Runtime:

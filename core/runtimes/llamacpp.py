@@ -109,6 +109,8 @@ def _sendable(exc: BaseException) -> BaseException:
 
 def serve(conn: Any, path: str, options: LlamaCppOptions, seed: int, stderr_path: str | None) -> None:
     """The child's main: load, then answer ``(method, args)`` until ``close`` or the parent is gone."""
+    # ggml answers an abort with a backtrace through gdb (seconds, pages of it): the assertion's line is enough.
+    os.environ.setdefault("GGML_NO_BACKTRACE", "1")
     if stderr_path:  # llama.cpp's GGML_ASSERT / abort() text goes to fd 2: keep it for the parent to quote
         fd = os.open(stderr_path, os.O_WRONLY | os.O_APPEND)
         os.dup2(fd, 2)
@@ -159,9 +161,12 @@ def _last_words(path: str | None) -> str:
             lines = [line.strip() for line in f.read().decode("utf-8", "replace").splitlines() if line.strip()]
     except OSError:
         return ""
-    for line in reversed(lines):
-        if any(word in line for word in ("GGML_ASSERT", "error", "Error", "failed", "abort")):
-            return " ".join(line.split())[:200]
+    for words in (("GGML_ASSERT", "GGML_ABORT"), ("error", "failed")):  # its assertion first, else an error line
+        for line in reversed(lines):
+            if any(word in line for word in words) and not line.startswith("#"):
+                # "/tmp/.../src/llama-vocab.cpp:2544: GGML_ASSERT(...) failed" -> from the file's own name on
+                line = line[line.rfind("/", 0, line.find(": ")) + 1:] if ": " in line else line
+                return " ".join(line.split())[:200]
     return ""
 
 
@@ -249,7 +254,7 @@ class LlamaCppRuntime:
         where = "while loading" if doing == "loading" else f"at token {self.generated}"
         self._crashed = RuntimeCrashed(
             f"llama.cpp ended with {how} {where} {self.path.name}" + (f": {said}" if said else "")
-            + " (its own process: KV Scope is still running)")
+            + " (in a process of its own: nothing else stopped)")
         return self._crashed
 
     # ------------------------------------------------------------------------------------ the seam

@@ -67,6 +67,22 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", "-c", default=None, metavar="N",
                    help="--runtime llama.cpp: the context llama.cpp allocates, as llama-server's -c (default 4096)")
     _add_llamacpp_options(p)
+    _add_mlx_options(p)
+
+
+def _add_mlx_options(p: argparse.ArgumentParser, calc: bool = False) -> None:
+    """MLX's cache options, spelled as mlx-lm's generate flags (``--runtime mlx``)."""
+    g = p.add_argument_group("--runtime mlx (mlx-lm's flags)")
+    g.add_argument("--max-kv-size", type=int, default=None, metavar="N",
+                   help="a RotatingKVCache of N tokens keeping the first 4 (default: a KVCache in 256-token steps)")
+    g.add_argument("--kv-bits", type=int, default=None, help="a QuantizedKVCache of 8, 4 or 2 bits")
+    g.add_argument("--kv-group-size", type=int, default=None, help="the quantized cache's group: 32, 64 or 128 (default 64)")
+    if calc:
+        g.add_argument("--prompt-tokens", type=int, default=1, metavar="N",
+                       help="the prompt's tokens before the decode (a rotating cache depends on it; default 1)")
+    else:
+        g.add_argument("--prefill-step-size", type=int, default=None, metavar="N",
+                       help="the prompt's chunk (default 2048, mlx-lm's)")
 
 
 def _add_llamacpp_options(p: argparse.ArgumentParser) -> None:
@@ -167,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     calc.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                       help="split each layer over N GPUs, vLLM's way (KV heads split, replicated past their count)")
     calc.add_argument("--pipeline-parallel", type=int, default=1, metavar="M", help="split the layers over M GPU stages")
-    calc.add_argument("--runtime", default="transformers", choices=("transformers", "vllm", "llama.cpp"),
+    calc.add_argument("--runtime", default="transformers", choices=("transformers", "vllm", "llama.cpp", "mlx"),
                       help="vllm: also the KV blocks, tokens and concurrency vLLM 0.33.0 would have (needs --gpu-memory); "
                            "llama.cpp: what llama.cpp allocates at load for each --context (a .gguf --model gives "
                            "its exact weights)")
@@ -185,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     calc.add_argument("--cudagraph-memory", default=None, metavar="SIZE",
                       help="--runtime vllm: CUDA graphs per GPU (default 512MiB, an estimate; 0 for --enforce-eager)")
     _add_llamacpp_options(calc)
+    _add_mlx_options(calc, calc=True)
     calc.add_argument("--json", action="store_true", help="print one JSON object")
 
     run = sub.add_parser("run", help="generate in the terminal with a live table of observed vs predicted memory")
@@ -282,6 +299,14 @@ def cmd_calc(args: argparse.Namespace) -> int:
     if not contexts:
         raise CliError("--context needs at least one token count, e.g. 4k,32k")
     spec = load_spec(args.model)
+    if args.runtime == "mlx":  # mlx-lm's caches, from its own flags (--cache is transformers')
+        from core.runtimes.mlx.calc import calculate_mlx, render_mlx_json, render_mlx_table
+
+        mlx = ["kv"] + ([f"rotating:{args.max_kv_size}"] if args.max_kv_size is not None else []) + (
+            [f"quantized:{args.kv_bits}:{args.kv_group_size or 64}"] if args.kv_bits is not None else [])
+        result = calculate_mlx(spec, contexts, ",".join(mlx) if len(mlx) > 1 else None, args.prompt_tokens)
+        print(render_mlx_json(result) if args.json else render_mlx_table(result))
+        return 0
     settings = _settings_from(args)
     gpu = parse_size(args.gpu_memory) if args.gpu_memory else None
     if args.runtime == "llama.cpp":

@@ -44,6 +44,8 @@ class RunRequest:
     runtime: str = "transformers"
     #: llama.cpp's context options (``core.llamacpp.LlamaCppOptions``) for ``runtime == "llama.cpp"``.
     llamacpp: Any = None
+    #: MLX's cache options (``core.runtimes.mlx.switches.MlxOptions``: mlx-lm's flags) for ``runtime == "mlx"``.
+    mlx: Any = None
 
 
 @dataclass(frozen=True)

@@ -113,3 +113,8 @@ register(RuntimeInfo(
     parse_switch="core.request:parse_llamacpp_switch_value", claims="core.gguf:is_gguf_source",
     missing="core.request:llamacpp_missing", cli_options="core.runtimes.llamacpp:cli_options",
     cache_switch_reloads=True, reserves_at_load=True))
+register(RuntimeInfo(
+    name="mlx", open="core.runtimes.mlx.runtime:open_runtime",
+    label="MLX (mlx-lm: Metal on a Mac, the CPU elsewhere)",
+    parse_switch="core.runtimes.mlx.switches:parse_switch", missing="core.runtimes.mlx.switches:mlx_missing",
+    cli_options="core.runtimes.mlx.switches:cli_options", reserves_at_load=False))

@@ -1,0 +1,555 @@
+"""MLX as a live engine: a model in mlx-lm, fed the way ``mlx_lm.generate_step`` feeds it, one ``Sample`` per token.
+
+What the figures mean on an MLX run:
+
+- ``kv_bytes_reserved``: ``sum(c.nbytes for c in cache)`` over mlx-lm's cache objects (their K/V arrays, or the
+  quantized caches' codes, scales and biases): what the arrays hold, zeros of the step included.
+- ``kv_bytes_predicted``: ``core.runtimes.mlx.predict``'s ModelTrack for the same history of updates, from the
+  model's config and mlx-lm's rules alone (never from the arrays).
+- ``kv_bytes_held``: the slots that hold tokens (the rest of the arrays is the prepaid 256-token step).
+- ``allocator_allocated`` / ``allocator_peak``: ``mx.get_active_memory()`` / ``mx.get_peak_memory()``;
+  ``allocator_reserved``: active plus ``mx.get_cache_memory()`` (freed buffers MLX keeps for reuse), as torch's
+  reserved is allocated plus its cached blocks. The peak is reset before each pass (``mx.reset_peak_memory``), so
+  each Sample's peak is that pass's.
+
+Switches between two tokens: ``cache`` (kv, rotating:MAX[:KEEP], quantized:BITS[:GROUP]) converts the cache
+objects (``KVCache.to_quantized`` as mlx-lm does for ``--kv-bits``; a rotating cache filled with the tokens it
+would keep; a quantized one dequantized back), ``attention`` (mha, gqa:N, mqa) regroups the K/V projections and
+the cached heads as ``core.convert.regroup_heads`` does in torch. What MLX cannot do is refused with the reason.
+
+This module imports mlx and mlx_lm: only the engine's side (a run) imports it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable
+
+from core.attention import SettingsError, native_attention, parse_attention
+from core.request import ModelInfo
+from core.runtimes.mlx.predict import (KV, PREFILL_STEP, QUANTIZED, ROTATING, MlxCache, ModelTrack, layer_cache,
+                                       layers_of, parse_cache, prompt_chunks, quantize_problem)
+from core.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
+from core.spec import ModelSpec, human_bytes
+
+RUNTIME = "mlx"
+#: The sampler: mlx-lm's own (``make_sampler``), top-k 40 at temperature 0.8, seeded.
+TOP_K = 40
+TEMPERATURE = 0.8
+#: The kernel every MLX attention runs.
+KERNEL = "mx.fast.scaled_dot_product_attention"
+#: The caches the window offers (the C key cycles through them); ``offered_caches`` fits them to the model.
+OFFERED = ("kv", "rotating:256:4", "quantized:8:64", "quantized:4:64")
+
+
+class MlxRunError(SettingsError):
+    """An MLX run failed for a reason written for the user."""
+
+
+def available() -> str | None:
+    """None when mlx and mlx-lm import, else why not (one line)."""
+    try:
+        import mlx.core  # noqa: F401
+        import mlx_lm  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any failure to import is the same answer
+        return (f"MLX is not available ({type(exc).__name__}: {exc}); install it with pip install -e '.[mlx]' "
+                "(mlx[cpu] on Linux, mlx on macOS)")
+    return None
+
+
+def _itemsize(dtype: Any) -> int:
+    return int(dtype.size)
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).replace("mlx.core.", "")
+
+
+def model_dtype(model: Any) -> Any:
+    """The dtype the model computes in: its quantized layers' scales, else its first floating parameter."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    params = tree_flatten(model.parameters())
+    for name, p in params:
+        if name.endswith(".scales"):
+            return p.dtype
+    for _, p in params:
+        if mx.issubdtype(p.dtype, mx.floating):
+            return p.dtype
+    return mx.float32
+
+
+def cache_nbytes(cache: list[Any]) -> int:
+    """Bytes of the caches' arrays as mlx-lm's ``nbytes`` counts them (the observation)."""
+    return int(sum(c.nbytes for c in cache))
+
+
+def cache_used_bytes(cache: list[Any]) -> int:
+    """Bytes of the slots that hold tokens: each layer's arrays scaled by the share of their slots in use."""
+    total = 0
+    for c in cache:
+        keys = getattr(c, "keys", None)
+        if keys is None:
+            continue
+        slots = keys[0].shape[2] if isinstance(keys, (tuple, list)) else keys.shape[2]
+        if slots:
+            total += c.nbytes * min(int(c.offset), slots) // slots
+    return total
+
+
+def regroup(x: Any, old: int, new: int, axis: int) -> Any:
+    """``x`` with ``old`` heads along ``axis`` made ``new`` (``core.convert.regroup_heads``' rules in MLX): up by
+    repeating each head in place, down by averaging consecutive heads in float32, otherwise through their lcm."""
+    import mlx.core as mx
+
+    if new == old:
+        return x
+    if new % old == 0:
+        return mx.repeat(x, new // old, axis=axis)
+    if old % new == 0:
+        shape = list(x.shape)
+        grouped = x.reshape(*shape[:axis], new, old // new, *shape[axis + 1:])
+        return grouped.astype(mx.float32).mean(axis=axis + 1).astype(x.dtype)
+    via = math.lcm(old, new)
+    return regroup(regroup(x, old, via, axis), via, new, axis)
+
+
+class MlxEngine:
+    """One model in mlx-lm with one cache per layer, generating for one sequence; ``step`` returns a Sample per
+    token. The same shape as ``core.llamacpp_engine.LlamaCppEngine``: ``prefill``, ``step``, ``apply``,
+    ``close``, ``model_info``."""
+
+    def __init__(self, folder: str | Path, cache: MlxCache | str = "kv", seed: int = 0,
+                 clock: Callable[[], float] = time.perf_counter, prefill_step: int = PREFILL_STEP,
+                 label: str | None = None) -> None:
+        import mlx.core as mx
+        from mlx_lm.sample_utils import make_sampler
+        from mlx_lm.utils import load_model, load_tokenizer
+
+        from core.spec import SpecError, read_config_json, spec_from_config
+
+        self.mx = mx
+        self.folder = Path(folder)
+        self.clock = clock
+        self.t0 = clock()
+        self.prefill_step = int(prefill_step)
+        try:  # this process, for the RSS every sample carries
+            import psutil
+
+            self._process = psutil.Process()
+        except Exception:  # noqa: BLE001
+            self._process = None
+        try:
+            config = read_config_json(self.folder / "config.json")
+            self.spec: ModelSpec = spec_from_config(config, label or self.folder.name)
+        except SpecError as exc:
+            raise MlxRunError(str(exc)) from None
+        mx.reset_peak_memory()
+        before = mx.get_active_memory()
+        try:
+            self.model, self.config = load_model(self.folder)
+            self.tokenizer = load_tokenizer(self.folder, eos_token_ids=self.config.get("eos_token_id"))
+        except (ValueError, FileNotFoundError, KeyError) as exc:
+            raise MlxRunError(f"mlx-lm cannot load {self.folder.name}: {exc}") from None
+        from mlx.utils import tree_flatten
+
+        self.weights = int(sum(p.nbytes for _, p in tree_flatten(self.model.parameters())))
+        self.load_active = mx.get_active_memory() - before
+        self.dtype = model_dtype(self.model)
+        self.itemsize = _itemsize(self.dtype)
+        self.quantized_weights = any(n.endswith(".scales") for n, _ in tree_flatten(self.model.parameters()))
+        self.native = native_attention(self.spec)
+        self.attention = self.native.key
+        self.spec_now = self.spec
+        self.layers = layers_of(self.spec, self.itemsize)
+        from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+        # The caches mlx-lm gives this model (its make_cache: a RotatingKVCache for each sliding-window layer).
+        # Only a model whose layers all take a plain KVCache is switched to other caches here.
+        self.own_caches = not all(type(c) is KVCache for c in make_prompt_cache(self.model))
+        self.cache_setting = parse_cache(cache) if isinstance(cache, str) else cache
+        self._check_cache(self.cache_setting)
+        self.cache = self._new_cache(self.cache_setting)
+        self.track = ModelTrack(self.layers, self.cache_setting)
+        self.predictable = self._predictable()
+        self.tokens: list[int] = []
+        self.generated = 0
+        self.tokens_per_s: float | None = None
+        self._logits = None
+        mx.random.seed(int(seed) % (1 << 32))
+        self.sampler = make_sampler(temp=TEMPERATURE, top_k=TOP_K)
+        self.detok = self.tokenizer.detokenizer
+        self.pass_peak: int | None = None
+
+    # ------------------------------------------------------------------------------------ caches
+
+    def _check_cache(self, cache: MlxCache) -> None:
+        if self.own_caches and cache.kind != KV:
+            raise MlxRunError(f"{self.spec.label} builds its own caches (mlx-lm's make_cache); KV Scope runs it with "
+                              f"those, not {cache.key}")
+        problem = quantize_problem(self.layers, cache)
+        if problem:
+            raise MlxRunError(problem)
+
+    def _new_cache(self, cache: MlxCache) -> list[Any]:
+        from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
+
+        if cache.kind == KV:
+            return make_prompt_cache(self.model)  # what mlx-lm's generate_step makes
+        out = []
+        for layer in self.layers:
+            c = layer_cache(layer, cache)
+            if c.kind == ROTATING:
+                out.append(RotatingKVCache(max_size=int(c.max_size), keep=c.keep))
+            elif c.kind == QUANTIZED:
+                out.append(QuantizedKVCache(group_size=int(c.group_size), bits=int(c.bits)))
+            else:
+                out.append(KVCache())
+        return out
+
+    def _predictable(self) -> bool:
+        """Whether the predictor's layer kinds are the classes the model's caches really are."""
+        if len(self.cache) != len(self.layers):
+            return False
+        for c, t in zip(self.cache, self.track.tracks):
+            if type(c).__name__ != t.cache.class_name:
+                return False
+            if t.cache.kind == ROTATING and (c.max_size, c.keep) != (t.cache.max_size, t.cache.keep):
+                return False
+        return True
+
+    @property
+    def cache_key(self) -> str:
+        return self.cache_setting.key
+
+    # ------------------------------------------------------------------------------------ generation
+
+    def close(self) -> None:
+        self.cache = []
+        self.model = None
+        self._logits = None
+        try:
+            self.mx.clear_cache()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _forward(self, ids: list[int]) -> Any:
+        mx = self.mx
+        logits = self.model(mx.array(ids)[None], cache=self.cache)
+        return logits[:, -1, :]
+
+    def prefill(self, prompt: str) -> Sample:
+        """The prompt as ``generate_step`` feeds it: all but the last token in chunks of ``prefill_step``, then the
+        last token alone (its logits give the first token). The Sample's peak is the whole prefill's."""
+        mx = self.mx
+        ids = list(self.tokenizer.encode(prompt))
+        if not ids:
+            raise MlxRunError("the prompt is empty: give at least one token of text")
+        mx.reset_peak_memory()
+        t = self.clock()
+        at = 0
+        for n in prompt_chunks(len(ids), self.prefill_step):
+            chunk = ids[at:at + n]
+            at += n
+            logits = self._forward(chunk)
+            self.track.feed(n)
+            if at < len(ids):
+                mx.eval([c.state for c in self.cache])
+        mx.eval(logits)
+        self._prefill_s = self.clock() - t
+        self._logits = logits
+        self.tokens = ids
+        self.pass_peak = mx.get_peak_memory()
+        return self._sample(PHASE_PREFILL, prompt)
+
+    def step(self) -> Sample:
+        """Sample the next token from the last logits with mlx-lm's sampler, feed it, measure."""
+        mx = self.mx
+        logprobs = self._logits - mx.logsumexp(self._logits, keepdims=True)
+        token = int(self.sampler(logprobs).item())
+        mx.reset_peak_memory()
+        t = self.clock()
+        self._logits = self._forward([token])
+        self.track.feed(1)
+        mx.eval(self._logits, [c.state for c in self.cache])
+        dt = self.clock() - t
+        self.pass_peak = mx.get_peak_memory()
+        self.tokens.append(token)
+        self.generated += 1
+        if dt > 0:
+            rate = 1.0 / dt
+            self.tokens_per_s = rate if self.tokens_per_s is None else 0.8 * self.tokens_per_s + 0.2 * rate
+        self.detok.add_token(token)
+        text = self.detok.last_segment
+        return self._sample(PHASE_DECODE, text)
+
+    def full(self) -> bool:
+        return len(self.tokens) >= self.spec.max_position_embeddings
+
+    # ------------------------------------------------------------------------------------ samples
+
+    def kv_predicted(self) -> int | None:
+        return self.track.nbytes if self.predictable else None
+
+    def _sample(self, phase: str, text: str, event: str | None = None, **fields: Any) -> Sample:
+        mx = self.mx
+        rss = None
+        try:
+            rss = int(self._process.memory_info().rss) if self._process is not None else None
+        except Exception:  # noqa: BLE001 - not available is None, never 0
+            pass
+        observed = cache_nbytes(self.cache)
+        predicted = self.kv_predicted()
+        weights_predicted = None if self.quantized_weights else self.spec_now.num_parameters * self.itemsize
+        active = int(mx.get_active_memory())
+        total = (weights_predicted + predicted) if weights_predicted is not None and predicted is not None else None
+        return Sample(
+            token=self.generated, phase=phase, time_s=self.clock() - self.t0, text=text,
+            attention=self.attention, attn_impl="mlx-sdpa", cache=self.cache_key, kernel=KERNEL,
+            device=self.device, dtype=_dtype_name(self.dtype),
+            kv_bytes_reserved=observed, kv_bytes_held=cache_used_bytes(self.cache), kv_bytes_storage=observed,
+            weights_bytes=self.weights,
+            allocator_allocated=active, allocator_reserved=active + int(mx.get_cache_memory()),
+            allocator_peak=self.pass_peak if self.pass_peak is not None else int(mx.get_peak_memory()),
+            process_rss=rss, kv_bytes_predicted=predicted, weights_predicted=weights_predicted,
+            total_predicted=total, tokens_per_s=self.tokens_per_s if phase == PHASE_DECODE else None, event=event,
+            context_tokens=len(self.tokens), runtime=RUNTIME, **fields)
+
+    def event(self, kind: str, text: str, **fields: Any) -> Sample:
+        return self._sample(PHASE_EVENT, text, event=kind, **fields)
+
+    @property
+    def device(self) -> str:
+        d = self.mx.default_device()
+        return "gpu" if "gpu" in str(d).lower() else "cpu"
+
+    def describe_cache(self) -> str:
+        kinds = sorted({t.cache.describe() for t in self.track.tracks})
+        return f"{', '.join(kinds)} x {len(self.cache)} layers"
+
+    # ------------------------------------------------------------------------------------ switches
+
+    def _settings_now(self) -> dict[str, str]:
+        return {"attention": self.attention, "attn-impl": "mlx-sdpa", "cache": self.cache_key}
+
+    def switch_fields(self, key: str, value: Any) -> dict[str, Any]:
+        k = str(key).strip().lower().replace("_", "-")
+        k = "attn-impl" if k in ("attn", "impl", "flash") else k
+        return {"switch_key": k, "switch_before": self._settings_now().get(k), "switch_after": str(value).strip().lower()}
+
+    def apply(self, key: str, value: Any) -> Sample:
+        """A switch between two tokens: an event Sample (``switch``, ``refused`` or ``note``). A refused switch
+        leaves the model and the caches as they were."""
+        fields = self.switch_fields(key, value)
+        k = fields["switch_key"]
+        try:
+            if k == "cache":
+                return self._switch_cache(parse_cache(str(value)), fields)
+            if k == "attention":
+                return self._switch_attention(str(value), fields)
+            if k == "attn-impl":
+                raise SettingsError(f"MLX runs every attention with {KERNEL}: there is no other kernel to pick")
+            raise SettingsError(f"{k} is not a setting an MLX run switches (cache, attention)")
+        except SettingsError as exc:
+            return self.event("refused", f"{k}={value} refused: {exc}", **fields)
+
+    def _switch_cache(self, target: MlxCache, fields: dict[str, Any]) -> Sample:
+        if target == self.cache_setting:
+            return self.event("note", f"the cache is already {target.key}: nothing to convert", **fields)
+        self._check_cache(target)
+        before = cache_nbytes(self.cache)
+        converted = [self._convert(c, layer_cache(layer, target)) for c, layer in zip(self.cache, self.layers)]
+        self.mx.eval([c.state for c in converted])
+        self.cache = converted
+        self.cache_setting = target
+        self.track = self.track.switched(target)
+        self.predictable = self._predictable()
+        after = cache_nbytes(self.cache)
+        fields["switch_after"] = target.key
+        return self.event("switch", f"cache: {fields['switch_before']} -> {target.key} ({target.describe()}): KV "
+                                    f"{human_bytes(before)} -> {human_bytes(after)}", **fields)
+
+    def _convert(self, c: Any, target: MlxCache) -> Any:
+        """One layer's cache as ``target``; SettingsError (nothing changed) where MLX cannot."""
+        mx = self.mx
+        from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
+
+        if isinstance(c, RotatingKVCache):
+            if target.kind == QUANTIZED:
+                raise SettingsError("mlx-lm does not quantize a RotatingKVCache ('RotatingKVCache Quantization NYI')")
+            dropped = c.offset > c.max_size if c.keys is not None else False
+            if target.kind == KV and dropped:
+                raise SettingsError(f"the rotating cache has dropped {c.offset - c.max_size:,} of the "
+                                    f"{c.offset:,} tokens; a KVCache needs them all")
+            keys = values = None
+            if c.keys is not None:
+                keys, values = c._temporal_order(c.keys), c._temporal_order(c.values)
+            if target.kind == KV:
+                out = KVCache()
+                if keys is not None:
+                    # The arrays as they were (the slots allocated ahead included): nothing was dropped.
+                    out.keys, out.values, out.offset = c.keys, c.values, c.offset
+                return out
+            return self._rotating_from(keys, values, c.offset, target)
+        if isinstance(c, QuantizedKVCache):
+            keys = values = None
+            if c.keys is not None:
+                keys = mx.dequantize(*c.keys, group_size=c.group_size, bits=c.bits)
+                values = mx.dequantize(*c.values, group_size=c.group_size, bits=c.bits)
+            if target.kind == KV:
+                out = KVCache()
+                if keys is not None:
+                    out.keys, out.values, out.offset = keys, values, c.offset
+                return out
+            if target.kind == QUANTIZED:
+                plain = KVCache()
+                if keys is not None:
+                    plain.keys, plain.values, plain.offset = keys, values, c.offset
+                return plain.to_quantized(group_size=int(target.group_size), bits=int(target.bits))
+            held = None if keys is None else (keys[..., :c.offset, :], values[..., :c.offset, :])
+            return self._rotating_from(*(held or (None, None)), c.offset, target)
+        if isinstance(c, KVCache):
+            if target.kind == QUANTIZED:
+                if c.keys is None:
+                    return QuantizedKVCache(group_size=int(target.group_size), bits=int(target.bits))
+                return c.to_quantized(group_size=int(target.group_size), bits=int(target.bits))
+            if target.kind == KV:
+                return c
+            held = None if c.keys is None else (c.keys[..., :c.offset, :], c.values[..., :c.offset, :])
+            return self._rotating_from(*(held or (None, None)), c.offset, target)
+        raise SettingsError(f"{type(c).__name__} is a cache KV Scope does not convert")
+
+    def _rotating_from(self, keys: Any, values: Any, offset: int, target: MlxCache) -> Any:
+        """A RotatingKVCache holding what it would keep of ``keys``/``values`` (tokens in time order, the last one
+        at ``offset``): the first ``keep`` and the last ``max_size - keep``."""
+        mx = self.mx
+        from mlx_lm.models.cache import RotatingKVCache
+
+        out = RotatingKVCache(max_size=int(target.max_size), keep=target.keep)
+        if keys is None:
+            return out
+        held = keys.shape[2]
+        m, keep = int(target.max_size), target.keep
+        if held > m:
+            keys = mx.concatenate([keys[..., :keep, :], keys[..., held - (m - keep):, :]], axis=2)
+            values = mx.concatenate([values[..., :keep, :], values[..., held - (m - keep):, :]], axis=2)
+        out.keys, out.values, out.offset, out._idx = keys, values, int(offset), int(keys.shape[2])
+        return out
+
+    def _attention_modules(self) -> list[Any]:
+        layers = getattr(getattr(self.model, "model", None), "layers", None) or getattr(self.model, "layers", [])
+        mods = [getattr(layer, "self_attn", None) for layer in layers]
+        if not mods or any(m is None or not hasattr(m, "k_proj") or not hasattr(m, "n_kv_heads") for m in mods):
+            raise SettingsError(f"{self.spec.label}'s attention in mlx-lm has no separate k_proj/v_proj with "
+                                "n_kv_heads to regroup")
+        return mods
+
+    def _switch_attention(self, spelled: str, fields: dict[str, Any]) -> Sample:
+        import mlx.nn as nn
+
+        mode = parse_attention(spelled)
+        if mode.name not in ("mha", "gqa", "mqa"):
+            raise SettingsError(f"{mode.key} is not a switch an MLX run makes (mha, gqa:N and mqa regroup the K/V "
+                                "heads; MLA and windows need another model)")
+        mode.check(self.spec_now)
+        new_spec = mode.apply(self.spec_now)
+        old_heads, new_heads = self.spec_now.num_kv_heads, new_spec.num_kv_heads
+        if new_heads == old_heads:
+            return self.event("note", f"attention is already {self.attention}: nothing to regroup", **fields)
+        if self.quantized_weights:
+            raise SettingsError("the model's K/V projections are quantized (QuantizedLinear): regrouping their heads "
+                                "needs float weights")
+        if self.own_caches:
+            raise SettingsError(f"{self.spec.label} builds its own caches (make_cache); KV Scope regroups only "
+                                "models with one plain cache per layer")
+        if self.cache_setting.kind == QUANTIZED:
+            raise SettingsError("the cache is quantized: switch the cache to kv first, then the attention")
+        mods = self._attention_modules()
+        updates = []
+        for m in mods:
+            hd = m.head_dim if hasattr(m, "head_dim") else self.spec_now.head_dim
+            for proj in (m.k_proj, m.v_proj):
+                if not isinstance(proj, nn.Linear):
+                    raise SettingsError(f"{type(proj).__name__} K/V projections cannot be regrouped")
+                w = proj.weight  # [heads * head_dim, hidden]
+                new_w = regroup(w.reshape(old_heads, hd, w.shape[-1]), old_heads, new_heads, 0)
+                b = getattr(proj, "bias", None) if "bias" in proj else None
+                new_b = None if b is None else regroup(b.reshape(old_heads, hd), old_heads, new_heads, 0).reshape(-1)
+                updates.append((proj, new_w.reshape(new_heads * hd, w.shape[-1]), new_b))
+        new_caches = []
+        for c in self.cache:
+            keys = getattr(c, "keys", None)
+            if keys is None:
+                new_caches.append(c)
+                continue
+            c2 = type(c).__new__(type(c))
+            c2.__dict__.update(c.__dict__)
+            c2.keys = regroup(c.keys, old_heads, new_heads, 1)
+            c2.values = regroup(c.values, old_heads, new_heads, 1)
+            new_caches.append(c2)
+        # Everything computed: now commit (nothing above touched the model or the caches).
+        self.mx.eval([w for _, w, _ in updates] + [b for _, _, b in updates if b is not None]
+                     + [c.state for c in new_caches])
+        before = cache_nbytes(self.cache)
+        for proj, w, b in updates:
+            proj.weight = w
+            if b is not None:
+                proj.bias = b
+        for m in mods:
+            m.n_kv_heads = new_heads
+        self.cache = new_caches
+        self.spec_now = new_spec
+        from mlx.utils import tree_flatten
+
+        self.weights = int(sum(p.nbytes for _, p in tree_flatten(self.model.parameters())))
+        self.layers = tuple(replace(layer, heads=new_heads) for layer in self.layers)
+        self.track = ModelTrack(self.layers, self.cache_setting,
+                                [t.copy() for t in self.track.tracks])
+        self.attention = mode.key
+        fields["switch_after"] = mode.key
+        after = cache_nbytes(self.cache)
+        how = "repeated" if new_heads > old_heads and new_heads % old_heads == 0 else "mean-pooled"
+        return self.event("switch", f"attention: {fields['switch_before']} -> {mode.key}: K/V heads {old_heads} -> "
+                                    f"{new_heads} ({how}, weights and cache); KV {human_bytes(before)} -> "
+                                    f"{human_bytes(after)}", **fields)
+
+    # ------------------------------------------------------------------------------------ the window
+
+    def offered_caches(self) -> tuple[str, ...]:
+        """The cache choices that fit this model (a group size that divides its head dim)."""
+        out = []
+        for key in OFFERED:
+            c = parse_cache(key)
+            if c.kind == QUANTIZED and quantize_problem(self.layers, c):
+                c = MlxCache(QUANTIZED, bits=c.bits, group_size=32)
+                if quantize_problem(self.layers, c):
+                    continue
+            if self.own_caches and c.kind != KV:
+                continue
+            out.append(c.key)
+        if self.cache_key not in out:
+            out.insert(0, self.cache_key)
+        return tuple(dict.fromkeys(out))
+
+    def model_info(self, source: str = "") -> ModelInfo:
+        total = None
+        try:
+            import psutil
+
+            total = int(psutil.virtual_memory().total)
+        except Exception:  # noqa: BLE001
+            pass
+        heads = self.spec.num_query_heads
+        choices = [self.native.key] + [k for k in ("mha", f"gqa:{heads // 2}" if heads % 2 == 0 and heads > 2 else "",
+                                                   "mqa") if k]
+        return ModelInfo(label=f"{self.spec.label} (MLX)", source=source or str(self.folder), device=self.device,
+                         device_name="MLX on the CPU" if self.device == "cpu" else "MLX on the GPU (Metal)",
+                         dtype=_dtype_name(self.dtype), spec=self.spec, total_memory=total,
+                         attention_choices=tuple(dict.fromkeys(choices)),
+                         cache_choices=tuple((c, None) for c in self.offered_caches()),
+                         attn_impl_choices=("mlx-sdpa",), max_context=self.spec.max_position_embeddings,
+                         runtime=RUNTIME)

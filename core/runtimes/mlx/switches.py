@@ -1,0 +1,112 @@
+"""The MLX runtime's light half: its options, its command-line flags and its switches, checked without importing
+MLX (the command line and the window's process use them; ``core.runtimes``' registry points here)."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any
+
+from core.attention import SettingsError, parse_attention
+from core.runtimes.mlx.predict import PREFILL_STEP, QUANTIZED, MlxCache, parse_cache
+
+#: The switch keys an MLX run takes.
+KEYS = ("cache", "attention", "attn-impl")
+
+
+@dataclass(frozen=True)
+class MlxOptions:
+    """How an MLX run builds its cache, spelled as mlx-lm's generate flags: ``--max-kv-size`` (a RotatingKVCache
+    keeping the first 4 tokens, as ``make_prompt_cache`` does), ``--kv-bits`` / ``--kv-group-size`` (a
+    QuantizedKVCache from the first token: ``--quantized-kv-start 0``), and ``--prefill-step-size``."""
+
+    cache: str = "kv"
+    prefill_step_size: int = PREFILL_STEP
+
+    @property
+    def mlx_cache(self) -> MlxCache:
+        return parse_cache(self.cache)
+
+
+def mlx_missing() -> str | None:
+    """None when mlx and mlx-lm are installed, else why not; finds them without importing them."""
+    try:
+        found = all(importlib.util.find_spec(m) is not None for m in ("mlx", "mlx_lm"))
+    except (ImportError, ValueError):
+        found = False
+    if found:
+        return None
+    return ("MLX is not installed: pip install -e '.[mlx]' (mlx-lm 0.32.2 with mlx[cpu] 0.32.4 on Linux, mlx 0.32.4 "
+            "on macOS)")
+
+
+def parse_switch(key: str, value: str) -> tuple[str, Any]:
+    """A switch ``key=value`` for an MLX run, checked: ``cache`` (kv, rotating:MAX[:KEEP], quantized:BITS[:GROUP]),
+    ``attention`` (mha, gqa:N, mqa). SettingsError, one line, for anything else."""
+    k = str(key).strip().lower().replace("_", "-")
+    v = str(value).strip().lower()
+    if k == "cache":
+        return k, parse_cache(v).key
+    if k == "attention":
+        mode = parse_attention(v)
+        if mode.name not in ("mha", "gqa", "mqa"):
+            raise SettingsError(f"attention={v}: an MLX run regroups K/V heads (mha, gqa:N, mqa); {mode.name} needs "
+                                "another model")
+        return k, mode.key
+    if k in ("attn-impl", "attn", "impl", "flash"):
+        raise SettingsError("MLX runs every attention with mx.fast.scaled_dot_product_attention: no kernel to switch")
+    raise SettingsError(f"--switch {k}={v}: an MLX run switches cache (kv, rotating:MAX[:KEEP], quantized:BITS[:GROUP]) "
+                        "or attention (mha, gqa:N, mqa)")
+
+
+def options_from_args(args: Any) -> MlxOptions:
+    """MlxOptions from ``--max-kv-size``, ``--kv-bits``, ``--kv-group-size`` and ``--prefill-step-size``."""
+    max_kv = getattr(args, "max_kv_size", None)
+    bits = getattr(args, "kv_bits", None)
+    group = getattr(args, "kv_group_size", None)
+    step = getattr(args, "prefill_step_size", None) or PREFILL_STEP
+    if max_kv is not None and bits is not None:
+        raise SettingsError("--max-kv-size with --kv-bits: mlx-lm does not quantize a RotatingKVCache "
+                            "('RotatingKVCache Quantization NYI')")
+    if group is not None and bits is None:
+        raise SettingsError("--kv-group-size is the quantized cache's: give --kv-bits too")
+    if not 1 <= int(step) <= 1 << 20:
+        raise SettingsError("--prefill-step-size: give 1 to 1,048,576 tokens")
+    if max_kv is not None:
+        cache = parse_cache(f"rotating:{int(max_kv)}").key
+    elif bits is not None:
+        cache = parse_cache(f"quantized:{int(bits)}:{int(group) if group is not None else 64}").key
+    else:
+        cache = "kv"
+    return MlxOptions(cache=cache, prefill_step_size=int(step))
+
+
+def cli_options(args: Any) -> dict[str, Any]:
+    """The RunRequest fields of ``run --runtime mlx``'s own flags (mlx-lm's spellings); the transformers-only
+    flags are refused with what to give instead."""
+    if str(getattr(args, "cache", "dynamic") or "dynamic").strip().lower() != "dynamic":
+        raise SettingsError("--runtime mlx builds mlx-lm's caches: --max-kv-size N (rotating), --kv-bits B "
+                            "[--kv-group-size G] (quantized), not --cache")
+    if getattr(args, "attention", None):
+        raise SettingsError("--runtime mlx loads the model as it is built; regroup its heads with "
+                            "--switch 0:attention=mqa (or gqa:N)")
+    if str(getattr(args, "attn_impl", "sdpa") or "sdpa").strip().lower() != "sdpa":
+        raise SettingsError("--runtime mlx runs mx.fast.scaled_dot_product_attention: leave --attn-impl out")
+    if getattr(args, "context", None) is not None:
+        raise SettingsError("--context is llama.cpp's -c; an MLX cache grows in 256-token steps "
+                            "(--max-kv-size N caps it)")
+    if getattr(args, "batch", 1) not in (1, None):
+        raise SettingsError("--runtime mlx generates one sequence (--batch 1)")
+    device = str(getattr(args, "device", "auto") or "auto").strip().lower()
+    if device not in ("auto", "cpu", "gpu", "mps"):
+        raise SettingsError(f"--device {device}: MLX runs on cpu or gpu (Metal on a Mac); leave --device out for "
+                            "MLX's default")
+    return {"mlx": options_from_args(args)}
+
+
+def check_options(options: MlxOptions) -> MlxCache:
+    """The cache the options name (SettingsError if not one)."""
+    cache = options.mlx_cache
+    if cache.kind == QUANTIZED and cache.bits is None:
+        raise SettingsError("a quantized cache needs its bits")
+    return cache

@@ -1,0 +1,176 @@
+"""The MLX runtime end to end, with the real MLX on the CPU and the embedded model (built offline).
+
+- ``run --runtime mlx --tokens 600 --record r.jsonl`` (the issue's done-when): the KV in 256-token steps, observed
+  (the cache arrays' nbytes) == predicted at every sample, switches to a quantized and a rotating cache exact too,
+  MLX's allocator figures on every sample, the recording read back the same;
+- ``calc --runtime mlx`` gives the live prediction's numbers, per cache kind, from the start;
+- attention switches (heads mean-pooled or repeated, as core/convert.py does in torch) exact, and refusals with
+  their reasons.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from core.attention import SettingsError
+from core.runtimes.mlx.switches import mlx_missing
+
+MISSING = mlx_missing()
+pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"{MISSING} (make test installs the mlx extra)")
+
+STEP_BYTES = 2 * 4 * 8 * 256 * 32 * 4  # K+V x 4 layers x 8 K/V heads x 256 slots x head dim 32 x float32
+
+
+@pytest.fixture(scope="module")
+def embedded_folder():
+    from core.embedded import embedded_model_dir
+
+    return embedded_model_dir()
+
+
+def _read(path):
+    from core.recording import iter_samples, read_header
+
+    return read_header(path), list(iter_samples(path, strict=True))
+
+
+def test_run_600_tokens_steps_of_256_and_switches_exact(embedded_folder, tmp_path, capsys):
+    import main
+
+    out = tmp_path / "r.jsonl"
+    status = main.main(["run", "--runtime", "mlx", "--tokens", "600", "--record", str(out),
+                        "--switch", "450:cache=quantized:8:32", "--switch", "520:cache=rotating:256:4"])
+    assert status == 0, capsys.readouterr().err
+    header, samples = _read(out)
+    assert header["settings"]["runtime"] == "mlx"
+    measured = [s for s in samples if s.kv_bytes_predicted is not None and s.kv_bytes_reserved is not None]
+    assert len(measured) >= 601
+    assert all(s.runtime == "mlx" for s in samples)
+    bad = [(s.token, s.cache, s.kv_bytes_reserved, s.kv_bytes_predicted) for s in measured
+           if s.kv_bytes_reserved != s.kv_bytes_predicted]
+    assert not bad, bad[:5]
+    # KVCache: ceil(context / 256) steps of 2 MiB, the context counted the way the sample says.
+    kv = [s for s in samples if s.cache == "kv" and s.phase in ("prefill", "decode")]
+    assert {s.kv_bytes_reserved for s in kv} == {STEP_BYTES, 2 * STEP_BYTES}
+    for s in kv:
+        assert s.kv_bytes_reserved == -(-s.context_tokens // 256) * STEP_BYTES, s.context_tokens
+        assert 0 < s.kv_bytes_held <= s.kv_bytes_reserved
+    switches = [s for s in samples if s.event == "switch"]
+    assert [s.switch_after for s in switches] == ["quantized:8:32", "rotating:256:4"]
+    quant = [s for s in samples if s.cache == "quantized:8:32" and s.phase == "decode"]
+    rot = [s for s in samples if s.cache == "rotating:256:4" and s.phase == "decode"]
+    assert quant and rot
+    # 8-bit codes of 32 values (8 uint32) + a float32 scale and bias per group of 32: 40 B per head per K or V.
+    for s in quant:  # to_quantized keeps the capacity; then the same 256-slot steps
+        assert s.kv_bytes_reserved == -(-s.context_tokens // 256) * (STEP_BYTES * 40 // 128), s.context_tokens
+    assert {s.kv_bytes_reserved for s in rot} == {STEP_BYTES}
+    # MLX's allocator on every sample: active, peak, and the cache MLX keeps for reuse (reserved - active).
+    for s in measured:
+        assert s.allocator_allocated is not None and s.allocator_peak is not None
+        assert s.allocator_reserved >= s.allocator_allocated
+        assert s.allocator_allocated >= s.weights_bytes + s.kv_bytes_reserved - STEP_BYTES  # lazily freed blocks aside
+    text = capsys.readouterr().out
+    assert "observed == predicted at" in text
+
+
+def test_calc_gives_the_live_prediction(embedded_folder):
+    """Each cache from the start, every sample against calc's row for the same context and prompt."""
+    from core.runtimes.mlx.calc import calculate_mlx
+    from core.runtimes.mlx.engine import MlxEngine
+
+    for cache, tokens in (("kv", 270), ("rotating:64:4", 150), ("quantized:4:32", 40)):
+        engine = MlxEngine(embedded_folder, cache, seed=1)
+        try:
+            first = engine.prefill("The cache keeps a key and a value.")
+            prompt = first.context_tokens
+            samples = [first] + [engine.step() for _ in range(tokens)]
+        finally:
+            engine.close()
+        contexts = [s.context_tokens for s in samples]
+        calc = calculate_mlx(engine.spec, contexts, cache, prompt_tokens=prompt)
+        assert [row[0] for row in calc.kv] == [s.kv_bytes_reserved for s in samples] == \
+            [s.kv_bytes_predicted for s in samples], cache
+
+
+def test_calc_cli_table_and_json(capsys):
+    import main
+
+    assert main.main(["calc", "--runtime", "mlx", "--context", "255,256,257", "--kv-bits", "8", "--kv-group-size",
+                      "32", "--max-kv-size", "300", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["caches"] == ["kv", "rotating:300:4", "quantized:8:32"]
+    rows = {r["context"]: r["kv"] for r in out["rows"]}
+    assert rows[256]["kv"] == STEP_BYTES and rows[257]["kv"] == 2 * STEP_BYTES
+    assert rows[257]["rotating:300:4"] == 300 * STEP_BYTES // 256
+    assert main.main(["calc", "--runtime", "mlx", "--context", "1k", "--kv-bits", "8"]) == 0
+    table = capsys.readouterr().out
+    assert "refused" in table and "multiple of the group size" in table
+
+
+def test_attention_switches_regroup_heads_exactly(embedded_folder):
+    from core.runtimes.mlx.engine import MlxEngine
+
+    engine = MlxEngine(embedded_folder, "kv", seed=2)
+    try:
+        engine.prefill("Heads share keys.")
+        for _ in range(3):
+            engine.step()
+        events = [engine.apply("attention", "mqa"), engine.step(), engine.apply("attention", "gqa:4"), engine.step(),
+                  engine.apply("attention", "gqa:4"), engine.apply("attention", "gqa:3")]
+        assert [e.event for e in events] == ["switch", None, "switch", None, "note", "refused"]
+        assert events[0].kv_bytes_reserved == STEP_BYTES // 8  # 8 K/V heads pooled into 1
+        assert events[2].kv_bytes_reserved == STEP_BYTES // 2  # 1 repeated into 4
+        assert all(e.kv_bytes_reserved == e.kv_bytes_predicted for e in events)
+        assert "does not divide" in events[5].text
+        # k_proj and v_proj lose (8 - kv) heads of 32 x 256 float32 in each of 4 layers; predicted the same way.
+        full = 13_706_240
+        assert events[0].weights_bytes == events[0].weights_predicted == full - 4 * 2 * 7 * 32 * 256 * 4
+        assert events[3].weights_bytes == events[3].weights_predicted == full - 4 * 2 * 4 * 32 * 256 * 4
+        assert events[3].attention == "gqa:4" and events[3].text
+    finally:
+        engine.close()
+
+
+def test_refusals_say_why(embedded_folder, tmp_path):
+    from core.runtimes.mlx.engine import MlxEngine
+    from core.runtimes.mlx.load import resolve_model
+    from core.runtimes.mlx.switches import cli_options, parse_switch
+
+    with pytest.raises(SettingsError, match="multiple of the group size"):
+        MlxEngine(embedded_folder, "quantized:8:64")
+    engine = MlxEngine(embedded_folder, "rotating:64:4")
+    try:
+        engine.prefill("x")
+        refused = [engine.apply("cache", "quantized:8:32"), engine.apply("attn-impl", "eager"),
+                   engine.apply("context", "4096")]
+        assert [e.event for e in refused] == ["refused"] * 3
+        assert "NYI" in refused[0].text and "scaled_dot_product_attention" in refused[1].text
+        for _ in range(70):
+            engine.step()
+        back = engine.apply("cache", "kv")
+        assert back.event == "refused" and "dropped" in back.text
+    finally:
+        engine.close()
+    with pytest.raises(SettingsError, match="GGUF"):
+        (tmp_path / "m.gguf").write_bytes(b"GGUF")
+        resolve_model(str(tmp_path / "m.gguf"))
+    folder = tmp_path / "pickled"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (folder / "pytorch_model.bin").write_bytes(b"x")
+    with pytest.raises(SettingsError, match="pickle"):
+        resolve_model(str(folder))
+    (folder / "model.safetensors").write_bytes(b"x")
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "model_file": "evil.py"}))
+    with pytest.raises(SettingsError, match="trust-remote-code"):
+        resolve_model(str(folder))
+    with pytest.raises(SettingsError, match="attention"):
+        parse_switch("attention", "mla")
+    import argparse
+
+    with pytest.raises(SettingsError, match="--max-kv-size"):
+        cli_options(argparse.Namespace(cache="quantized"))
+    with pytest.raises(SettingsError, match="NYI"):
+        cli_options(argparse.Namespace(cache="dynamic", max_kv_size=64, kv_bits=8))

@@ -418,6 +418,7 @@ class LlamaCppCalc:
     by_type: tuple[tuple[str, int], ...] = ()  # a GGUF's tensor bytes per ggml type, largest first
 
     fit: "LlamaCppFit | None" = None
+    fit_auto: "LlamaCppFit | None" = None  # the same with -c 0 (llama-server's default: the trained context)
 
     def rows(self) -> list[dict]:
         """One row per context: weights, KV, compute and output buffers; total_bytes is their sum (None where the
@@ -438,7 +439,9 @@ def gpu_bytes(p: LlamaCppPlan, weights: int) -> int | None:
     buffer is host memory. None where the compute buffer is not predicted."""
     if p.compute_bytes is None:
         return None
-    w = p.weights_gpu if p.weights_gpu is not None else weights
+    w = p.weights_gpu
+    if w is None:  # a config's spec: its weights split by the repeating layers on the GPU (a GGUF splits exactly)
+        w = weights if p.options.n_gpu_layers < 0 else weights * len(p.gpu_layers) // max(1, p.n_layer)
     on_gpu = p.options.n_gpu_layers != 0
     return w + p.kv_gpu_bytes + (p.compute_bytes if on_gpu else 0)
 
@@ -557,8 +560,8 @@ def fit_llamacpp(model, options: LlamaCppOptions, free: int, weights: int = 0, t
     return LlamaCppFit(free, target, n_ctx, best, n_all, proj, tuple(steps))
 
 
-def calculate_llamacpp(source: str, spec: ModelSpec, contexts: list[int], options_for, gpu_memory: int | None = None
-                       ) -> LlamaCppCalc:
+def calculate_llamacpp(source: str, spec: ModelSpec, contexts: list[int], options_for, gpu_memory: int | None = None,
+                       fit_target: int = 1 << 30) -> LlamaCppCalc:
     """One llama.cpp plan per context (``options_for(n_ctx)`` gives the options); with ``gpu_memory``, the largest
     context whose GPU total (weights, KV and compute buffer there) fits in it, and what llama.cpp's --fit settles on
     for the last context (``fit_llamacpp``)."""
@@ -571,8 +574,20 @@ def calculate_llamacpp(source: str, spec: ModelSpec, contexts: list[int], option
     trained = model.n_ctx_train if gguf else spec.max_position_embeddings
     fits = largest_context_on_gpu(model, options_for, gpu_memory, weights) if gpu_memory else None
     by_type = tuple(model.bytes_by_type().items()) if gguf else ()
-    fit = fit_llamacpp(model, options_for(contexts[-1]), gpu_memory, weights) if gpu_memory else None
-    return LlamaCppCalc(spec.label, gguf, plans, tuple(contexts), weights, gpu_memory, fits, trained, by_type, fit)
+    fit = fit_llamacpp(model, options_for(contexts[-1]), gpu_memory, weights, fit_target) if gpu_memory else None
+    from dataclasses import replace
+
+    fit_auto = (fit_llamacpp(model, replace(options_for(contexts[-1]), n_ctx=0), gpu_memory, weights, fit_target)
+                if gpu_memory else None)
+    return LlamaCppCalc(spec.label, gguf, plans, tuple(contexts), weights, gpu_memory, fits, trained, by_type, fit,
+                        fit_auto)
+
+
+def _fit_json(f: "LlamaCppFit | None") -> dict | None:
+    if f is None:
+        return None
+    return {"n_ctx": f.n_ctx, "n_gpu_layers": f.n_gpu_layers, "n_layer": f.n_layer, "projected_bytes": f.projected,
+            "target_bytes": f.target, "steps": list(f.steps)}
 
 
 def render_llamacpp_json(r: LlamaCppCalc) -> str:
@@ -581,10 +596,7 @@ def render_llamacpp_json(r: LlamaCppCalc) -> str:
     return json.dumps({"model": r.model, "runtime": "llama.cpp", "llama_cpp_version": LLAMA_CPP_VERSION,
                        "weights_exact": r.gguf, "weights_by_type": dict(r.by_type), "rows": r.rows(), "llama_cpp": [p.to_json() for p in r.plans],
                        "gpu_memory": r.gpu_memory, "max_context": r.max_context,
-                       "fit": None if r.fit is None else {
-                           "n_ctx": r.fit.n_ctx, "n_gpu_layers": r.fit.n_gpu_layers, "n_layer": r.fit.n_layer,
-                           "projected_bytes": r.fit.projected, "target_bytes": r.fit.target,
-                           "steps": list(r.fit.steps)},
+                       "fit": _fit_json(r.fit), "fit_context_auto": _fit_json(r.fit_auto),
                        "compute_buffer_note": COMPUTE_NOTE})
 
 
@@ -628,6 +640,13 @@ def render_llamacpp_table(r: LlamaCppCalc) -> str:
                          f"with {human_bytes(f.free)}: -c {f.n_ctx:,} -ngl {f.n_gpu_layers} (of {f.n_layer + 1}), "
                          f"projected {f.projected:,} B ({human_bytes(f.projected)}) on the GPU:")
             lines += [f"  {step}" for step in f.steps]
+        if r.fit_auto is not None:
+            f = r.fit_auto
+            lines.append(f"With -c 0 (llama-server's default, the trained {r.trained:,}), --fit settles on -c {f.n_ctx:,} "
+                         f"-ngl {f.n_gpu_layers}: " + "; ".join(f.steps))
+        if not r.gguf:
+            lines.append("(a config's weights are split between GPU and CPU by layer count; give a .gguf for the "
+                         "exact split)")
     lines.append("llama.cpp allocates the whole context's KV cache when the model loads: the context is paid for "
                  "before the first token.")
     return "\n".join(lines)

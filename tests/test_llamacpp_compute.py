@@ -273,3 +273,28 @@ def test_settled_mark_equals_the_whole_graphs():
         caches = {k: _with_rotation(shape, k, c) for k, c in caches.items()}
         args = (shape, rng.choice((64, 512)), n_seqs, 2048, fa, False, caches)
         assert reserve_graphs(*args, shorten=True) == reserve_graphs(*args, shorten=False)
+
+
+def test_calc_gpu_memory_answers_with_the_total_and_llamacpps_fit(gguf_files, capsys):
+    """calc --gpu-memory: the largest context is the one whose weights + KV + compute buffer on the GPU fit (one more
+    256-cell step does not), and the JSON carries --fit's -c / -ngl for the given context and for -c 0."""
+    import main
+    from core.llamacpp import gpu_bytes
+
+    path = gguf_files["llama-mha-untied"]
+    g = read_gguf(path)
+    memory = 48 << 20
+    assert main.main(["calc", "--model", str(path), "--runtime", "llama.cpp", "--context", "2048", "--flash-attn",
+                      "off", "--gpu-memory", str(memory), "--fit-target", "16", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    n = out["max_context"]
+    at = plan(g, LlamaCppOptions(n_ctx=n, flash_attn="off"))
+    beyond = plan(g, LlamaCppOptions(n_ctx=n + 1, flash_attn="off"))
+    assert gpu_bytes(at, 0) <= memory < gpu_bytes(beyond, 0)
+    assert at.compute_bytes > 0 and gpu_bytes(at, 0) == at.weights_gpu + at.kv_gpu_bytes + at.compute_bytes
+    fit = out["fit"]  # 48 MiB less a 16 MiB --fit-target: every layer at -c 2048 (about 26 MiB)
+    expected = plan(g, LlamaCppOptions(n_ctx=2048, flash_attn="off"))
+    assert fit["target_bytes"] == memory - (16 << 20) and fit["n_ctx"] == 2048
+    assert fit["n_gpu_layers"] == g.n_layer_all + 1 and fit["projected_bytes"] == gpu_bytes(expected, 0)
+    auto = out["fit_context_auto"]  # -c 0: the trained 2,048 fits too, nothing changes
+    assert auto["n_ctx"] == g.n_ctx_train and auto["n_gpu_layers"] == g.n_layer_all + 1

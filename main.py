@@ -201,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     calc.add_argument("--cudagraph-memory", default=None, metavar="SIZE",
                       help="--runtime vllm: CUDA graphs per GPU (default 512MiB, an estimate; 0 for --enforce-eager)")
     _add_llamacpp_options(calc)
+    calc.add_argument("--fit-target", type=int, default=1024, metavar="MiB",
+                      help="--runtime llama.cpp --gpu-memory: memory llama.cpp's --fit leaves free (default 1024, "
+                           "llama.cpp's)")
     _add_mlx_options(calc, calc=True)
     calc.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -312,7 +315,8 @@ def cmd_calc(args: argparse.Namespace) -> int:
     if args.runtime == "llama.cpp":
         from core.llamacpp import calculate_llamacpp, render_llamacpp_json, render_llamacpp_table
 
-        result = calculate_llamacpp(args.model, spec, contexts, lambda n: _llamacpp_options(args, n), gpu)
+        result = calculate_llamacpp(args.model, spec, contexts, lambda n: _llamacpp_options(args, n), gpu,
+                                    fit_target=max(0, args.fit_target) << 20)
         print(render_llamacpp_json(result) if args.json else render_llamacpp_table(result))
         return 0
     from core.parallel import Parallelism

@@ -198,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     calc.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
                       help="--runtime vllm: the KV memory per GPU, as vLLM's kv_cache_memory_bytes (or its log's "
                            "'Available KV cache memory'): no estimate enters")
+    calc.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                      help="--runtime vllm: window layers take blocks for every token, as full ones (vLLM's flag)")
     calc.add_argument("--cudagraph-memory", default=None, metavar="SIZE",
                       help="--runtime vllm: CUDA graphs per GPU (default 512MiB, an estimate; 0 for --enforce-eager)")
     _add_llamacpp_options(calc)
@@ -334,7 +336,8 @@ def cmd_calc(args: argparse.Namespace) -> int:
                  "max_model_len": parse_tokens(args.max_model_len) if args.max_model_len else None,
                  "max_num_batched_tokens": args.max_num_batched_tokens,
                  "non_torch_bytes": _size_or_zero(args.non_torch_memory), "cudagraph_bytes": _size_or_zero(args.cudagraph_memory),
-                 "kv_cache_memory": parse_size(args.kv_cache_memory) if args.kv_cache_memory else None}
+                 "kv_cache_memory": parse_size(args.kv_cache_memory) if args.kv_cache_memory else None,
+                 "hybrid_kv_cache_manager": False if args.disable_hybrid_kv_cache_manager else None}
         options = VllmOptions(**{k: v for k, v in given.items() if v is not None})
         result = replace(result, serving=vllm_capacity(spec, settings, gpu, options, parallelism))
     print(render_json(result) if args.json else render_table(result))

@@ -239,3 +239,17 @@ def test_mla_block_is_one_latent_head():
     assert [(g.kind, g.layers) for g in cap.groups] == [("full", 61)]
     assert cap.groups[0].page_bytes == 16 * (512 + 64) * 2
     assert cap.workers[0].block_bytes == 61 * 16 * 576 * 2
+
+
+def test_cli_hybrid_groups_and_the_flag_that_disables_them():
+    """calc --runtime vllm --json carries the groups; --disable-hybrid-kv-cache-manager (vLLM's flag) makes one."""
+    args = [sys.executable, "main.py", "calc", "--model", "gemma-3-27b", "--context", "32k", "--gpu-memory", "80GiB",
+            "--runtime", "vllm", "--kv-cache-memory", "20GiB", "--json"]
+    on = json.loads(subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120).stdout)["serving"]
+    off = json.loads(subprocess.run(args + ["--disable-hybrid-kv-cache-manager"], cwd=ROOT, capture_output=True,
+                                    text=True, timeout=120).stdout)["serving"]
+    page = 16 * 16 * 256 * 2
+    assert len(on["kv_cache_groups"]) == 7 and on["num_gpu_blocks"] == 20 * GiB // (10 * page)
+    assert [(g["kind"], g["layers"]) for g in off["kv_cache_groups"]] == [("full", 62)]
+    assert off["num_gpu_blocks"] == 20 * GiB // (62 * page) and off["blocks_per_request"] == 131072 // 16
+    assert on["kv_cache_tokens"] > 2 * off["kv_cache_tokens"]

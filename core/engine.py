@@ -392,7 +392,7 @@ class Engine:
         if self.ids is not None and self.seq_len:
             self.progress(f"re-running {self.seq_len:,} tokens ({why})\u2026")
             with torch.inference_mode(), self._forward_context():
-                out = self.model(input_ids=self.ids, cache=self.cache, use_cache=True, logits_to_keep=1)
+                out = self._measured_forward()
             self._next_logits = out.logits[:, -1, :].float()
             self.cache = out.cache if getattr(out, "cache", None) is not None else self.cache
         self._tokens_rerun = self.seq_len
@@ -420,6 +420,7 @@ class Engine:
             return self._sample(PHASE_EVENT, f"{label}: {was} (no change: already {wanted})", event="note",
                                 step_s=self.clock() - t, **fields)
         self._tokens_rerun = None
+        self._peak_fields = {}  # a re-run of this switch measures its own
         self.progress(f"switching {label} to {wanted}\u2026")
         mode = parsed if name == "attention" else self.mode
         impl = parsed if name == "attn_impl" else self.settings.attn_impl
@@ -462,7 +463,7 @@ class Engine:
         now = self._settings_now()[name]
         text = f"{label}: {was} -> {now} ({detail})"
         return self._sample(PHASE_EVENT, text, event="switch", step_s=self.clock() - t,
-                            **(fields | {"switch_after": now, "tokens_rerun": self._tokens_rerun}))
+                            **(fields | {"switch_after": now, "tokens_rerun": self._tokens_rerun}), **self._take_peak())
 
     def _trial_step(self) -> None:
         """Run one forward pass on the converted model and cache, then undo what it added to the cache:
@@ -537,14 +538,14 @@ class Engine:
         self._reset_peak()
         t = self.clock()
         with torch.inference_mode(), self._forward_context():
-            out = self.model(input_ids=self.ids, cache=self.cache, use_cache=True, logits_to_keep=1)
+            out = self._measured_forward()
         _sync(self.device)
         dt = self.clock() - t
         self._next_logits = out.logits[:, -1, :].float()
         self._trial_step()  # measures the attention kernel a decode step runs (untimed, undone)
         if self.quality_probe:
             self._reference_rebuild()
-        return self._sample(PHASE_PREFILL, text, step_s=dt, **self._quality_now())
+        return self._sample(PHASE_PREFILL, text, step_s=dt, **self._quality_now(), **self._take_peak())
 
     def _broken_byte_tokens(self) -> torch.Tensor:
         tok = self.loaded.tokenizer
@@ -629,6 +630,30 @@ class Engine:
             return ""
         self._pending_ids = []
         return text
+
+    def _measured_forward(self) -> Any:
+        """Every token so far through the model into the (empty) cache, as generate()'s prefill calls it, with the
+        allocator's peak above the start measured (core.peak) and predicted (core.predict.prefill_peak) for the
+        next Sample (``_take_peak``)."""
+        from core.peak import measure_peak
+        from core.predict import prefill_peak
+
+        out, reading = measure_peak(lambda: self.model(input_ids=self.ids, cache=self.cache, use_cache=True,
+                                                       logits_to_keep=1), self.device)
+        device = "cuda" if self.device.startswith("cuda") else self.device
+        try:
+            predicted = prefill_peak(self.spec, self._prediction_settings(), self.seq_len, device=device,
+                                     cpu_threads=torch.get_num_threads()).peak
+        except (SettingsError, SpecError, ValueError, ZeroDivisionError):
+            predicted = None  # a spec the replay cannot follow: the measurement still stands
+        self._peak_fields = {"peak_bytes_observed": reading.peak if reading else None,
+                             "peak_bytes_predicted": predicted}
+        return out
+
+    def _take_peak(self) -> dict[str, Any]:
+        """The last measured forward pass's peak fields, once (the prefill's or the switch's re-run)."""
+        fields, self._peak_fields = getattr(self, "_peak_fields", {}), {}
+        return fields
 
     def _reset_peak(self) -> None:
         if self.probe is not None and hasattr(self.probe, "reset_peak"):

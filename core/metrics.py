@@ -15,6 +15,10 @@ Metric names (all bytes are bytes, all counters end in ``_total`` on the page)::
     kvscope_device_memory_bytes{kind}    used | total (NVML, the whole device)
     kvscope_process_memory_bytes{kind}   gpu (NVML, this process) | rss
     kvscope_tokens_per_second, kvscope_generated_tokens, kvscope_context_tokens
+    kvscope_forward_peak_{observed,predicted}_bytes   the last prefill's / re-run's peak above the weights
+    kvscope_memory_breakdown_bytes{part,source}   core.breakdown: weights | kv_held | kv_reserved_free |
+                                         activations | allocator_cache | runtime | other_processes
+    kvscope_memory_observed_total_bytes{source}   the total they add up to (NVML device used, RSS...)
     kvscope_run_info{model,attention,attn_impl,cache,kernel,device,dtype}   1
     kvscope_spikes_total{cause}          core.spikes.SpikeMonitor over the samples' memory
     kvscope_events_total{event}          switch, refused, note, error, budget, ...
@@ -26,23 +30,23 @@ import ipaddress
 import threading
 from collections import Counter
 
+from core.errors import BAD_INPUT, KVScopeError
 from core.sample import PHASE_EVENT, Sample
 from core.spikes import SpikeMonitor, reading_from_sample, spike_events, spike_threshold
 
 LOOPBACK = "127.0.0.1"
-from core.errors import BAD_INPUT, KVScopeError
 PREFIX = "kvscope"
 
 
 class MetricsError(KVScopeError, ValueError):
     """A port or host the exporter refuses (said in one line)."""
 
+    category = BAD_INPUT
+
 
 def check_bind(host: str, port: int) -> tuple[str, int]:
     """The (host, port) to bind, checked: a port 0-65535 (0: any free one); any host is allowed, but
     only because the caller asked for it by name (the default is loopback)."""
-    category = BAD_INPUT
-
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
         raise MetricsError(f"--metrics-port {port!r}: give a port from 0 to 65535 (0: any free port)")
     host = str(host).strip()
@@ -79,6 +83,7 @@ class RunCollector:
         self._spikes: Counter[str] = Counter()
         self._monitor = SpikeMonitor(min_rise_bytes=spike_threshold(device))
         self._previous_cache: str | None = None
+        self._peak: tuple[int | None, int | None] = (None, None)
 
     def observe(self, sample: Sample) -> None:
         """Take one Sample (a token or an event) from the run."""
@@ -87,6 +92,8 @@ class RunCollector:
             for event in spike_events(sample, self._previous_cache):
                 self._monitor.add_event(event)
             self._previous_cache = sample.cache
+            if sample.peak_bytes_observed is not None or sample.peak_bytes_predicted is not None:
+                self._peak = (sample.peak_bytes_observed, sample.peak_bytes_predicted)  # kept past the decode steps
             if sample.phase == PHASE_EVENT:
                 self._events[sample.event or "event"] += 1
                 return
@@ -112,7 +119,7 @@ class RunCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
         with self._lock:
-            s, settings = self._last, self._settings
+            s, settings, peak = self._last, self._settings, self._peak
             events, spikes = dict(self._events), dict(self._spikes)
 
         def gauge(name: str, doc: str, value) -> GaugeMetricFamily | None:
@@ -153,6 +160,11 @@ class RunCollector:
                 gauge("tokens_per_second", "Generation rate", s.tokens_per_s),
                 gauge("generated_tokens", "Tokens generated so far", s.token),
                 gauge("context_tokens", "Tokens in the sequence (prompt + generated)", s.context_tokens),
+                gauge("forward_peak_observed_bytes", "The last prefill's (or re-run's) allocator peak above the "
+                      "weights", peak[0]),
+                gauge("forward_peak_predicted_bytes", "The same peak as core.predict.prefill_peak replays it",
+                      peak[1]),
+                *_breakdown_families(s),
             ]
         if settings is not None:
             info = InfoMetricFamily(f"{PREFIX}_run", "The run's settings in force")
@@ -169,6 +181,28 @@ class RunCollector:
             event_family.add_metric([event], n)
         out += [spike_family, event_family]
         return [m for m in out if m is not None]
+
+
+def _breakdown_families(s: Sample) -> list:
+    """``kvscope_memory_breakdown_bytes{part,source}`` (core.breakdown: the parts of the observed total, a part the
+    device does not report left out) and ``kvscope_memory_observed_total_bytes{source}``."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    from core.breakdown import memory_breakdown
+
+    b = memory_breakdown(s)
+    parts = GaugeMetricFamily(f"{PREFIX}_memory_breakdown_bytes", "Where the observed total went, by part; source "
+                              "says measured, predicted or a measured remainder", labels=["part", "source"])
+    for p in b.parts:
+        if p.bytes is not None:
+            parts.add_metric([p.name, p.source], float(p.bytes))
+    out = [parts] if parts.samples else []
+    if b.total is not None:
+        total = GaugeMetricFamily(f"{PREFIX}_memory_observed_total_bytes", "The observed total the parts add up to",
+                                  labels=["source"])
+        total.add_metric([b.total_source], float(b.total))
+        out.append(total)
+    return out
 
 
 class MetricsExporter:

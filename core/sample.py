@@ -63,6 +63,10 @@ class Sample:
     # The quality probe (``--quality-probe``, off by default): the same tokens through a full-cache twin.
     quality_top1: int | None = None  # 1 when this cache's most likely next token is the twin's, else 0
     quality_kl: float | None = None  # KL(twin || this cache) of the next-token distributions, nats
+    # The forward pass's peak beyond what was held before it (the allocator's high-water mark, core.peak), on the
+    # prefill and on a switch's re-run only: measured, and as core.predict.prefill_peak replays it.
+    peak_bytes_observed: int | None = None
+    peak_bytes_predicted: int | None = None
     # The runtime that made the sample (a name in core.runtimes' registry): data to show, never a branch.
     runtime: str = "transformers"
 

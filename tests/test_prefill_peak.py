@@ -91,3 +91,22 @@ def test_the_peak_is_measured_above_the_start() -> None:
     assert reading.peak < held.numel() * 4
     assert reading.end <= 64  # the 0-d sum (a few bytes) is all that remains
     assert float(result) == (1 << 14) * 2
+
+
+def test_the_engine_measures_and_predicts_each_prefill_and_rerun() -> None:
+    """The real engine on the embedded model: the prefill's Sample carries the allocator's peak and the replay's,
+    equal in fp32; a switch that re-runs the tokens carries its own; decode steps carry none."""
+    from core.engine import Engine
+    from core.loading import load_model
+
+    engine = Engine(load_model("embedded", device="cpu"), RunSettings(attn_impl="eager"), seed=0)
+    prompt = torch.randint(0, 200, (1, 97), generator=torch.Generator().manual_seed(3))
+    first = engine.prefill(prompt, "prompt")
+    assert first.peak_bytes_observed is not None and first.peak_bytes_observed > first.kv_bytes_reserved
+    assert abs(first.peak_bytes_predicted - first.peak_bytes_observed) <= EXACT_SLACK
+    step = engine.step()
+    assert step.peak_bytes_observed is None and step.peak_bytes_predicted is None
+    switch = engine.apply("cache", "h2o:4+60")  # scores every token: re-runs the 98 so far
+    assert switch.tokens_rerun == 98
+    assert switch.peak_bytes_observed is not None and switch.peak_bytes_observed != first.peak_bytes_observed
+    assert switch.peak_bytes_predicted is not None

@@ -26,6 +26,7 @@ from PySide6.QtGui import QGuiApplication, QKeySequence, QShortcut
 from PySide6.QtWidgets import (QFrame, QGroupBox, QHBoxLayout, QLabel, QMainWindow, QPushButton, QScrollArea, QSizePolicy, QSplitter, QTabWidget, QVBoxLayout,
                                QWidget)
 
+from core.breakdown import memory_breakdown
 from core.safe_text import NAME_LIMIT, safe_text
 from core.sample import Sample
 from core.session import Session
@@ -33,12 +34,13 @@ from core.settings import ATTN_IMPLS, attention_choices, cache_choices
 from core.spec import SpecError, human_bytes
 from ui.calculator import CalculatorTab
 from ui.servers import ServersTab
-from ui.controls import FIRST_START_TOKENS, KEYS_HELP, ControlsPanel  # noqa: F401 - FIRST_START_TOKENS: tests, docs
+from ui.controls import CONTROLS_MIN_W, FIRST_START_TOKENS, KEYS_HELP, ControlsPanel  # noqa: F401 - FIRST_START_TOKENS: tests, docs
 from ui.diagnose import EventsTable, GpuProcessesPanel
 from ui.badges import STATE_TEXT, BadgeRow, ElidedLabel
 from ui.file_actions import FileActions
 from ui.menus import ATTENTION_KEYS, KEY_MAP, SAMPLER_RATES, build_menus  # noqa: F401 - the names the keys use
 from ui.plots import LivePlots
+from ui.breakdown_view import BreakdownView
 from ui.stats import StatsPanel, compute_stats
 from ui.text_view import TEXT_BLOCK_CHARS, StreamView  # noqa: F401 - TEXT_BLOCK_CHARS: tests
 from ui.theme import Theme, stylesheet, theme as make_theme
@@ -52,6 +54,9 @@ REDRAW_HZ = 30
 STATS_MS = 1000
 #: Column widths (logical px) that let the window fit 1280x720 with every control reachable.
 RIGHT_MIN_W, RIGHT_MAX_W = 200, 420
+#: Narrower than this, the window lays itself out for a small screen (``_fit_layout_to_width``).
+COMPACT_W = 1200
+CONTROLS_COMPACT_W, RIGHT_COMPACT_W = 240, 230
 DEFAULT_SAMPLER_HZ = 20.0
 
 
@@ -251,6 +256,8 @@ class MainWindow(FileActions, QMainWindow):
         self.stats_scroll.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Maximum)
         text_box.setMinimumHeight(120)
         rv.addWidget(self.stats_scroll)
+        self.breakdown_view = BreakdownView()  # where the memory went (core.breakdown), each slow tick
+        rv.addWidget(self.breakdown_view)
         rv.addWidget(text_box, 1)
         right.setMinimumWidth(RIGHT_MIN_W)
         right.setMaximumWidth(RIGHT_MAX_W)
@@ -515,6 +522,30 @@ class MainWindow(FileActions, QMainWindow):
         self.alert_label.move(12, 6)
         self.alert_label.raise_()
 
+    def resizeEvent(self, event) -> None:  # noqa: N802 - Qt's name
+        super().resizeEvent(event)
+        self._fit_layout_to_width()
+
+    def _fit_layout_to_width(self) -> None:
+        """Below ``COMPACT_W`` (1024x768, 1280x720 in presenter type) the side columns give the plots their room:
+        the controls and the numbers narrower, the memory plot wider than the small predicted-vs-observed pair.
+        Applied when the window crosses the width, so a splitter the user drags stays where it is meanwhile."""
+        compact = self.width() < COMPACT_W
+        if compact == getattr(self, "_compact", None):
+            return
+        self._compact = compact
+        self.controls.setMinimumWidth(CONTROLS_COMPACT_W if compact else CONTROLS_MIN_W)
+        if not compact:
+            return
+        total = max(sum(self.live_splitter.sizes()), self.width())
+        left = 0 if self.presenter else CONTROLS_COMPACT_W
+        right = max(self.right_panel.minimumWidth(), RIGHT_COMPACT_W)
+        self.live_splitter.setSizes([left, max(total - left - right, 1), right])
+        bottom = self.plots.splitter.widget(1)
+        if isinstance(bottom, QSplitter):
+            width = max(sum(bottom.sizes()), 1)
+            bottom.setSizes([int(width * 0.6), width - int(width * 0.6)])
+
     def eventFilter(self, watched, event) -> bool:  # noqa: N802 - Qt's name
         if watched is self.plots and event.type() == QEvent.Type.Resize and self.alert_label.isVisible():
             self._place_alert()
@@ -678,6 +709,9 @@ class MainWindow(FileActions, QMainWindow):
                              (info.max_context if info else None)), host_available=host,
                 predicted_slope=session.predicted_slope)
             self.stats_panel.show_stats(stats)
+            breakdown = memory_breakdown(s) if s is not None else None
+            self.stats_panel.show_breakdown(breakdown)
+            self.breakdown_view.show_breakdown(breakdown)
             session.refresh_forecast(self.sampling.device, host)
             if s is not None:
                 if s.device_used is not None and s.device_total is not None:
@@ -742,6 +776,7 @@ class MainWindow(FileActions, QMainWindow):
         self.setStyleSheet(stylesheet(self.theme))
         self._reserve_badges()  # the type size changed (presenter mode): so did the widest choice
         self.plots.apply_theme(self.theme)
+        self.breakdown_view.apply_theme(self.theme)
         self.calculator.apply_theme(self.theme)
         self.servers.apply_theme(self.theme)
         self.events_table.theme = self.theme

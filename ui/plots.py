@@ -26,7 +26,8 @@ from PySide6.QtGui import QColor, QFont
 from PySide6.QtWidgets import QGraphicsItem, QSplitter, QVBoxLayout, QWidget
 
 from core.sample import PHASE_EVENT, Sample
-from core.compare import error_percent, observed_and_predicted_total
+from core.breakdown import comparable_totals, forward_peak_totals
+from core.compare import error_percent
 from core.session import MARK_LABEL_CHARS, marker_label
 from ui.axes import BytesAxis, SparseAxis, format_bytes, format_slope
 from ui.curves import DeviceCurve
@@ -106,6 +107,9 @@ class LivePlots(QWidget):
         # monotonic seconds (the probes' clock) of plot time 0; set by the window from the run's samples
         self.time_origin: float | None = None
         self.markers: list[Marker] = []
+        #: Forward-pass peaks (prefill, re-runs): (token, observed, predicted) and their two scatter items.
+        self.peak_points: list[tuple[int, int, int]] = []
+        self.peak_items: list[pg.ScatterPlotItem] = []
         self.spikes: list[SpikeMark] = []
         self._curves: dict[str, _Curve] = {}
         self.host_only: bool | None = None  # None until the first sample says whether a GPU reports memory
@@ -263,12 +267,15 @@ class LivePlots(QWidget):
         self._add_curve("kv_reserved", self.kv_plot, t, "token", "kv_reserved", "reserved", fill=True, z=0,
                         color="kv_share")
         self._add_curve("kv_used", self.kv_plot, t, "token", "kv_used", "used", z=3, color="allocated")
-        # The previous live run's KV curve (hold_previous), dotted under this one: not decimated, it is fixed.
+        # The previous live runs' KV curves (hold_previous), under this one: the last run dotted, the one before it
+        # dash-dotted (three runtimes on one plot). Not decimated: they are fixed.
         self.previous_curve = pg.PlotDataItem()
-        self.previous_curve.setZValue(-2)
-        self.previous_curve.setVisible(False)
-        self.kv_plot.addItem(self.previous_curve)
-        self._previous = None
+        self.older_curve = pg.PlotDataItem()
+        for item in (self.previous_curve, self.older_curve):
+            item.setZValue(-2)
+            item.setVisible(False)
+            self.kv_plot.addItem(item)
+        self._previous: list[tuple] = []  # (tokens, bytes, label), oldest first: at most two runs
         self._add_curve("device_used", self.mem_plot, m, "time", "device_used", "device used (NVML)")
         self._add_curve("process_gpu", self.mem_plot, m, "time", "process_gpu", "process (GPU)")
         self._add_curve("process_rss", self.mem_plot, m, "time", "process_rss", "process (RSS)")
@@ -366,7 +373,8 @@ class LivePlots(QWidget):
                 curve.legend.addItem(curve.item, curve.name)
         if hasattr(self, "previous_curve"):
             self.previous_curve.setPen(pg.mkPen(theme.text, width=theme.line_width * 1.6, style=Qt.PenStyle.DotLine))
-            if self.previous_curve.isVisible():
+            self.older_curve.setPen(pg.mkPen(theme.text, width=theme.line_width * 1.6, style=Qt.PenStyle.DashDotLine))
+            if self._previous:
                 self._show_previous()  # its legend sample follows the theme too
         for marker in self.markers:
             self._style_marker(marker)
@@ -391,31 +399,42 @@ class LivePlots(QWidget):
             y = self.tokens.column(key)
             ok = np.isfinite(y) if len(y) else np.zeros(0, dtype=bool)
             if ok.any():
-                self._previous = (tokens[ok].astype(float), y[ok].astype(float), label)
+                # A run of the same label replaces its older curve; the two latest runs stay (three on the plot).
+                kept = [p for p in self._previous if p[2] != label]
+                self._previous = (kept + [(tokens[ok].astype(float), y[ok].astype(float), label)])[-2:]
                 return True
-        self._previous = None
         return False
 
     def drop_previous(self) -> None:
-        self._previous = None
+        self._previous = []
         self._show_previous()
 
     @property
     def previous_label(self) -> str | None:
-        return self._previous[2] if getattr(self, "_previous", None) else None
+        return self._previous[-1][2] if getattr(self, "_previous", None) else None
+
+    @property
+    def previous_labels(self) -> list[str]:
+        """The held runs' labels, the latest last."""
+        return [p[2] for p in getattr(self, "_previous", [])]
 
     def _show_previous(self) -> None:
-        item, legend = self.previous_curve, self._legends[id(self.kv_plot)]
-        legend.removeItem(item)
-        previous = getattr(self, "_previous", None)
-        if previous is None:
-            item.setData([], [])
-            item.setVisible(False)
-            return
-        x, y, label = previous
-        item.setData(x, y)
-        item.setVisible(True)
-        legend.addItem(item, label)
+        legend = self._legends[id(self.kv_plot)]
+        held = list(getattr(self, "_previous", []))
+        items = (self.older_curve, self.previous_curve) if len(held) > 1 else (self.previous_curve,)
+        for item in (self.previous_curve, self.older_curve):
+            legend.removeItem(item)
+            if item not in items:
+                item.setData([], [])
+                item.setVisible(False)
+        for item, previous in zip(items, held):
+            x, y, label = previous
+            item.setData(x, y)
+            item.setVisible(True)
+            legend.addItem(item, label)
+        if not held:
+            self.previous_curve.setData([], [])
+            self.previous_curve.setVisible(False)
 
     def reset(self) -> None:
         """Forget everything (a new run) but the previous run's curve, if one is held (``hold_previous``)."""
@@ -433,6 +452,9 @@ class LivePlots(QWidget):
             for plot, line in zip((self.kv_plot, self.mem_plot, self.total_plot, self.error_plot), marker.lines):
                 plot.removeItem(line)
         self.markers.clear()
+        self.peak_points.clear()
+        for item in self.peak_items:
+            item.setData([])
         self._fresh.clear()
         self.host_only = None
         self.slope_bytes_per_token = None
@@ -464,11 +486,14 @@ class LivePlots(QWidget):
         token_rows: list[dict] = []
         time_rows: list[dict] = []
         for s in samples:
+            peaks = forward_peak_totals(s)  # a prefill or a switch's re-run: its forward pass's peak, both ways
+            if peaks is not None:
+                self._add_peak(max(int(s.token), 0), *peaks)
             if s.phase == PHASE_EVENT:
                 if s.event in ("switch", "error", "oom", "budget"):
                     self._add_marker(s)
                 continue
-            total_obs, total_pred = observed_and_predicted_total(s)
+            total_obs, total_pred = comparable_totals(s)
             self.tokens_cache = s.cache
             # A runtime that set more aside than the tokens hold (llama.cpp's context, reserved at load) gets two
             # curves, reserved (filled) and used; one that reserves nothing ahead, the one observed curve.
@@ -595,6 +620,25 @@ class LivePlots(QWidget):
         font.setPointSize(max(t.font_pt - 1, 8))
         font.setBold(True)
         text.setFont(font)
+
+    def _add_peak(self, token: int, observed: int, predicted: int) -> None:
+        """Mark a forward pass's peak on the Total plot: weights + the allocator's peak (a filled circle) and
+        weights + the replayed prediction (a hollow diamond), at the token of the prefill or re-run."""
+        if not self.peak_items:
+            t = self.theme
+            observed_item = pg.ScatterPlotItem(size=11, symbol="o", pen=pg.mkPen(t.curves["total_observed"]),
+                                               brush=pg.mkBrush(t.curves["total_observed"]), name="peak observed")
+            predicted_item = pg.ScatterPlotItem(size=13, symbol="d", pen=pg.mkPen(t.curves["total_predicted"], width=2),
+                                                brush=pg.mkBrush(None), name="peak predicted")
+            for item in (observed_item, predicted_item):
+                item.setZValue(5)
+                self.total_plot.addItem(item)
+            self.peak_items = [observed_item, predicted_item]
+        self.peak_points.append((token, observed, predicted))
+        del self.peak_points[:-MAX_MARKS]
+        xs = [float(x) for x, _, _ in self.peak_points]
+        self.peak_items[0].setData(xs, [float(o) for _, o, _ in self.peak_points])
+        self.peak_items[1].setData(xs, [float(p) for _, _, p in self.peak_points])
 
     def _add_marker(self, s: Sample) -> None:
         label = marker_label(s, MARK_LABEL_CHARS)  # the session's rule: the plot only draws it
@@ -737,6 +781,8 @@ class LivePlots(QWidget):
             self._set_y(self.kv_view, 0.0, kv_share_top, 1.2)
         hi = self._top(("total_observed", "total_predicted"))
         lo = self._bottom(("total_observed", "total_predicted"))
+        if self.peak_points and hi is not None:
+            hi = max(hi, max(max(o, p) for _, o, p in self.peak_points))
         if hi is not None and lo is not None:
             span = max(hi - lo, hi * 0.02, 1.0)
             self._set_y(self.total_plot, max(lo - 0.05 * span, 0.0), lo + span, 1.15, base=lo)

@@ -193,6 +193,10 @@ class StatsPanel(QWidget):
                        "Free memory divided by KV per token, or what is left of the max context if that "
                        "comes first. A forecast for the KV cache alone."),
         "speed": ("Speed", "Generated tokens per second (wall clock, the model's forward and the measuring)."),
+        "total": ("Observed total",
+                  "Where the memory went (core.breakdown): the observed total (GPU: NVML device used; CPU: process "
+                  "RSS) and its parts,\neach measured (m), predicted (p) or n/a where the device does not say; the "
+                  "stacked view below draws them."),
         "oom": ("Out of memory",
                 "Forecast: free memory (GPU: NVML device free; CPU: host available) divided by the KV bytes per "
                 "token\n(least squares over the last 32 tokens since the last switch), or the memory budget if "
@@ -243,6 +247,17 @@ class StatsPanel(QWidget):
         # Three figures are enough, and a wide number would not fit a presenter-mode tile.
         speed = "n/a" if s.tokens_per_s is None else f"{s.tokens_per_s:{'.0f' if s.tokens_per_s >= 100 else '.1f'}} tok/s"
         t["speed"].set(speed, f"token {s.tokens:,}" if s.tokens is not None else "")
+
+    def show_breakdown(self, b) -> None:
+        """The observed-total tile from a ``core.breakdown.Breakdown`` (None: nothing observed yet)."""
+        if b is None or b.total is None:
+            self.tiles["total"].set("n/a", "" if b is None else "the device does not say")
+            return
+        short = {"measured": "m", "predicted": "p", "measured remainder": "m"}
+        parts = " \u00b7 ".join(f"{p.label} {human_bytes(p.bytes)} ({short.get(p.source, p.source)})"
+                                 if p.bytes is not None else f"{p.label} n/a" for p in b.parts)
+        self.tiles["total"].set(human_bytes(b.total), f"{b.total_source}: {parts}")
+        self.tiles["total"].note.setWordWrap(True)
 
     def show_forecast(self, forecast, warning_color: str | None = None) -> None:
         """The OOM forecast tile (``core.forecast.OomForecast`` or None); ``warning_color`` when it is near."""

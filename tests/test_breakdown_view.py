@@ -1,0 +1,59 @@
+"""The stacked view of where the memory went (ui/breakdown_view.py) and the numbers panel's total tile, in real Qt
+(offscreen), rendering core.breakdown's figures."""
+
+from __future__ import annotations
+
+import random
+
+from core.breakdown import PARTS, memory_breakdown
+from core.spec import human_bytes
+from tests.test_breakdown import MiB, _gpu_sample, _sample
+from ui.breakdown_view import UNATTRIBUTED, BreakdownView
+from ui.stats import StatsPanel
+
+
+def test_the_bar_and_the_legend_follow_the_breakdown(qtbot) -> None:
+    view = BreakdownView()
+    qtbot.addWidget(view)
+    view.resize(260, 240)
+    view.show()
+    rng = random.Random(5)
+    for _ in range(20):
+        b = memory_breakdown(_gpu_sample(rng))
+        view.show_breakdown(b)
+        assert view.bar.total == b.total
+        assert sum(size for _, size in view.bar.segments) == b.total  # every byte of the total drawn once
+        for p in b.parts:
+            assert view.rows[p.name][1].text() == human_bytes(p.bytes)
+        assert not view.rows[UNATTRIBUTED][1].isVisible()
+    assert not view.grab().isNull()
+
+
+def test_what_the_device_does_not_say_reads_na(qtbot) -> None:
+    view = BreakdownView()
+    qtbot.addWidget(view)
+    view.show()
+    cpu = _sample(process_rss=500 * MiB, weights_bytes=40 * MiB, kv_bytes_held=MiB, kv_bytes_reserved=MiB,
+                  activations_predicted=2 * MiB)
+    view.show_breakdown(memory_breakdown(cpu))
+    assert view.rows["allocator_cache"][1].text() == "n/a" and view.rows["other_processes"][1].text() == "n/a"
+    assert view.rows["activations"][2].text() == "pred." and view.rows["runtime"][2].text() == "rest"
+    assert "process RSS" in view.total_label.text()
+    wsl = _gpu_sample(random.Random(1)).replace(process_gpu=None)  # NVML without a per-process figure
+    view.show_breakdown(memory_breakdown(wsl))
+    assert view.rows[UNATTRIBUTED][1].isVisible()
+    assert view.rows[UNATTRIBUTED][1].text() == human_bytes(wsl.device_used - wsl.allocator_reserved)
+    view.show_breakdown(None)
+    assert [view.rows[name][1].text() for name in PARTS] == ["n/a"] * len(PARTS)
+
+
+def test_the_numbers_panel_says_the_total_and_its_parts(qtbot) -> None:
+    panel = StatsPanel()
+    qtbot.addWidget(panel)
+    s = _sample(process_rss=500 * MiB, weights_bytes=40 * MiB, kv_bytes_held=MiB, kv_bytes_reserved=MiB,
+                activations_predicted=2 * MiB)
+    panel.show_breakdown(memory_breakdown(s))
+    tile = panel.tiles["total"]
+    assert tile.value.text() == human_bytes(500 * MiB)
+    assert "weights 40.0 MiB (m)" in tile.note.text() and "activations / compute 2.0 MiB (p)" in tile.note.text()
+    assert "other processes n/a" in tile.note.text()

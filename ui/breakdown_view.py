@@ -1,0 +1,144 @@
+"""Where the memory went: one stacked bar of the observed total, and a legend of its parts.
+
+It renders ``core.breakdown.Breakdown`` (the arithmetic lives there, without Qt): each part a segment of the
+bar in its own colour, with its bytes and where the figure comes from (measured, predicted, a measured
+remainder); a part the device does not say is listed as "n/a" and draws nothing; what the known parts leave
+of the total is a hatched segment "not attributed". Refreshed by the window's slow (about 1 Hz) timer.
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QRectF, Qt
+from PySide6.QtGui import QBrush, QColor, QPainter, QPen
+from PySide6.QtWidgets import QGridLayout, QGroupBox, QLabel, QSizePolicy, QVBoxLayout, QWidget
+
+from core.breakdown import LABELS, NA, PARTS, Breakdown
+from core.spec import human_bytes
+from ui.theme import Theme
+
+#: Okabe-Ito colours, bottom of the stack first: apart for the common colour-vision deficiencies.
+PART_COLORS = {
+    "weights": "#7f8ea3",
+    "kv_held": "#e69f00",
+    "kv_reserved_free": "#f5c86a",
+    "activations": "#cc79a7",
+    "allocator_cache": "#009e73",
+    "runtime": "#56b4e9",
+    "other_processes": "#d55e00",
+}
+UNATTRIBUTED = "not attributed"
+#: The legend's words, short enough for the side panel (its tooltip says them in full).
+SHORT_LABELS = {"weights": "weights", "kv_held": "KV held", "kv_reserved_free": "KV reserved", "activations":
+                "activations", "allocator_cache": "alloc. cache", "runtime": "runtime", "other_processes": "others"}
+SOURCE_SHORT = {"measured": "meas.", "predicted": "pred.", "measured remainder": "rest", NA: ""}
+
+
+class _Bar(QWidget):
+    """The stacked bar: each known part's share of the total, left to right in PARTS order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.segments: list[tuple[str, int]] = []
+        self.total = 0
+        self.background = "#20242b"
+        self.setMinimumHeight(18)
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+
+    def set_segments(self, segments: list[tuple[str, int]], total: int) -> None:
+        if (segments, total) != (self.segments, self.total):
+            self.segments, self.total = segments, total
+            self.update()
+
+    def paintEvent(self, event) -> None:  # noqa: N802 - Qt's name
+        p = QPainter(self)
+        rect = QRectF(self.rect()).adjusted(0.5, 0.5, -0.5, -0.5)
+        p.fillRect(rect, QColor(self.background))
+        if self.total > 0:
+            x = rect.left()
+            for name, size in self.segments:
+                w = rect.width() * size / self.total
+                color = PART_COLORS.get(name)
+                brush = QBrush(QColor(color)) if color else QBrush(QColor("#9aa4b2"), Qt.BrushStyle.BDiagPattern)
+                p.fillRect(QRectF(x, rect.top(), w, rect.height()), brush)
+                x += w
+        p.setPen(QPen(QColor("#9aa4b2")))
+        p.drawRect(rect)
+        p.end()
+
+
+class BreakdownView(QGroupBox):
+    """The observed total as a stacked bar, with one legend row per part (bytes and source, or n/a)."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__("Where the memory went", parent)
+        self.setToolTip("The observed total (GPU: NVML's device used; Apple: the MPS driver's allocation; CPU: this\n"
+                        "process's RSS) split into weights, KV, activations, the allocator's cache, the runtime's\n"
+                        "baseline (CUDA context, Python, libraries) and other processes. Each figure says where it\n"
+                        "comes from: meas. (measured), pred. (predicted), rest (the measured total less the parts\n"
+                        "above); n/a where the device does not say.")
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(6, 4, 6, 4)
+        layout.setSpacing(3)
+        self.total_label = QLabel("\u2014")
+        self.total_label.setObjectName("statNote")
+        self.bar = _Bar()
+        layout.addWidget(self.total_label)
+        layout.addWidget(self.bar)
+        grid = QGridLayout()
+        grid.setContentsMargins(0, 0, 0, 0)
+        grid.setHorizontalSpacing(6)
+        grid.setVerticalSpacing(0)
+        self.rows: dict[str, tuple[QLabel, QLabel, QLabel]] = {}
+        self.swatches: dict[str, QLabel] = {}
+        for i, name in enumerate((*PARTS, UNATTRIBUTED)):
+            swatch = QLabel("\u25a0")
+            color = PART_COLORS.get(name, "#9aa4b2")
+            swatch.setStyleSheet(f"color: {color};")
+            label = QLabel(SHORT_LABELS.get(name, "unattributed"))
+            label.setToolTip(LABELS.get(name, "what the known parts leave of the observed total"))
+            value = QLabel("n/a")
+            value.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+            source = QLabel("")
+            source.setObjectName("statNote")
+            for col, w in enumerate((swatch, label, value, source)):
+                grid.addWidget(w, i, col)
+            self.rows[name] = (label, value, source)
+            self.swatches[name] = swatch
+        grid.setColumnStretch(1, 1)
+        layout.addLayout(grid)
+        self.breakdown: Breakdown | None = None
+        self._show_unattributed(False)
+
+    def apply_theme(self, theme: Theme) -> None:
+        self.bar.background = theme.panel
+        self.bar.update()
+
+    def _show_unattributed(self, on: bool) -> None:
+        for w in (*self.rows[UNATTRIBUTED], self.swatches[UNATTRIBUTED]):
+            w.setVisible(on)
+
+    def show_breakdown(self, b: Breakdown | None) -> None:
+        """Show ``b`` (None: nothing observed yet)."""
+        self.breakdown = b
+        if b is None or b.total is None:
+            self.total_label.setText("no observation yet" if b is None else "total: n/a (the device does not say)")
+            self.bar.set_segments([], 0)
+            for name in PARTS:
+                self.rows[name][1].setText("n/a")
+                self.rows[name][2].setText("")
+            self._show_unattributed(False)
+            return
+        self.total_label.setText(f"{human_bytes(b.total)} observed \u00b7 {b.total_source}")
+        segments = [(p.name, p.bytes) for p in b.parts if p.bytes]
+        rest = b.unattributed
+        if rest:
+            segments.append((UNATTRIBUTED, max(rest, 0)))
+        self.bar.set_segments(segments, max(b.total, sum(size for _, size in segments)))
+        for p in b.parts:
+            _, value, source = self.rows[p.name]
+            value.setText(human_bytes(p.bytes) if p.bytes is not None else "n/a")
+            source.setText(SOURCE_SHORT.get(p.source, p.source))
+        self._show_unattributed(bool(rest))
+        if rest:
+            self.rows[UNATTRIBUTED][1].setText(human_bytes(rest))
+            self.rows[UNATTRIBUTED][2].setText("measured" if rest > 0 else "parts exceed total")

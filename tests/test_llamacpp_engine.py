@@ -120,15 +120,17 @@ def test_a_recording_of_a_llamacpp_run_round_trips_and_old_ones_still_read(gguf_
     rows = export_csv(path, tmp_path / "llama.csv")
     assert rows == len(samples)
     csv_head = (tmp_path / "llama.csv").read_text().splitlines()[0].split(",")
-    assert "kv_bytes_used" in csv_head and "runtime" in csv_head
-    # A line from before the fields existed reads as a transformers sample with nothing used.
-    old = {k: v for k, v in samples[-1].to_dict().items() if k not in ("kv_bytes_used", "runtime")}
-    legacy = sample_from_json(old)
-    assert legacy.runtime == "transformers" and legacy.kv_bytes_used is None
+    assert {"kv_bytes_held", "kv_bytes_reserved", "runtime"} <= set(csv_head)
+    # A line from before the runtime field reads as a transformers sample; one from before held/reserved (observed:
+    # reserved, used: held) reads as the two figures.
+    old = {k: v for k, v in samples[-1].to_dict().items() if k not in ("kv_bytes_held", "kv_bytes_reserved", "runtime")}
+    legacy = sample_from_json({**old, "kv_bytes_observed": samples[-1].kv_bytes_reserved,
+                               "kv_bytes_used": samples[-1].kv_bytes_held})
+    assert legacy.runtime == "transformers" and legacy == samples[-1].replace(runtime="transformers")
     # Untrusted: the new fields' types and ranges are checked.
     good = samples[-1].to_dict()
-    for bad in ({"kv_bytes_used": -1}, {"kv_bytes_used": "4096"}, {"kv_bytes_used": True}, {"runtime": 3},
-                {"kv_bytes_used": good["kv_bytes_observed"] + 1}, {"runtime": "x" * 10_000}):
+    for bad in ({"kv_bytes_held": -1}, {"kv_bytes_held": "4096"}, {"kv_bytes_held": True}, {"runtime": 3},
+                {"kv_bytes_held": good["kv_bytes_reserved"] + 1}, {"runtime": "x" * 10_000}):
         with pytest.raises(ValueError):
             sample_from_json({**good, **bad})
 

@@ -15,6 +15,7 @@ Imports neither torch nor llama_cpp; the child imports llama_cpp.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 import os
@@ -170,6 +171,23 @@ def _last_words(path: str | None) -> str:
     return ""
 
 
+@contextlib.contextmanager
+def _children_allowed():
+    """Let a daemonic process (the window's engine process is one) start this child: multiprocessing refuses
+    so that no child outlives a parent killed at exit. This child cannot: it ends when its pipe closes (EOF in
+    ``serve``), which the OS does when the parent dies, and ``close()`` joins or kills it."""
+    me = multiprocessing.current_process()
+    daemon = me._config.get("daemon")  # noqa: SLF001 - the one flag Process.start checks
+    me._config["daemon"] = False  # noqa: SLF001
+    try:
+        yield
+    finally:
+        if daemon is not None:
+            me._config["daemon"] = daemon  # noqa: SLF001
+        else:
+            me._config.pop("daemon", None)  # noqa: SLF001
+
+
 class LlamaCppRuntime:
     """A GGUF in llama.cpp, running in a child process; a ``core.runtimes.base.Runtime``."""
 
@@ -206,9 +224,11 @@ class LlamaCppRuntime:
         os.close(fd)
         ctx = multiprocessing.get_context("spawn")  # never fork a process that holds threads (Qt, the sampler)
         self._conn, child = ctx.Pipe()
-        self._process = ctx.Process(target=serve, name="kvscope-llamacpp", daemon=True,
-                                    args=(child, str(self.path), self.options, self.request.seed, self._stderr))
-        self._process.start()
+        process = ctx.Process(target=serve, name="kvscope-llamacpp", daemon=True,
+                              args=(child, str(self.path), self.options, self.request.seed, self._stderr))
+        with _children_allowed():
+            process.start()
+        self._process = process
         child.close()
         self._reply(LOAD_TIMEOUT_S, "loading")
         self._info, settings, self._start = self._ask("start")

@@ -38,8 +38,9 @@ clean:
 .PHONY: package icons
 PACKAGE_STAMP := $(VENV)/.package-installed
 
-$(PACKAGE_STAMP): $(STAMP) pyproject.toml
-	$(PY) -m pip install --quiet -e '.[quant,dev,package]'
+# The bundle ships llama.cpp (the llamacpp extra, CPU build) so the packaged app runs GGUF models.
+$(PACKAGE_STAMP): $(STAMP) $(LLAMACPP_STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e '.[quant,dev,llamacpp,package]'
 	touch $(PACKAGE_STAMP)
 
 icons: setup
@@ -49,3 +50,10 @@ package: $(PACKAGE_STAMP)
 	$(VENV)/bin/pyinstaller packaging/kvscope.spec --noconfirm --distpath dist --workpath build
 	QT_QPA_PLATFORM=offscreen dist/kvscope/kvscope --self-test
 	du -sh dist/kvscope
+
+# A Debian package of the bundle: dist/kvscope_<version>_<arch>.deb (/opt/kvscope, /usr/bin/kvscope, the desktop
+# entry and icons); builds the bundle first if there is none. Needs dpkg-deb (Debian, Ubuntu).
+.PHONY: deb
+deb: setup
+	test -x dist/kvscope/kvscope || $(MAKE) package
+	$(PY) scripts/make_deb.py --bundle dist/kvscope --out dist

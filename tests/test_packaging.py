@@ -9,6 +9,8 @@ from __future__ import annotations
 import ast
 import configparser
 import os
+import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -122,8 +124,30 @@ def test_desktop_file_has_the_required_keys():
     assert entry["Terminal"] == "false"
     assert entry["Comment"].strip()
     categories = [c for c in entry["Categories"].split(";") if c]
-    assert {"Development", "Science", "Education"} <= set(categories)
+    # One main category (several put the app in several menus: desktop-file-validate's hint), and
+    # Profiling, the additional category of memory and performance tools, under it.
+    assert categories == ["Development", "Profiling"]
     assert entry["Categories"].endswith(";")  # the spec requires the list to be ;-terminated
+
+
+@pytest.mark.skipif(shutil.which("desktop-file-validate") is None,
+                    reason="desktop-file-validate not installed (apt-get install desktop-file-utils)")
+def test_desktop_file_validates():
+    result = subprocess.run(["desktop-file-validate", str(DESKTOP)], capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout + result.stderr) == (0, "")
+
+
+@pytest.mark.skipif(shutil.which("desktop-file-validate") is None,
+                    reason="desktop-file-validate not installed (apt-get install desktop-file-utils)")
+def test_desktop_file_validate_catches_what_it_used_to_say(tmp_path):
+    """The validator really checks: the entry as it was (Version 1.5, three main categories) fails."""
+    old = DESKTOP.read_text(encoding="utf-8").replace("Version=1.4", "Version=1.5").replace(
+        "Categories=Development;Profiling;", "Categories=Development;Science;Education;")
+    (tmp_path / "kvscope.desktop").write_text(old, encoding="utf-8")
+    result = subprocess.run(["desktop-file-validate", str(tmp_path / "kvscope.desktop")], capture_output=True,
+                            text=True, timeout=60)
+    assert 'value "1.5" for key "Version"' in result.stdout
+    assert "more than one main category" in result.stdout
 
 
 # ------------------------------------------------------------------------------------------ icons
@@ -214,7 +238,10 @@ def test_self_test_fails_with_a_reason_when_assets_are_missing(qapp, monkeypatch
 @pytest.mark.slow
 @pytest.mark.skipif(not (ROOT / "core" / "loading.py").exists(), reason="core/loading.py (model loading) not there yet")
 def test_main_self_test_exits_0():
-    """The same command the packaged app runs: embedded model, 8 tokens, observed == predicted KV bytes."""
+    """The same command the packaged app runs: embedded model, 8 tokens, observed == predicted KV bytes; then
+    the embedded model's GGUF in llama.cpp where llama-cpp-python is installed (the bundle has it)."""
+    import importlib.util
+
     env = dict(os.environ, QT_QPA_PLATFORM="offscreen")
     result = subprocess.run([sys.executable, str(ROOT / "main.py"), "--self-test"], capture_output=True,
                             text=True, env=env, timeout=300, cwd=str(ROOT))
@@ -222,6 +249,13 @@ def test_main_self_test_exits_0():
     line = [ln for ln in result.stdout.splitlines() if ln.startswith("self-test")][-1]
     assert line.startswith("self-test OK: 8 tokens, KV ")
     assert "observed == predicted" in line and "embedded" in line
+    if importlib.util.find_spec("llama_cpp") is not None:
+        match = re.search(r"llama\.cpp 4 tokens, KV ([\d,]+) B reserved == predicted, ([\d,]+) B used", line)
+        assert match, line
+        reserved, used = (int(g.replace(",", "")) for g in match.groups())
+        assert 0 < used < reserved
+    else:
+        assert "llama.cpp skipped: " in line
 
 
 def test_self_test_failure_reasons_are_one_line():
@@ -231,3 +265,239 @@ def test_self_test_failure_reasons_are_one_line():
     assert _one_line(numpy_style) == "IMPORTANT: PLEASE READ THIS ... Original error was: libfoo.so: bad ELF"
     assert _one_line("short") == "short"
     assert _one_line("") == ""
+
+
+# ----------------------------------------------------------------------------------- licence, notices
+
+NOTICES = ROOT / "packaging" / "THIRD_PARTY_NOTICES.txt"
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def _pyproject() -> dict:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+
+
+def _bundle_requirements() -> list[str]:
+    """Canonical names of what the bundle is built from: the dependencies and the quant and llamacpp extras."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    project = _pyproject()
+    extras = project["optional-dependencies"]
+    return sorted(canonicalize_name(Requirement(r).name)
+                  for r in project["dependencies"] + extras["quant"] + extras["llamacpp"])
+
+
+def _installed(name: str):
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _notice_table(text: str) -> dict[str, tuple[str, str]]:
+    """The notices file's summary table: canonical name -> (version, licence)."""
+    from packaging.utils import canonicalize_name
+
+    table = {}
+    for line in text.split("\n\n", 3)[2].splitlines():
+        name, version, licence = re.match(r"  (\S+)\s+(\S+)\s+(.*)$", line).groups()
+        table[canonicalize_name(name)] = (version, licence)
+    return table
+
+
+def test_license_is_the_mit_licence_pyproject_declares():
+    text = (ROOT / "LICENSE").read_text(encoding="utf-8")
+    assert _pyproject()["license"] == "MIT"
+    assert text.startswith("MIT License\n\nCopyright (c) 2026 KV Scope developers\n")
+    assert 'THE SOFTWARE IS PROVIDED "AS IS", WITHOUT WARRANTY OF ANY KIND' in text
+    # The wheel carries the licence and the notices (setuptools' license-files -> .dist-info/licenses/).
+    assert set(_pyproject()["license-files"]) == {"LICENSE", "packaging/THIRD_PARTY_NOTICES.txt"}
+
+
+def test_notices_name_every_bundled_requirement_with_its_installed_licence():
+    import make_notices
+
+    table = _notice_table(NOTICES.read_text(encoding="utf-8"))
+    assert table["python"][1] == "PSF-2.0"
+    for name in _bundle_requirements():
+        assert name in table, f"{name} has no entry in {NOTICES.name}: run python scripts/make_notices.py"
+        dist = _installed(name)
+        if dist is not None:
+            # The licence is the distribution's own metadata's, not a guess (pinned: the same version here).
+            assert table[name] == (dist.version, make_notices.license_of(dist)), name
+
+
+def test_notices_carry_the_licence_texts_and_the_lgpl_terms():
+    text = NOTICES.read_text(encoding="utf-8")
+    # Qt for Python: LGPL-3.0's text (Debian's copy) and the relinking and source offer, once.
+    assert text.count("You may replace them with your own build") == 1
+    assert "GNU LESSER GENERAL PUBLIC LICENSE" in text and "Version 3, 29 June 2007" in text
+    # Texts from the dist-info: torch's BSD-3 ("From PyTorch:"), transformers' Apache-2.0; nvidia-ml-py's
+    # notice from pynvml.py's header; PyInstaller's bootloader exception.
+    for needed in ("From PyTorch:", "Apache License", "Version 2.0, January 2004",
+                   "Copyright (c) 2011-2025, NVIDIA Corporation", "unlimited permission to link or embed compiled"):
+        assert needed in text, needed
+    for section in ("torch", "transformers", "PySide6_Essentials", "pyqtgraph", "llama_cpp_python", "gguf", "numpy"):
+        assert re.search(rf"^{section} \S+  --  ", text, re.M), section
+
+
+def test_make_notices_writes_each_text_once(tmp_path):
+    import make_notices
+
+    same = "Permission is hereby granted, free of charge ..."
+    notices = [make_notices.Notice("a", "1", "MIT", [("LICENSE", same)]),
+               make_notices.Notice("b", "2", "MIT", [("LICENSE.txt", same)]),
+               make_notices.Notice("c", "3", "BSD-3-Clause", [])]
+    text = make_notices.render(notices, missing=["zzz"])
+    assert text.count(same) == 1
+    assert "--- LICENSE.txt: the same text as a's LICENSE, above" in text
+    assert "(no licence text shipped with this distribution" in text
+    assert "not installed when this file was generated" in text and "zzz" in text
+
+
+def test_make_notices_reads_this_environment(tmp_path):
+    """A fresh run over the installed distributions lists every installed bundled requirement, with a text."""
+    import make_notices
+
+    text = make_notices.write_notices(tmp_path / "notices.txt").read_text(encoding="utf-8")
+    table = _notice_table(text)
+    for name in _bundle_requirements():
+        if _installed(name) is not None:
+            assert name in table, name
+    assert "(no licence text shipped" not in text  # every one found a text (its dist-info's or FALLBACK's)
+
+
+def test_spec_ships_llama_cpp_the_licence_and_the_notices():
+    text = SPEC.read_text(encoding="utf-8")
+    tree = ast.parse(text)
+    strings = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+    assert {"LICENSE", "packaging/THIRD_PARTY_NOTICES.txt"} <= strings
+    calls = {ast.unparse(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
+    assert "make_notices.write_notices" in calls
+    # llama_cpp's ctypes libraries (llama_cpp/lib/*.so) go in as binaries of the Analysis.
+    assert 'collect_dynamic_libs("llama_cpp")' in text
+    analysis = next(node for node in ast.walk(tree)
+                    if isinstance(node, ast.Call) and ast.unparse(node.func) == "Analysis")
+    assert ast.unparse({kw.arg: kw.value for kw in analysis.keywords}["binaries"]) == "LLAMA_CPP_LIBS"
+    # The bundle's layout mirrors the repository's, which is where Help > About looks.
+    from ui.menus import LICENSE_FILE, NOTICES_FILE
+
+    assert (LICENSE_FILE, NOTICES_FILE) == ("LICENSE", "packaging/THIRD_PARTY_NOTICES.txt")
+
+
+def test_about_shows_the_licence_and_opens_the_notices(qtbot):
+    from PySide6.QtWidgets import QMainWindow
+
+    from ui.menus import NOTICES_FILE, about_box, legal_file, text_dialog
+
+    window = QMainWindow()
+    qtbot.addWidget(window)
+    box = about_box(window)
+    assert "MIT licence" in box.text() and "LGPL-3.0" in box.text()
+    assert box.license_button.isEnabled() and box.notices_button.isEnabled()
+    assert legal_file(NOTICES_FILE) == NOTICES
+    dialog = text_dialog(window, "Third-party notices", NOTICES_FILE)
+    shown = dialog.view.toPlainText()
+    assert shown == NOTICES.read_text(encoding="utf-8")
+    assert dialog.view.isReadOnly()
+    missing = text_dialog(window, "x", "packaging/NO_SUCH_FILE.txt").view.toPlainText()
+    assert missing == "packaging/NO_SUCH_FILE.txt was not found"
+
+
+# ------------------------------------------------------------------------------------------------ .deb
+
+needs_dpkg = pytest.mark.skipif(shutil.which("dpkg-deb") is None, reason="dpkg-deb not installed (not Debian)")
+
+
+def _fake_bundle(folder: Path) -> Path:
+    """A three-file stand-in for dist/kvscope: a real ELF program (/bin/true), a data file, the notices."""
+    (folder / "_internal" / "packaging").mkdir(parents=True)
+    shutil.copy2(shutil.which("true"), folder / "kvscope")
+    (folder / "_internal" / "base_library.txt").write_text("data\n")
+    shutil.copy2(NOTICES, folder / "_internal" / "packaging" / "THIRD_PARTY_NOTICES.txt")
+    return folder
+
+
+def _glibc_needed(path: str) -> tuple[int, ...]:
+    """The highest GLIBC_ version in a file's dynamic symbols, by objdump -T (the deb builder uses readelf)."""
+    out = subprocess.run(["objdump", "-T", path], capture_output=True, text=True, check=True).stdout
+    return max(tuple(map(int, v.split("."))) for v in re.findall(r"\bGLIBC_([0-9]+(?:\.[0-9]+)+)\b", out))
+
+
+@needs_dpkg
+def test_make_deb_packages_a_bundle(tmp_path):
+    bundle = _fake_bundle(tmp_path / "bundle")
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_deb.py"), "--bundle", str(bundle),
+                             "--out", str(tmp_path / "out"), "--compression", "gzip"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    version = _pyproject()["version"]
+    arch = subprocess.run(["dpkg", "--print-architecture"], capture_output=True, text=True).stdout.strip()
+    deb = tmp_path / "out" / f"kvscope_{version}_{arch}.deb"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [deb.name]  # the staging folder is gone
+    listing = subprocess.run(["dpkg-deb", "--contents", str(deb)], capture_output=True, text=True, check=True).stdout
+    rows = {line.split()[5].lstrip("."): line for line in listing.splitlines()}
+    expected = ["/opt/kvscope/kvscope", "/opt/kvscope/_internal/base_library.txt",
+                "/opt/kvscope/_internal/packaging/THIRD_PARTY_NOTICES.txt", "/usr/share/applications/kvscope.desktop",
+                "/usr/share/doc/kvscope/copyright", "/usr/share/doc/kvscope/changelog.gz",
+                "/usr/share/man/man1/kvscope.1.gz", "/usr/share/icons/hicolor/scalable/apps/kvscope.svg"]
+    expected += [f"/usr/share/icons/hicolor/{s}x{s}/apps/kvscope.png" for s in PNG_SIZES]
+    for path in expected:
+        assert path in rows, path
+        assert "root/root" in rows[path]
+    assert rows["/opt/kvscope/kvscope"].startswith("-rwxr-xr-x")
+    assert rows["/opt/kvscope/_internal/base_library.txt"].startswith("-rw-r--r--")
+    assert "/usr/bin/kvscope -> /opt/kvscope/kvscope" in listing
+    fields = subprocess.run(["dpkg-deb", "--field", str(deb)], capture_output=True, text=True, check=True).stdout
+    control = dict(line.split(": ", 1) for line in fields.splitlines() if ": " in line and not line.startswith(" "))
+    assert (control["Package"], control["Version"], control["Architecture"]) == ("kvscope", version, arch)
+    # libc6 at the highest glibc symbol version the program needs, as objdump -T reads it.
+    glibc = ".".join(map(str, _glibc_needed(str(bundle / "kvscope"))))
+    assert control["Depends"] == f"libc6 (>= {glibc})"
+    # The files inside are the bundle's and the repository's, byte for byte.
+    unpacked = tmp_path / "unpacked"
+    subprocess.run(["dpkg-deb", "--extract", str(deb), str(unpacked)], check=True)
+    assert (unpacked / "opt/kvscope/kvscope").read_bytes() == (bundle / "kvscope").read_bytes()
+    assert (unpacked / "usr/share/applications/kvscope.desktop").read_bytes() == DESKTOP.read_bytes()
+    assert (unpacked / "usr/share/icons/hicolor/48x48/apps/kvscope.png").read_bytes() == \
+        (ICONS / "kvscope-48.png").read_bytes()
+    copyright_file = (unpacked / "usr/share/doc/kvscope/copyright").read_text()
+    assert "Copyright: 2026 KV Scope developers\nLicense: Expat\n" in copyright_file
+    assert "/opt/kvscope/_internal/packaging/THIRD_PARTY_NOTICES.txt" in copyright_file
+    if shutil.which("lintian"):
+        lint = subprocess.run(["lintian", "--no-cfg", str(deb)], capture_output=True, text=True, timeout=300)
+        tags = [line for line in lint.stdout.splitlines() if re.match(r"[EW]: ", line)]
+        assert tags == [], lint.stdout
+
+
+@needs_dpkg
+def test_make_deb_refuses_a_folder_without_the_program(tmp_path):
+    (tmp_path / "empty").mkdir()
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_deb.py"), "--bundle",
+                             str(tmp_path / "empty"), "--out", str(tmp_path / "out")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"make_deb: {tmp_path / 'empty' / 'kvscope'} is not an executable program: "
+                                     "build the bundle first (make package)")
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+BUILT_DEBS = sorted((ROOT / "dist").glob("kvscope_*.deb"))
+
+
+@pytest.mark.skipif(not BUILT_DEBS, reason="no dist/kvscope_*.deb (make deb builds one: minutes)")
+def test_built_deb_has_the_bundle_llama_cpp_and_the_notices():
+    listing = subprocess.run(["dpkg-deb", "--contents", str(BUILT_DEBS[-1])], capture_output=True, text=True,
+                             check=True).stdout
+    paths = {line.split()[5].lstrip(".") for line in listing.splitlines()}
+    for needed in ("/opt/kvscope/kvscope", "/opt/kvscope/_internal/LICENSE",
+                   "/opt/kvscope/_internal/packaging/THIRD_PARTY_NOTICES.txt",
+                   "/opt/kvscope/_internal/llama_cpp/lib/libllama.so", "/usr/share/applications/kvscope.desktop",
+                   "/usr/share/icons/hicolor/256x256/apps/kvscope.png", "/usr/share/doc/kvscope/copyright"):
+        assert needed in paths, needed
+    assert "/usr/bin/kvscope -> /opt/kvscope/kvscope" in listing

@@ -88,12 +88,75 @@ def show_keys(self: QMainWindow) -> None:
     QMessageBox.information(self, "KV Scope keys", f"<table cellspacing='6'>{rows}</table>")
 
 
-def show_about(self: QMainWindow) -> None:
+#: The licence files, as the repository (and the desktop bundle, which mirrors it) has them.
+LICENSE_FILE, NOTICES_FILE = "LICENSE", "packaging/THIRD_PARTY_NOTICES.txt"
+
+
+def legal_file(name: str):
+    """Path of LICENSE or the third-party notices: next to core/ (a checkout, the desktop bundle), else in
+    kvscope's installed dist-info (a wheel's license-files); None when neither has it."""
+    import importlib.metadata
+    from pathlib import Path
+
+    from core.spec import ASSETS
+
+    candidates = [ASSETS.parent / name]
+    try:
+        candidates += [Path(f.locate()) for f in importlib.metadata.distribution("kvscope").files or []
+                       if f.name == Path(name).name]
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    return next((path for path in candidates if path.is_file()), None)
+
+
+def about_box(self: QMainWindow) -> QMessageBox:
+    """Help > About: what KV Scope is, its licence, and buttons for the licence and the third-party notices."""
     from core import __version__
 
-    QMessageBox.about(self, "About KV Scope",
-                      f"<b>KV Scope {__version__}</b><p>See the KV cache grow token by token, and predict "
-                      "what a context will cost before anything is loaded.</p><p>Bytes = 2 \u00d7 layers "
-                      "\u00d7 KV heads \u00d7 head_dim \u00d7 tokens \u00d7 batch \u00d7 bytes per "
-                      "element.</p><p>Memory in binary units: 1 GiB = 1,073,741,824 bytes.</p>")
+    box = QMessageBox(self)
+    box.setWindowTitle("About KV Scope")
+    box.setText(f"<b>KV Scope {__version__}</b><p>See the KV cache grow token by token, and predict "
+                "what a context will cost before anything is loaded.</p><p>Bytes = 2 \u00d7 layers "
+                "\u00d7 KV heads \u00d7 head_dim \u00d7 tokens \u00d7 batch \u00d7 bytes per "
+                "element.</p><p>Memory in binary units: 1 GiB = 1,073,741,824 bytes.</p>"
+                "<p>Free software under the MIT licence, Copyright \u00a9 2026 KV Scope developers. It uses Qt "
+                "and Qt for Python (PySide6, LGPL-3.0), torch, transformers, llama.cpp, pyqtgraph and more, "
+                "each under its own licence: see the third-party notices.</p>")
+    box.license_button = box.addButton("Licence\u2026", QMessageBox.ButtonRole.ActionRole)
+    box.notices_button = box.addButton("Third-party notices\u2026", QMessageBox.ButtonRole.ActionRole)
+    box.addButton(QMessageBox.StandardButton.Close)
+    for button, name in ((box.license_button, LICENSE_FILE), (box.notices_button, NOTICES_FILE)):
+        button.setEnabled(legal_file(name) is not None)
+    return box
+
+
+def text_dialog(self: QMainWindow, title: str, name: str):
+    """A read-only window with the text of ``legal_file(name)`` (or why it is missing)."""
+    from PySide6.QtGui import QFontDatabase
+    from PySide6.QtWidgets import QDialog, QDialogButtonBox, QPlainTextEdit, QVBoxLayout
+
+    path = legal_file(name)
+    dialog = QDialog(self)
+    dialog.setWindowTitle(title)
+    view = QPlainTextEdit(dialog)
+    view.setReadOnly(True)
+    view.setFont(QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont))
+    view.setPlainText(path.read_text(encoding="utf-8", errors="replace") if path else f"{name} was not found")
+    buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Close, parent=dialog)
+    buttons.rejected.connect(dialog.reject)
+    layout = QVBoxLayout(dialog)
+    layout.addWidget(view)
+    layout.addWidget(buttons)
+    dialog.resize(820, 600)
+    dialog.view = view
+    return dialog
+
+
+def show_about(self: QMainWindow) -> None:
+    box = about_box(self)
+    box.exec()
+    chosen = {box.license_button: ("KV Scope licence", LICENSE_FILE),
+              box.notices_button: ("Third-party notices", NOTICES_FILE)}.get(box.clickedButton())
+    if chosen is not None:
+        text_dialog(self, *chosen).exec()
 

@@ -3,7 +3,10 @@
 It goes the real way through: a Qt application on the offscreen platform, the generation engine
 in its own process (a child of this executable, as the window runs it), the embedded demo model built from ``assets/`` (so the bundle's data files are
 found), a prefill and 8 decoded tokens on the CPU, for every decoded token the observed KV bytes
-compared with the predicted ones, and a pyqtgraph plot of them rendered offscreen. One line on stdout says what passed; on any failure one
+compared with the predicted ones, and a pyqtgraph plot of them rendered offscreen. Then, where llama.cpp is
+installed (the desktop bundle ships it), the embedded model's GGUF decodes a few tokens in llama.cpp the way
+``run --runtime llama.cpp`` runs it, and llama.cpp's allocation must equal the prediction; without it the
+line says that part was skipped. One line on stdout says what passed; on any failure one
 line says why and the exit status is 1. No display, GPU or network is needed.
 """
 
@@ -14,24 +17,26 @@ import os
 import sys
 import time
 
+from core.errors import INTERNAL, KVScopeError
+
 #: Tokens the self-test decodes; each one must have observed KV bytes == predicted KV bytes.
 SELF_TEST_TOKENS = 8
 #: Loading includes building the embedded model on first use (a few seconds); generous for slow CI.
-from core.errors import INTERNAL, KVScopeError
-
 SELF_TEST_TIMEOUT_S = 120.0
+#: Tokens the embedded model's GGUF decodes in llama.cpp, when llama.cpp is installed (the bundle has it).
+LLAMACPP_TOKENS = 4
 
 
 class SelfTestFailed(KVScopeError):
     """The self-test found something wrong; the message is the one line the user sees."""
+
+    category = INTERNAL
 
 
 def self_test(timeout_s: float = SELF_TEST_TIMEOUT_S, tokens: int = SELF_TEST_TOKENS) -> int:
     """Load the embedded model, decode ``tokens`` tokens offscreen on the CPU, check the KV bytes.
 
     Prints one line ("self-test OK: ..." or "self-test FAILED: ...") and returns the exit status:
-    category = INTERNAL
-
     0 when every decoded token's observed KV bytes equal the predicted ones, else 1.
     """
     # A crash in native code (a broken bundle, a mismatched Qt) should still say where it happened.
@@ -82,23 +87,69 @@ def _render_plot(values: list[int]) -> tuple[int, int]:
     return image.width(), image.height()
 
 
+def llamacpp_missing() -> str | None:
+    """Why llama.cpp cannot run here (llama-cpp-python not installed), else None. Never imports llama_cpp
+    (the window's process must not): the runtime registry's answer, else whether the module is there."""
+    try:
+        from core.runtimes import missing
+
+        return missing("llama.cpp")
+    except ImportError:
+        import importlib.util
+
+        return None if importlib.util.find_spec("llama_cpp") is not None else "llama_cpp is not installed"
+
+
 def _run(timeout_s: float, tokens: int) -> str:
-    from PySide6.QtCore import QEvent, QEventLoop, QTimer
     from PySide6.QtWidgets import QApplication
 
     from core.request import RunRequest
-    from core.sample import PHASE_DECODE
     from core.spec import ASSETS
-    from workers.engine_link import HostedGenerationController, controller_class
 
     if not ASSETS.is_dir():
         # In a bundle this means the spec did not place assets/ next to core/.
         raise SelfTestFailed(f"assets folder not found at {ASSETS}")
     app = QApplication.instance() or QApplication(sys.argv[:1])
-    # The window's way: the model in the engine process (a child of this executable), unless
-    # KVSCOPE_ENGINE=thread.
+    line = _run_transformers(app, RunRequest(source="embedded", max_new_tokens=tokens, device="cpu"), timeout_s)
+    return f"{line}; {_llamacpp_part(app, timeout_s)}"
+
+
+def _llamacpp_part(app, timeout_s: float) -> str:
+    """The embedded model's GGUF through llama.cpp for a few tokens, the way ``run --runtime llama.cpp``
+    runs it: llama.cpp's allocation at load (observed) must equal the prediction at every token, and the
+    cells holding tokens must grow with each token. Skipped, and said so, without llama.cpp."""
+    why = llamacpp_missing()
+    if why:
+        return f"llama.cpp skipped: {why}"
+    from core.llamacpp import LlamaCppOptions
+    from core.request import RunRequest
+
+    request = RunRequest(source="embedded", runtime="llama.cpp", llamacpp=LlamaCppOptions(n_ctx=512),
+                         max_new_tokens=LLAMACPP_TOKENS, device="cpu")
+    decoded, _controller, where = _generate(app, request, timeout_s, LLAMACPP_TOKENS, "llama.cpp")
+    used = [getattr(s, "kv_bytes_used", None) for s in decoded]
+    for sample, held in zip(decoded, used):
+        if sample.kv_bytes_observed is None or sample.kv_bytes_observed != sample.kv_bytes_predicted:
+            raise SelfTestFailed(f"llama.cpp token {sample.token}: KV reserved {sample.kv_bytes_observed} B "
+                                 f"!= predicted {sample.kv_bytes_predicted} B")
+        if held is None or not 0 < held <= sample.kv_bytes_observed:
+            raise SelfTestFailed(f"llama.cpp token {sample.token}: KV used {held} B is not within the "
+                                 f"{sample.kv_bytes_observed:,} B reserved")
+    if any(b <= a for a, b in zip(used, used[1:])):
+        raise SelfTestFailed(f"llama.cpp's used KV bytes did not grow with each token: {used}")
+    return (f"llama.cpp {len(decoded)} tokens, KV {decoded[-1].kv_bytes_observed:,} B reserved == predicted, "
+            f"{used[-1]:,} B used {where}")
+
+
+def _generate(app, request, timeout_s: float, tokens: int, what: str) -> tuple[list, object, str]:
+    """Run ``request`` the window's way (the engine process, a child of this executable, unless
+    KVSCOPE_ENGINE=thread) until it ends; its decoded samples, the controller and where it ran."""
+    from PySide6.QtCore import QEvent, QEventLoop, QTimer
+
+    from core.sample import PHASE_DECODE
+    from workers.engine_link import HostedGenerationController, controller_class
+
     controller = controller_class()()
-    hosted = isinstance(controller, HostedGenerationController)
     samples: list = []
     errors: list[str] = []
     loop = QEventLoop()
@@ -121,21 +172,32 @@ def _run(timeout_s: float, tokens: int) -> str:
     controller.finished.connect(loop.quit)
     timer.timeout.connect(on_timeout)
     timer.start(int(timeout_s * 1000))
-    controller.start(RunRequest(source="embedded", max_new_tokens=tokens, device="cpu"))
+    controller.start(request)
     loop.exec()
     timer.stop()
     if timed_out:
         controller.stop(timeout_s=5.0)
-        raise SelfTestFailed(f"no result within {timeout_s:.0f} s ({len(samples)} samples so far)")
+        raise SelfTestFailed(f"{what}: no result within {timeout_s:.0f} s ({len(samples)} samples so far)")
     controller.stop(timeout_s=5.0)  # the run has finished; this only joins its thread
     app.processEvents()  # deliver the last queued sample batch
     # Let the worker's and thread's deleteLater run now, while everything they refer to is alive.
     app.sendPostedEvents(None, QEvent.Type.DeferredDelete)
+    where = "in this process"
+    if isinstance(controller, HostedGenerationController):
+        where = f"in the engine process (pid {controller.host.pid})"
+        controller.host.shutdown()
     if errors:
-        raise SelfTestFailed(f"the run failed: {errors[0]}")
+        prefix = "the run failed" if what == "transformers" else f"the {what} run failed"
+        raise SelfTestFailed(f"{prefix}: {errors[0]}")
     decoded = [s for s in samples if s.phase == PHASE_DECODE]
     if len(decoded) < tokens:
-        raise SelfTestFailed(f"expected {tokens} decoded tokens, got {len(decoded)}")
+        raise SelfTestFailed(f"{what}: expected {tokens} decoded tokens, got {len(decoded)}")
+    return decoded, controller, where
+
+
+def _run_transformers(app, request, timeout_s: float) -> str:
+    """The embedded model in torch: observed KV bytes == predicted at every decoded token, and a plot."""
+    decoded, controller, where = _generate(app, request, timeout_s, request.max_new_tokens, "transformers")
     for sample in decoded:
         if sample.kv_bytes_observed is None or sample.kv_bytes_predicted is None:
             raise SelfTestFailed(f"token {sample.token}: KV bytes not available "
@@ -147,10 +209,6 @@ def _run(timeout_s: float, tokens: int) -> str:
     last = decoded[-1]
     info = controller.info
     model = info.label if info is not None else "embedded"
-    where = "in this process"
-    if hosted:
-        where = f"in the engine process (pid {controller.host.pid})"
-        controller.host.shutdown()
     return (f"{len(decoded)} tokens, KV {last.kv_bytes_observed:,} B observed == predicted, "
             f"model {model} on {last.device} ({last.dtype}, {last.attention}, {last.cache} cache) {where}, "
             f"Qt platform {app.platformName()}, plot {width}x{height}")

@@ -327,13 +327,16 @@ class _Cursor:
         self.off += n
         return raw
 
-    def skip_string(self, key: str) -> None:
+    def skip_string(self, key: str, keep: int = 0) -> bytes:
+        """Past one string value; its first ``keep`` bytes are returned (a name: never a copy of 1 GiB)."""
         n = self.u64("{}", key)
         if n > GGUF_MAX_STRING_LENGTH:
             raise SpecError(f"{self.file}: {key} claims {n:,} bytes, past llama.cpp's limit of "
                             f"{GGUF_MAX_STRING_LENGTH:,} (GGUF_MAX_STRING_LENGTH in ggml/src/gguf.cpp)")
         self.need(n, "{}", key)
+        head = self.buf[self.off:self.off + min(n, keep)] if keep else b""
         self.off += n
+        return head
 
     def skip_strings(self, count: int, key: str) -> None:
         """Walk ``count`` length-prefixed strings without decoding them (a vocabulary of 262,144 tokens: ~60 ms)."""
@@ -430,9 +433,8 @@ def _walk(cur: _Cursor) -> tuple[dict[str, _Field], list[GgufTensor]]:
             cur.off += nbytes
             fields[key] = _Field(ARRAY, values, sub, count)
         elif vtype == STRING:
-            if key.startswith("general."):  # the architecture and the name; every other string is skipped
-                raw_value = cur.raw_string("{}", GGUF_MAX_STRING_LENGTH, key)
-                fields[key] = _Field(STRING, raw_value[:4096].decode("utf-8", "replace"))
+            if key.startswith("general."):  # the architecture and the name (their first 4 KiB); others skipped
+                fields[key] = _Field(STRING, cur.skip_string(key, keep=4096).decode("utf-8", "replace"))
             else:
                 cur.skip_string(key)
                 fields[key] = _Field(STRING)

@@ -250,10 +250,11 @@ def _sdpa_cpu_buffers(b: int, heads: int, q: int, kv: int, head_dim: int, dt: in
 
 
 def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, device: str = "cpu",
-                 cpu_threads: int = 1) -> PrefillPeak:
+                 cpu_threads: int = 1, past_tokens: int = 0) -> PrefillPeak:
     """The prefill's peak, in bytes above what was held before the forward call (the weights, the empty cache),
     for the call ``generate()`` makes: ``model(input_ids, cache=DynamicCache(), use_cache=True,
-    logits_to_keep=1)``.
+    logits_to_keep=1)``. With ``past_tokens``, the same for ``prompt_tokens`` new tokens (1: a decode step) on a
+    dynamic cache that already holds ``past_tokens`` (its per-layer cat allocates the grown K/V, then frees the old).
 
     The forward pass of transformers 5.24 is replayed tensor by tensor (``_Heap``): the embeddings (held to the
     end), the positions, the causal mask (eager: [b, 1, s, s] in the model dtype; sdpa: none, it runs causal),
@@ -267,6 +268,7 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
     """
     eff = effective_spec(spec, settings)
     b, s = settings.batch, prompt_tokens
+    kv = past_tokens + s  # keys each new token attends (a decode step: s = 1)
     dt = dtype_bytes(settings.weight_dtype or spec.dtype)
     kv_dt = kv_elem_bytes(spec, settings)
     H, V, I = spec.hidden_size, spec.vocab_size, spec.intermediate_size
@@ -274,13 +276,15 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
     kernel = spec.kernel_for(settings.attn_impl)
     eager = kernel == "eager"
     mt = spec.model_type
-    exact = mt in _LLAMA_LIKE
+    # A decode step on sliding layers past their window: DynamicSlidingWindowLayer keeps W - 1 tokens, not replayed.
+    exact = mt in _LLAMA_LIKE and not (past_tokens and eff.num_sliding_layers)
     heap = _Heap()
     A = b * s * H * dt  # one hidden-state tensor
     A32 = b * s * H * FP32
     row32 = b * s * FP32  # one fp32 scalar per token (RMSNorm's variance)
     Q, K = b * heads * s * hd * dt, b * kvh * s * hd * dt
-    Kc = b * kvh * s * hd * kv_dt  # the cache's copy of one layer's keys (values the same)
+    Kc = b * kvh * kv * hd * kv_dt  # the cache's new tensor of one layer's keys (values the same)
+    Kc_old = b * kvh * past_tokens * hd * kv_dt  # the one it replaces (held before the call)
     rope_parameters = spec.config.get("rope_parameters")
     factor = _cfg(spec, "partial_rotary_factor", "rotary_pct") or (
         rope_parameters.get("partial_rotary_factor") if isinstance(rope_parameters, dict) else None)
@@ -294,8 +298,8 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
     mask = 0
     if eager:
         heap.at = "causal mask"
-        tmp = heap.alloc(b * s * s)  # the boolean mask
-        mask = heap.alloc(b * s * s * dt)  # torch.where into the additive float mask
+        tmp = heap.alloc(b * s * kv)  # the boolean mask
+        mask = heap.alloc(b * s * kv * dt)  # torch.where into the additive float mask
         heap.free(tmp)
     heap.at = "rotary embedding"
     pos32, inv32 = heap.alloc(b * s * FP32), heap.alloc(b * (rotary // 2) * FP32)
@@ -346,9 +350,9 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
     window = eff.sliding_window if eff.num_sliding_layers else None
     gelu_formula = _cfg(spec, "hidden_act", "activation_function", default="") in ("gelu_new", "gelu_fast")
     sdpa_mask = 0
-    if not eager and window is not None and s > window - 1:
+    if not eager and window is not None and kv > window - 1:
         heap.at = "causal mask"
-        sdpa_mask = heap.alloc(b * s * s)  # a window that bites: sdpa gets a boolean mask, not is_causal
+        sdpa_mask = heap.alloc(b * s * kv)  # a window that bites: sdpa gets a boolean mask, not is_causal
 
     def norm() -> int:
         if not layer_norm:
@@ -412,7 +416,6 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
     # Phi's attention binds the rotated halves and the pass-through views to locals that live until it returns.
     locals_hold = mt == "phi" and rotary < hd
     kept: list[int] = []
-    held_kv = 0
     h = E  # the layer's input, held by the caller's binding for the whole layer
     for layer in range(eff.num_layers):
         heap.at = f"layer {layer + 1} attention"
@@ -429,13 +432,15 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
                 kept.extend((q, k))
             else:
                 heap.free(q, k)
-        held_kv += heap.alloc(Kc) + heap.alloc(Kc)  # DynamicLayer.update: torch.cat into the cache
+        for _ in range(2):  # DynamicLayer.update: torch.cat into the cache, keys then values
+            heap.alloc(Kc)
+            heap.free(Kc_old)  # the tensor the cat replaced (held before the call)
         heap.free(ke, v)
         weights = 0
         groups = heads // kvh
         if eager:
-            reps = [heap.alloc(b * heads * s * hd * kv_dt) for _ in range(2)] if groups > 1 else []
-            S = b * heads * s * s * dt
+            reps = [heap.alloc(b * heads * kv * hd * kv_dt) for _ in range(2)] if groups > 1 else []
+            S = b * heads * s * kv * dt
             heap.at = f"layer {layer + 1} scores"
             scores = heap.alloc(S)
             scaled = heap.alloc(S)
@@ -444,8 +449,8 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
             heap.free(scaled)
             heap.at = f"layer {layer + 1} softmax"
             if dt != FP32:
-                up = heap.alloc(b * heads * s * s * FP32)
-                sm = heap.alloc(b * heads * s * s * FP32)
+                up = heap.alloc(b * heads * s * kv * FP32)
+                sm = heap.alloc(b * heads * s * kv * FP32)
                 heap.free(up)
                 weights = heap.alloc(S)  # .to(query.dtype)
                 heap.free(sm)
@@ -458,14 +463,14 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
             heap.free(o, *reps)
         else:
             # transformers' use_gqa_in_sdpa: with a mask, K/V are repeated to the query heads first.
-            reps = [heap.alloc(b * heads * s * hd * kv_dt) for _ in range(2)] if sdpa_mask and groups > 1 else []
+            reps = [heap.alloc(b * heads * kv * hd * kv_dt) for _ in range(2)] if sdpa_mask and groups > 1 else []
             heap.at = f"layer {layer + 1} sdpa"
             # scaled_dot_product_attention turns a boolean mask into an additive one in the query's dtype
-            float_mask = heap.alloc(b * s * s * dt) if sdpa_mask else 0
+            float_mask = heap.alloc(b * s * kv * dt) if sdpa_mask else 0
             out = heap.alloc(b * s * heads * hd * dt)
             if device == "cpu":
                 lse = heap.alloc(b * heads * s * FP32)
-                buf, reduced = _sdpa_cpu_buffers(b, heads, s, s, hd, dt, cpu_threads)
+                buf, reduced = _sdpa_cpu_buffers(b, heads, s, kv, hd, dt, cpu_threads)
                 heap.alloc(buf)
                 heap.alloc(reduced)
                 heap.free(reduced, buf, lse)
@@ -497,7 +502,9 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
         h = h3
     heap.at = "final norm and lm_head"
     normed = norm()
-    heap.free(h)
-    logits = heap.alloc(b * V * dt)  # lm_head on hidden_states[:, -1:, :] (logits_to_keep=1)
-    heap.free(normed, E, mask, sdpa_mask, cos_sin, s * 8)
+    # The base model returns: its locals (embeddings, positions, masks, cos/sin, the last layer's output) go
+    # before the causal-LM head runs lm_head on hidden_states[:, -1:, :] (logits_to_keep=1).
+    heap.free(h, E, mask, sdpa_mask, cos_sin, s * 8)
+    heap.alloc(b * V * dt)
+    heap.free(normed)
     return PrefillPeak(peak=heap.peak, end=heap.now, where=heap.where, exact=exact)

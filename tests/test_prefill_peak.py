@@ -110,3 +110,49 @@ def test_the_engine_measures_and_predicts_each_prefill_and_rerun() -> None:
     assert switch.tokens_rerun == 98
     assert switch.peak_bytes_observed is not None and switch.peak_bytes_observed != first.peak_bytes_observed
     assert switch.peak_bytes_predicted is not None
+
+
+def _measure_step(model, past: int, impl: str):
+    """The allocator's peak of one decode step above its start, after a prefill of ``past`` tokens. Both calls run
+    in one profiler session: the step frees the cache tensors the prefill made, and a session sees the free of a
+    block only if it saw its allocation. A marker allocation (an odd size) says where the step starts."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import DynamicCache
+
+    marker_bytes = 7_777_777
+    model.set_attn_implementation(impl)
+    ids = torch.randint(0, 200, (1, past + 1), generator=torch.Generator().manual_seed(past))
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model(input_ids=ids[:, :past], cache=cache, use_cache=True, logits_to_keep=1)
+        marker = torch.empty(marker_bytes, dtype=torch.uint8)
+        del marker
+        out = model(input_ids=ids[:, past:], cache=cache, use_cache=True, logits_to_keep=1)
+    cpu = torch._C._autograd.DeviceType.CPU
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+                     and e.device_type() == cpu), key=lambda e: e.start_ns())
+    now, start, peak = 0, None, 0
+    for e in events:
+        now += int(e.nbytes())
+        if start is None:
+            if e.nbytes() == -marker_bytes:
+                start = peak = now
+            continue
+        peak = max(peak, now)
+    assert start is not None and out.logits.shape[1] == 1
+    return peak - start
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("model_type", ["llama", "phi3", "gpt_neox", "phi"])
+def test_a_decode_step_matches_the_allocator_in_fp32(models, model_type: str, impl: str) -> None:
+    """One decode step on a dynamic cache of ``past`` tokens (seeded), replayed with ``past_tokens``: the cache's
+    cat of the grown K/V and the free of the old, the 1 x past scores. fp32: bf16's oneDNN scratch (about 36 KB per
+    matmul here) outweighs a decode step of these tiny models."""
+    model = models(model_type, "float32")
+    spec = spec_from_config(model.config.to_dict(), model_type)
+    past = random.Random(f"{model_type}{impl}").randint(100, 700)
+    measured = _measure_step(model, past, impl)
+    predicted = prefill_peak(spec, RunSettings(weight_dtype="float32", attn_impl=impl), 1, past_tokens=past,
+                             cpu_threads=torch.get_num_threads())
+    assert abs(predicted.peak - measured) <= max(EXACT_SLACK, TOLERANCE * measured), (predicted, measured)

@@ -73,7 +73,8 @@ _SKIP_DIRS = {"node_modules", "__pycache__", "site-packages", ".git"}
 class InstalledModel:
     """One model found on disk.
 
-    ``source``: a model folder (``kind`` "hf": it holds config.json) or a GGUF file (``kind`` "gguf"; an
+    ``source``: a model folder (``kind`` "hf": it holds config.json; "mlx" for an MLX conversion, which runs with
+    MLX: ``core.runtimes.mlx.switches.mlx_format``) or a GGUF file (``kind`` "gguf"; an
     Ollama blob has no .gguf suffix). ``origin``: one of ``ORIGINS``. ``size_bytes``: bytes on disk (a
     revision's files, a folder's files, a GGUF file or all its shards). ``num_ctx``: the context Ollama runs
     the model with, when its params set one. ``label`` has its control characters escaped (it is shown).
@@ -386,7 +387,7 @@ def _hf_repo(repo: Path, repo_id: str, store: _Store, budget: list[int]) -> None
     for rev in revisions:
         config = rev.path / "config.json"
         if config in rev.files and _is_model_config(config, store):
-            store.models.append(InstalledModel(label, str(rev.path), "hf", "hf-cache", rev.size))
+            store.models.append(InstalledModel(label, str(rev.path), _folder_kind(repo), "hf-cache", rev.size))
             break
     if revisions:
         newest = revisions[0]
@@ -437,6 +438,13 @@ def _hf_revision(path: Path, store: _Store, budget: list[int]) -> _Revision:
         except OSError:
             newest = 0.0
     return _Revision(path.name, path, files, sum(blobs.values()), newest)
+
+
+def _folder_kind(folder: Path) -> str:
+    """"mlx" for an MLX conversion (an mlx-community repo, LM Studio's "-MLX-" folders: run with MLX), else "hf"."""
+    from core.runtimes.mlx.switches import mlx_format
+
+    return "mlx" if mlx_format(folder) else "hf"
 
 
 def _is_model_config(path: Path, store: _Store | None = None) -> bool:
@@ -650,7 +658,7 @@ def _walk(root: Path, store: _Store, label_by_name: bool) -> None:
         is_model = folder / "config.json" in files and _is_model_config(folder / "config.json", store)
         if is_model:
             label = folder.name if folder == root or label_by_name else folder.relative_to(root).as_posix()
-            store.models.append(InstalledModel(printable(label), str(folder), "hf", store.origin,
+            store.models.append(InstalledModel(printable(label), str(folder), _folder_kind(folder), store.origin,
                                                _folder_bytes(entries)))
         for path in _gguf_files(files):
             label = path.name if label_by_name else path.relative_to(root).as_posix()

@@ -175,7 +175,7 @@ EXPECTED = [
     ("Big-Q4-00001-of-00002.gguf", "LMS/big/Big-GGUF/Big-Q4-00001-of-00002.gguf", "gguf", "lm-studio", 216, None),
     ("old.Q4_0.gguf", "HOME/.cache/lm-studio/models/TheBloke/Old-GGUF/old.Q4_0.gguf", "gguf", "lm-studio", 18, None),
     ("Qwen-Q4_K_M.gguf", "LMS/lmstudio-community/Qwen-GGUF/Qwen-Q4_K_M.gguf", "gguf", "lm-studio", 308, None),
-    ("Tiny-4bit", "LMS/mlx-community/Tiny-4bit", "hf", "lm-studio", len(json.dumps(TINY_LLAMA)) + 64, None),
+    ("Tiny-4bit", "LMS/mlx-community/Tiny-4bit", "mlx", "lm-studio", len(json.dumps(TINY_LLAMA)) + 64, None),  # runs in MLX
     ("loose.gguf", "ADDED/loose.gguf", "gguf", "folder", 28, None),
     ("org/tiny-llama", "ADDED/org/tiny-llama", "hf", "folder", len(json.dumps(TINY_LLAMA)) + 200, None),
 ]

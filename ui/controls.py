@@ -28,6 +28,8 @@ from core.caches import parse_cache
 from core.installed import ORIGINS, InstalledModel, scan_installed
 from core.llamacpp import CACHE_TYPES as LLAMACPP_CACHE_TYPES, LlamaCppOptions
 from core.request import DEFAULT_PROMPT, RunRequest, llamacpp_missing
+from core.runtimes.mlx.predict import parse_cache as parse_mlx_cache
+from core.runtimes.mlx.switches import MlxOptions, mlx_missing
 from core.safe_text import safe_text
 from core.sample import Sample
 from core.settings import ATTN_IMPLS, RunSettings, attention_choices, cache_choices, parse_attn_impl, switch_problem
@@ -36,7 +38,7 @@ from ui.forms import form_box
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("embedded", "installed", "folder", "hub", "llamacpp")
+SOURCES = ("embedded", "installed", "folder", "hub", "llamacpp", "mlx")
 #: The QSettings key (top level: the calculator reads it too) of the folders the user added to look for models in.
 FOLDERS_KEY = "model_folders"
 #: One pool thread at a time imports huggingface_hub / transformers: the calculator's warm-up (transformers)
@@ -246,6 +248,7 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
         self.source_combo.addItem("Local folder", "folder")
         self.source_combo.addItem("Hugging Face hub id", "hub")
         self.source_combo.addItem("llama.cpp (GGUF)", "llamacpp")
+        self.source_combo.addItem("MLX (mlx-lm)", "mlx")  # the embedded model in MLX; installed MLX folders too
         self.source_combo.setToolTip("Embedded: a tiny Llama-shaped model built offline, always available.\n"
                                      "Installed model: one already on this machine (the Hugging Face cache, Ollama, "
                                      "LM Studio, folders you add).\nLocal folder: a saved transformers model, or a "
@@ -298,10 +301,15 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
         self.source_stack.addWidget(folder_row)
         self.source_stack.addWidget(self.hub_edit)
         self.source_stack.addWidget(gguf_row)
+        self.source_stack.addWidget(QWidget())  # MLX: the embedded model (an installed MLX folder: "Installed model")
         #: Why the llama.cpp source cannot be chosen (llama-cpp-python missing), or None.
         self.llamacpp_missing = llamacpp_missing()
         if self.llamacpp_missing:
             self._disable_item(self.source_combo, "llamacpp", self.llamacpp_missing)
+        #: Why the MLX source cannot be chosen (mlx / mlx-lm missing), or None.
+        self.mlx_missing = mlx_missing()
+        if self.mlx_missing:
+            self._disable_item(self.source_combo, "mlx", self.mlx_missing)
         self.source_combo.currentIndexChanged.connect(self.source_stack.setCurrentIndex)
         self.source_combo.currentIndexChanged.connect(lambda i: self.source_stack.setVisible(i != 0))
         self.source_stack.setFixedHeight(self.hub_edit.sizeHint().height())
@@ -417,7 +425,7 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
             combo.clear()
             for m in models:
                 combo.addItem(m.describe(), m.source)
-                kind = "GGUF file" if m.kind == "gguf" else "transformers model folder"
+                kind = {"gguf": "GGUF file", "mlx": "MLX model folder"}.get(m.kind, "transformers model folder")
                 combo.setItemData(combo.count() - 1, f"{m.describe()}\n{kind}: {safe_text(m.source)}",
                                   Qt.ItemDataRole.ToolTipRole)
             if wanted and combo.findData(wanted) < 0 and Path(wanted).exists():
@@ -655,6 +663,8 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
         kind = self.source_combo.currentData()
         if kind == "llamacpp":
             return self._llamacpp_request()
+        if kind == "mlx":
+            return self._mlx_request("embedded")
         if kind == "installed":
             source = self.installed_combo.currentData() or ""
             if not source:
@@ -664,6 +674,8 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
                 # A GGUF (Ollama's, LM Studio's...) runs where it was made to run: llama.cpp, with the context
                 # Ollama's Modelfile sets (num_ctx) unless Max context says otherwise.
                 return self._llamacpp_request(source, default_ctx=model.num_ctx if model is not None else None)
+            if model is not None and model.kind == "mlx":  # an MLX conversion runs in MLX
+                return self._mlx_request(source)
         elif kind == "folder":
             source = self.folder_edit.text().strip()
             if not source:
@@ -719,9 +731,26 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
             kwargs["prompt"] = prompt
         return RunRequest(**kwargs)
 
+    def _mlx_request(self, source: str) -> RunRequest:
+        """An MLX run of ``source``: the cache from the Cache combo where it names an MLX cache (else a KVCache)."""
+        if self.mlx_missing:
+            raise SpecError(self.mlx_missing)
+        cache = self.cache_combo.currentData() or ""
+        try:
+            cache = parse_mlx_cache(cache).key if cache and cache != "dynamic" else "kv"
+        except SpecError:
+            cache = "kv"  # a transformers or llama.cpp cache from the run before
+        kwargs = dict(source=source, runtime="mlx", mlx=MlxOptions(cache=cache), max_new_tokens=self.max_tokens_spin.value())
+        prompt = self.prompt_edit.toPlainText().strip()
+        if prompt:
+            kwargs["prompt"] = prompt
+        return RunRequest(**kwargs)
+
     def apply_request(self, request: RunRequest) -> None:
         """Show a RunRequest's choices in the controls (from the command line)."""
-        if request.runtime == "llama.cpp":
+        if request.runtime == "mlx" and request.source == "embedded" and not self.mlx_missing:
+            self.source_combo.setCurrentIndex(SOURCES.index("mlx"))
+        elif request.runtime == "llama.cpp":
             self.source_combo.setCurrentIndex(SOURCES.index("llamacpp"))
             self.gguf_edit.setText("" if request.source == "embedded" else request.source)
         elif request.source == "embedded":

@@ -373,7 +373,7 @@ class LivePlots(QWidget):
                 curve.legend.addItem(curve.item, curve.name)
         if hasattr(self, "previous_curve"):
             self.previous_curve.setPen(pg.mkPen(theme.text, width=theme.line_width * 1.6, style=Qt.PenStyle.DotLine))
-            self.older_curve.setPen(pg.mkPen(theme.text, width=theme.line_width * 1.6, style=Qt.PenStyle.DashDotLine))
+            self.older_curve.setPen(pg.mkPen(theme.accent, width=theme.line_width * 1.6, style=Qt.PenStyle.DashDotLine))
             if self._previous:
                 self._show_previous()  # its legend sample follows the theme too
         for marker in self.markers:
@@ -395,9 +395,12 @@ class LivePlots(QWidget):
         a transformers run's growing cache beside a llama.cpp run's prepayment of the same model, or two
         settings side by side. False if there is no curve to keep. ``reset`` keeps it; ``drop_previous`` ends it."""
         tokens = self.tokens.column("token")
-        for key in ("kv_observed", "kv_reserved"):
-            y = self.tokens.column(key)
-            ok = np.isfinite(y) if len(y) else np.zeros(0, dtype=bool)
+        # What the runtime set aside where it reserved ahead (llama.cpp's context, MLX's 256-token steps), else
+        # the one observed figure (transformers): the curve each runtime is known by.
+        reserved, observed = self.tokens.column("kv_reserved"), self.tokens.column("kv_observed")
+        if len(tokens):
+            y = np.where(np.isfinite(reserved), reserved, observed)
+            ok = np.isfinite(y)
             if ok.any():
                 # A run of the same label replaces its older curve; the two latest runs stay (three on the plot).
                 kept = [p for p in self._previous if p[2] != label]
@@ -770,6 +773,8 @@ class LivePlots(QWidget):
         if ends:
             self._set_x(self.mem_plot, min(e[0] for e in ends), max(e[1] for e in ends))
         kv_top = self._top(("kv_observed", "kv_predicted", "kv_reserved", "kv_used"))
+        if kv_top is not None and self._previous:  # the held runs' curves fit too
+            kv_top = max([kv_top] + [float(p[1].max()) for p in self._previous])
         if kv_top is not None:
             self._set_y(self.kv_plot, 0.0, kv_top, 1.15)
         mem_top = self._top(("device_used", "process_gpu", "process_rss", "reserved", "allocated", "weights")

@@ -10,28 +10,11 @@ that names its own Python file (``model_file``) is refused unless the user passe
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from core.attention import SettingsError
 
-#: Hugging Face organisations whose repos are MLX conversions (``mlx_lm.convert`` output).
-MLX_ORGS = ("mlx-community", "lmstudio-community-mlx")
-
-
-def mlx_format(folder: str | Path, config: dict[str, Any] | None = None) -> str | None:
-    """Why ``folder`` is an MLX model (a one-word reason), or None when it does not look like one.
-
-    An ``mlx_lm.convert`` folder says so in its config: a ``quantization`` entry ({"group_size", "bits"}) that
-    transformers' own configs never carry (theirs is ``quantization_config``); a Hugging Face cache repo of an
-    MLX organisation (``models--mlx-community--...``) is one whatever its config says. Reads nothing but the
-    config given (the installed-model scan has read it, bounded)."""
-    path = Path(folder)
-    parts = [p.lower() for p in path.parts]
-    if any(p.startswith(f"models--{org}--") for p in parts for org in MLX_ORGS) or any(org in parts for org in MLX_ORGS):
-        return "mlx-community"
-    if isinstance(config, dict) and isinstance(config.get("quantization"), dict):
-        return "mlx-quantized"
-    return None
+from core.runtimes.mlx.switches import MLX_ORGS, mlx_format  # noqa: F401 - the scan's check, beside the loader's
 
 
 def resolve_model(source: str, progress: Callable[[str], None] | None = None, trust_remote_code: bool = False) -> Path:

@@ -24,7 +24,7 @@ from core.attention import MLA, AttentionMode, SettingsError, Window, native_att
 from core.caches import CacheStrategy, Quantized, Static, TokenSelecting
 from core.errors import GenerationError  # noqa: F401 - its old home: `from core.engine import GenerationError`
 from core.measure import cache_bytes, model_weight_bytes
-from core.predict import activation_bytes, kv_bytes, predict
+from core.predict import kv_bytes, predict
 from core.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
 from core.settings import RunSettings, effective_spec, parse_attn_impl, parse_switch_value
 from core.spec import INDEXED_ATTENTION, SLIDING_ATTENTION, ModelSpec, SpecError
@@ -104,7 +104,6 @@ class Engine:
         self._last_step_s: float | None = None
         self._tokens_rerun: int | None = None  # set by a switch that runs the tokens through the model again
         self._weights_observed = model_weight_bytes(self.model)
-        self.budget_forecast_token: int | None = None
         self._pending_ids: list[int] = []
         #: The quality probe (off by default: it costs a second forward pass per token and a second cache):
         #: the same tokens through the same model with a full dynamic cache, teacher-forced.
@@ -745,16 +744,3 @@ class Engine:
         gc.collect()
         if self.device.startswith("cuda"):
             torch.cuda.empty_cache()
-
-    def budget_forecast(self, budget: int, max_tokens: int) -> int | None:
-        """The first token, counted like ``Sample.token`` (1 = the first generated token), whose
-        generation would take weights + KV + decode activations over ``budget``; None if none of the
-        next ``max_tokens`` would. It is the token ``_check_budget`` refuses (same arithmetic): when
-        the budget is already too small now, that is the next token, never the one already made."""
-        weights = self._weights_observed
-        for extra in range(1, max_tokens + 1):
-            n = self.seq_len + extra
-            act = activation_bytes(self.spec, self.settings, 1, n)
-            if weights + self.predicted_kv(n) + act > budget:
-                return self.generated + extra
-        return None

@@ -174,3 +174,26 @@ def test_refusals_say_why(embedded_folder, tmp_path):
         cli_options(argparse.Namespace(cache="quantized"))
     with pytest.raises(SettingsError, match="NYI"):
         cli_options(argparse.Namespace(cache="dynamic", max_kv_size=64, kv_bits=8))
+
+
+def test_prefill_peak_against_the_allocator(embedded_folder):
+    """The prefill's peak (mx.get_peak_memory() after mx.reset_peak_memory(), less what was active before) against
+    prefill_peak: the predictor counts arrays that must all be alive at the attention of the largest chunk (the
+    caches, one layer's scores and causal mask and its per-token tensors), so it is never above the allocator's
+    peak; what it leaves out (MLX's graph temporaries) keeps it within 35% below (the README's table)."""
+    import random
+
+    from core.runtimes.mlx.engine import MlxEngine
+
+    rng = random.Random(27)
+    lengths = sorted({1, 2} | {rng.randrange(3, 700) for _ in range(4)})
+    for n in lengths:
+        engine = MlxEngine(embedded_folder, "kv")
+        try:
+            first = engine.prefill(" the" * n)
+        finally:
+            engine.close()
+        obs, pred = first.peak_bytes_observed, first.peak_bytes_predicted
+        assert obs is not None and pred is not None
+        assert first.kv_bytes_reserved < pred <= obs, (first.context_tokens, obs, pred)
+        assert (obs - pred) / obs < 0.35, (first.context_tokens, obs, pred)

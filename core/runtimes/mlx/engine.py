@@ -31,7 +31,7 @@ from typing import Any, Callable
 from core.attention import SettingsError, native_attention, parse_attention
 from core.request import ModelInfo
 from core.runtimes.mlx.predict import (KV, PREFILL_STEP, QUANTIZED, ROTATING, MlxCache, ModelTrack, layer_cache,
-                                       layers_of, parse_cache, prompt_chunks, quantize_problem)
+                                       layers_of, parse_cache, prefill_peak, prompt_chunks, quantize_problem)
 from core.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
 from core.spec import ModelSpec, human_bytes
 
@@ -250,6 +250,8 @@ class MlxEngine:
         if not ids:
             raise MlxRunError("the prompt is empty: give at least one token of text")
         mx.reset_peak_memory()
+        base = int(mx.get_active_memory())
+        fresh = self.track.offset == 0 and self.cache_setting.kind == KV and self.predictable
         t = self.clock()
         at = 0
         for n in prompt_chunks(len(ids), self.prefill_step):
@@ -264,7 +266,12 @@ class MlxEngine:
         self._logits = logits
         self.tokens = ids
         self.pass_peak = mx.get_peak_memory()
-        return self._sample(PHASE_PREFILL, prompt)
+        # The prefill's peak beyond what was active before it, measured and predicted (a fresh KVCache only:
+        # prefill_peak counts the KVCache's steps).
+        predicted = (prefill_peak(self.layers, self.spec_now.hidden_size, self.spec_now.num_query_heads, len(ids),
+                                  self.prefill_step) if fresh else None)
+        return self._sample(PHASE_PREFILL, prompt, peak_bytes_observed=int(self.pass_peak) - base,
+                            peak_bytes_predicted=predicted)
 
     def step(self) -> Sample:
         """Sample the next token from the last logits with mlx-lm's sampler, feed it, measure."""

@@ -414,3 +414,35 @@ def describe_step(layers: Sequence[LayerShape], cache: MlxCache) -> str:
 __all__ = ["STEP", "PREFILL_STEP", "MlxCache", "parse_cache", "LayerShape", "slot_bytes", "CacheTrack",
            "ModelTrack", "layers_of", "kv_after", "history", "staircase", "prompt_chunks", "quantize_problem",
            "kv_capacity", "describe_step"]
+
+
+# ---------------------------------------------------------------------------------------------------- the prefill peak
+
+
+def prefill_peak(layers: Sequence[LayerShape], hidden: int, query_heads: int, prompt_tokens: int,
+                 prefill_step: int = PREFILL_STEP) -> int:
+    """The bytes a prompt's prefill adds to MLX's active memory at its peak (``mx.get_peak_memory()`` after
+    ``mx.reset_peak_memory()``, less the memory active before), as ``generate_step`` feeds it with a KVCache.
+
+    Counted, for the largest chunk of n tokens over S keys: the caches' arrays after it (``ModelTrack``), one
+    layer's attention as MLX's CPU ``scaled_dot_product_attention`` computes it (the scores of every query head,
+    ``heads x n x S`` values, and the causal mask, ``n x S`` bytes of bool) and that layer's per-token tensors
+    (the residual, its norm, Q, K, V, Q and K after RoPE, the scaled Q: ``itemsize x (3 x hidden + 3 x heads x
+    head_dim + 3 x kv_heads x head_dim)`` per token). Not counted: the temporaries MLX's graph keeps alive
+    between layers, which depend on its evaluation order (measured: about 12 KiB per token on the embedded
+    model; the README's table gives the error per prompt length)."""
+    layers = tuple(layers)
+    track = ModelTrack(layers, MlxCache(KV))
+    peak = 0
+    for n in prompt_chunks(prompt_tokens, prefill_step):
+        start = track.offset
+        track.feed(n)
+        keys = start + n
+        worst = 0
+        for layer in layers:
+            s = keys if layer.window is None else min(keys, start + n)  # the keys attended (a window keeps S >= n)
+            scores = query_heads * n * s * layer.itemsize + n * s
+            per_token = layer.itemsize * (3 * hidden + 3 * query_heads * layer.k_dim + 3 * layer.heads * layer.k_dim)
+            worst = max(worst, scores + n * per_token)
+        peak = max(peak, track.nbytes + worst)
+    return peak

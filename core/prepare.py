@@ -49,24 +49,46 @@ def backend_needed(key: str, value: str) -> str | None:
     return None
 
 
-def _warm(backend: str, job: _Job) -> None:
-    try:
-        from core.engine import _backend_problem  # torch: this thread, in the engine's process
+def warm_backend(backend: str, nbits: int = 4) -> str | None:
+    """Build and load ``backend`` in this process the way a cache uses it: a quantized layer's first update
+    quantizes, the next one dequantizes what it holds (optimum-quanto's C++ unpack kernel, which it compiles
+    on first use; quantizing alone does not build it: 0.07 s, then minutes inside the switch's trial pass).
+    Returns why it cannot run here, or None. Imports torch (the engine process only)."""
+    import torch
+    from transformers.cache_utils import HQQQuantizedLayer, QuantoQuantizedLayer
 
-        job.problem = _backend_problem(backend)
+    from core.engine import _backend_problem
+
+    problem = _backend_problem(backend)
+    if problem:
+        return problem
+    try:
+        layer = (QuantoQuantizedLayer if backend == "quanto" else HQQQuantizedLayer)(nbits=nbits, residual_length=1)
+        probe = torch.zeros(1, 1, 4, 64)
+        layer.update(probe, probe)  # quantizes
+        layer.update(probe[:, :, :1], probe[:, :, :1])  # dequantizes: builds and loads the unpack kernel
+        layer.update(probe[:, :, :1], probe[:, :, :1])
+    except Exception as exc:  # noqa: BLE001 - extension build errors come as RuntimeError, OSError...
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+    return None
+
+
+def _warm(backend: str, nbits: int, job: _Job) -> None:
+    try:
+        job.problem = warm_backend(backend, nbits)
     except Exception as exc:  # noqa: BLE001 - a preparation that fails is the switch's refusal, never a dead run
         job.problem = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
     finally:
         job.done.set()
 
 
-def prepare(backend: str, clock=time.monotonic) -> _Job:
+def prepare(backend: str, nbits: int = 4, clock=time.monotonic) -> _Job:
     """Start preparing ``backend`` on a background thread (once per process); returns its job."""
     with _lock:
         job = _jobs.get(backend)
         if job is None:
             job = _Job(started=clock(), thread=threading.Thread(name=f"kvscope-prepare-{backend}", daemon=True,
-                                                                target=lambda: _warm(backend, job)))
+                                                                target=lambda: _warm(backend, nbits, job)))
             _jobs[backend] = job
             job.thread.start()
         return job

@@ -12,6 +12,8 @@ from PySide6.QtWidgets import QHBoxLayout, QLabel, QProgressBar, QSizePolicy, QW
 from core.safe_text import NAME_LIMIT, safe_text
 from core.sample import Sample
 
+#: The narrowest a settings badge gets on a small screen (text px; its padding comes on top).
+BADGE_FLOOR = 44
 #: What the state badge says.
 STATE_TEXT = {"idle": "idle", "loading": "\u23f3 loading", "running": "\u25cf running",
               "paused": "\u275a\u275a paused", "stopping": "stopping\u2026"}
@@ -51,14 +53,19 @@ class ElidedLabel(QLabel):
         super().changeEvent(event)
         self._elide()
 
+    #: The width this label asks for whatever it says now (``BadgeRow.reserve``); it yields below it, elided.
+    reserved = 0
+    #: Never narrower than this where a width is reserved (a badge stays a badge: 'MQA', 'sta…').
+    floor = 0
+
     def sizeHint(self) -> QSize:  # noqa: N802 - Qt's name: as wide as the whole text wants
         m = self.contentsMargins()
         hint = super().sizeHint()
         return QSize(max(self.fontMetrics().horizontalAdvance(self._full) + m.left() + m.right() + self.pad + 2,
-                         self.minimumWidth()), hint.height())
+                         self.minimumWidth(), self.reserved), hint.height())
 
     def minimumSizeHint(self) -> QSize:  # noqa: N802 - never the text's width: it yields, elided
-        return QSize(self.minimumWidth() or 24, super().minimumSizeHint().height())
+        return QSize(self.minimumWidth() or min(self.reserved, self.floor) or 24, super().minimumSizeHint().height())
 
     #: Fewer characters than this left after eliding: show nothing rather than a stub ("em…").
     min_shown = 0
@@ -158,14 +165,19 @@ class BadgeRow(QWidget):
     def reserve(self, key: str, texts, point_size: int, most: int = 130) -> None:
         """Keep ``badges[key]`` as wide as the widest of ``texts`` (what it can come to say) in bold type of
         ``point_size`` (the theme's badge type), padding included, at most ``most`` px, so that a switch to
-        a longer setting ('quantized:hqq:4' after 'dynamic') does not shift the row mid-run."""
+        a longer setting ('quantized:hqq:4' after 'dynamic') does not shift the row mid-run. It is the width
+        the badge asks for, not its minimum: on a small screen (1024x768, presenter type) the badges yield,
+        elided with the whole text in the tooltip, down to ``BADGE_FLOOR`` px each, and the window fits."""
         font = QFont(self.badges[key].font())
         font.setPointSize(point_size)
         font.setBold(True)
         metrics = QFontMetrics(font)
         widest = max((metrics.horizontalAdvance(t) for t in texts), default=0)
         label = self.badges[key]
-        self.badges[key].setMinimumWidth(min(widest + label.pad + 4, most) if widest else 0)
+        label.setMinimumWidth(0)
+        label.reserved = min(widest + label.pad + 4, most) if widest else 0
+        label.floor = BADGE_FLOOR + label.pad
+        label.updateGeometry()
 
     def show_settings(self, s: Sample) -> None:
         self.badges["attention"].setText(s.attention.upper())

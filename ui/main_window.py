@@ -34,7 +34,7 @@ from core.settings import ATTN_IMPLS, attention_choices, cache_choices
 from core.spec import SpecError, human_bytes
 from ui.calculator import CalculatorTab
 from ui.servers import ServersTab
-from ui.controls import CONTROLS_MIN_W, FIRST_START_TOKENS, KEYS_HELP, ControlsPanel  # noqa: F401 - FIRST_START_TOKENS: tests, docs
+from ui.controls import FIRST_START_TOKENS, KEYS_HELP, ControlsPanel  # noqa: F401 - FIRST_START_TOKENS: tests, docs
 from ui.diagnose import EventsTable, GpuProcessesPanel
 from ui.badges import STATE_TEXT, BadgeRow, ElidedLabel
 from ui.file_actions import FileActions
@@ -55,8 +55,10 @@ STATS_MS = 1000
 #: Column widths (logical px) that let the window fit 1280x720 with every control reachable.
 RIGHT_MIN_W, RIGHT_MAX_W = 200, 420
 #: Narrower than this, the window lays itself out for a small screen (``_fit_layout_to_width``).
-COMPACT_W = 1200
-CONTROLS_COMPACT_W, RIGHT_COMPACT_W = 240, 230
+COMPACT_W = 1400
+RIGHT_COMPACT_W = 230
+#: A plots' column narrower than this stacks the memory plot over the predicted-vs-observed pair.
+STACK_BELOW_W = 640
 DEFAULT_SAMPLER_HZ = 20.0
 
 
@@ -527,24 +529,33 @@ class MainWindow(FileActions, QMainWindow):
         self._fit_layout_to_width()
 
     def _fit_layout_to_width(self) -> None:
-        """Below ``COMPACT_W`` (1024x768, 1280x720 in presenter type) the side columns give the plots their room:
-        the controls and the numbers narrower, the memory plot wider than the small predicted-vs-observed pair.
-        Applied when the window crosses the width, so a splitter the user drags stays where it is meanwhile."""
+        """Below ``COMPACT_W`` (1024x768, 1280x720, 1366x768) the numbers column narrows and the memory plot gets
+        60 % of the bottom row; where the plots' column is still under ``STACK_BELOW_W`` (1024 px with the
+        controls shown) the memory plot and the predicted-vs-observed pair go one above the other, each the
+        column's whole width (side by side they got ~240 px each: titles, time axis and legend cut).
+        Applied when the window crosses a width, so a splitter the user drags stays where it is meanwhile."""
         compact = self.width() < COMPACT_W
-        if compact == getattr(self, "_compact", None):
+        left = 0 if self.presenter else max(self.controls.minimumWidth(), 1)
+        right = max(self.right_panel.minimumWidth(), RIGHT_COMPACT_W) if compact else None
+        centre = self.width() - left - (right or RIGHT_MAX_W)
+        # Not in presenter type: stacked, its plots' minimum heights make the window taller than a 720p screen.
+        stacked = compact and centre < STACK_BELOW_W and not self.presenter
+        key = (compact, stacked, self.presenter)
+        if key == getattr(self, "_layout_key", None):
             return
-        self._compact = compact
-        self.controls.setMinimumWidth(CONTROLS_COMPACT_W if compact else CONTROLS_MIN_W)
-        if not compact:
-            return
-        total = max(sum(self.live_splitter.sizes()), self.width())
-        left = 0 if self.presenter else CONTROLS_COMPACT_W
-        right = max(self.right_panel.minimumWidth(), RIGHT_COMPACT_W)
-        self.live_splitter.setSizes([left, max(total - left - right, 1), right])
+        self._layout_key = key
         bottom = self.plots.splitter.widget(1)
         if isinstance(bottom, QSplitter):
-            width = max(sum(bottom.sizes()), 1)
-            bottom.setSizes([int(width * 0.6), width - int(width * 0.6)])
+            bottom.setOrientation(Qt.Orientation.Vertical if stacked else Qt.Orientation.Horizontal)
+            bottom.setCollapsible(0, False)
+            bottom.setCollapsible(1, False)
+            bottom.setSizes([3000, 2000] if compact else [1000, 1000])  # in proportion
+        if stacked:
+            self.centre_splitter.setSizes([8000, 2000])  # the plots take 80 % of the height, the events the rest
+            self.plots.splitter.setSizes([3000, 5000])  # the KV plot over the two others
+        if compact:
+            total = max(sum(self.live_splitter.sizes()), self.width())
+            self.live_splitter.setSizes([left, max(total - left - right, 1), right])
 
     def eventFilter(self, watched, event) -> bool:  # noqa: N802 - Qt's name
         if watched is self.plots and event.type() == QEvent.Type.Resize and self.alert_label.isVisible():
@@ -749,6 +760,7 @@ class MainWindow(FileActions, QMainWindow):
             total = max(sum(self._normal_centre_sizes), 1)
             self.centre_splitter.setSizes([int(total * 0.72), int(total * 0.28)])
         self.apply_theme()
+        self._fit_layout_to_width()  # the controls come and go: the plots' column changes width
         # The controls come back after the normal type is in force: shown while the presenter type's
         # wide badges still were, they would grow the window past its normal size.
         self.controls.setVisible(not self.presenter)

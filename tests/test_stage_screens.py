@@ -1,0 +1,57 @@
+"""Issue 25, item 4: every screen from 1024x768 up, normal and presenter mode (offscreen Qt, the real window).
+
+The window's minimum size fits 1024x768; at each size the window is that size, every visible widget of
+the live tab lies inside it, and the memory plot keeps a readable width (its time axis and legend were
+cut at 1280x720)."""
+
+from __future__ import annotations
+
+import pytest
+from PySide6.QtCore import QPoint, QRect
+from PySide6.QtWidgets import QAbstractScrollArea, QWidget
+
+from tests.synthetic import synthetic_samples
+from ui.main_window import MainWindow
+
+SIZES = [(1024, 768), (1280, 720), (1366, 768), (1920, 1080)]
+
+
+@pytest.mark.parametrize("presenter", [False, True], ids=["normal", "presenter"])
+@pytest.mark.parametrize("size", SIZES, ids=[f"{w}x{h}" for w, h in SIZES])
+def test_the_window_fits_and_nothing_lies_outside_it(qtbot, settings, size, presenter):
+    w = MainWindow(settings=settings)
+    qtbot.addWidget(w)
+    w.show()
+    if presenter:
+        w.set_presenter(True, fullscreen=False)
+    w.resize(*size)
+    qtbot.wait(50)
+    w.add_samples(synthetic_samples(300, switches={80: "gqa:2", 200: "window:256"}))
+    w._redraw()
+    qtbot.wait(50)
+    hint = w.minimumSizeHint()
+    assert hint.width() <= 1024 and hint.height() <= 768, (hint.width(), hint.height())
+    assert (w.width(), w.height()) == size
+    inside = QRect(QPoint(0, 0), w.size())
+    outside = []
+    for child in w.tabs.currentWidget().findChildren(QWidget):
+        if not child.isVisibleTo(w) or child.width() <= 0 or child.height() <= 0 or child.window() is not w:
+            continue
+        top_left = child.mapTo(w, QPoint(0, 0))
+        rect = QRect(top_left, child.size())
+        # A widget inside a scroll area may lie beyond the window: its viewport clips it (a scroll bar says so).
+        scrolled = any(isinstance(p, QAbstractScrollArea) for p in _parents(child, w))
+        if not scrolled and not inside.contains(rect):
+            outside.append((type(child).__name__, child.objectName(), rect.getRect()))
+    assert not outside, outside[:5]
+    # The plots: each readable, and the memory plot's time axis and legend are not cut.
+    for view, least in ((w.plots.kv_widget, 450), (w.plots.mem_widget, 400), (w.plots.cmp_widget, 250)):
+        assert view.width() >= least and view.height() >= 110, (type(view).__name__, view.width(), view.height())
+    w.close()
+
+
+def _parents(widget, top):
+    p = widget.parentWidget()
+    while p is not None and p is not top:
+        yield p
+        p = p.parentWidget()

@@ -197,3 +197,49 @@ def test_prefill_peak_against_the_allocator(embedded_folder):
         assert obs is not None and pred is not None
         assert first.kv_bytes_reserved < pred <= obs, (first.context_tokens, obs, pred)
         assert (obs - pred) / obs < 0.35, (first.context_tokens, obs, pred)
+
+
+def test_an_mlx_convert_quantized_folder_runs_exact(embedded_folder, tmp_path):
+    """A folder as mlx_lm.convert -q writes it (4-bit weights in groups of 32, "quantization" in config.json, the
+    embedded model's tokenizer), as the installed-model scan finds in LM Studio or the HF cache: mlx-lm loads it, the
+    cache is exact in the dtype of the scales (float16 here), and the quantized weights are observed, not predicted."""
+    import shutil
+
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.llama import Model, ModelArgs
+
+    from core.runtimes.mlx.engine import MlxEngine
+
+    folder = tmp_path / "Tiny-MLX-4bit"
+    folder.mkdir()
+    for f in embedded_folder.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+            shutil.copy(f, folder / f.name)
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 128, "num_hidden_layers": 2,
+              "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+              "vocab_size": 1024, "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "tie_word_embeddings": True,
+              "torch_dtype": "float16", "eos_token_id": 2, "bos_token_id": 1,
+              "quantization": {"group_size": 32, "bits": 4}}
+    mx.random.seed(3)
+    model = Model(ModelArgs.from_dict(config))
+    model.set_dtype(mx.float16)
+    nn.quantize(model, group_size=32, bits=4)
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (folder / "config.json").write_text(json.dumps(config))
+    from core.runtimes.mlx.switches import mlx_format
+
+    assert mlx_format(folder) == "mlx-name"
+    engine = MlxEngine(folder, "kv", seed=4)
+    try:
+        samples = [engine.prefill("A quantized model keeps a float16 cache.")] + [engine.step() for _ in range(260)]
+        samples.append(engine.apply("cache", "quantized:8:32"))
+        samples += [engine.step() for _ in range(5)]
+    finally:
+        engine.close()
+    assert engine.quantized_weights and str(engine.dtype).endswith("float16")
+    assert all(s.kv_bytes_reserved == s.kv_bytes_predicted for s in samples)
+    # 2 layers x 2 K/V heads x 32 x float16 x K+V = 512 B per slot: 131,072 B per 256-slot step.
+    assert {s.kv_bytes_reserved for s in samples if s.cache == "kv"} == {131_072, 262_144}
+    assert all(s.weights_predicted is None and s.weights_bytes > 0 for s in samples)

@@ -2,17 +2,22 @@
 # Drive the real window the way a speaker does, on a real X server (Xvfb + openbox), and save what a
 # projector would show. Needs: apt-get install -y xvfb openbox xdotool imagemagick.
 #
-#   scripts/stage_check.sh [OUT_DIR] [WxH ...]      (default: stage-shots/, 1280x720 1920x1080)
+#   scripts/stage_check.sh [OUT_DIR] [WxH ...]      (default: stage-shots/, 1024x768 1280x720 1920x1080)
+#   STAGE_FRESH=1 scripts/stage_check.sh ...         also the first quantized cache on a fresh build (minutes)
 #
 # Per screen size: time from launch to the window being mapped; then keys 1-5 (attention modes), F
 # (flash), C (cache), Space twice (pause, resume), F11 (presenter) and back, the calculator tab,
 # the File and Run menus, the light theme (window and presenter mode), and Ctrl+Q (quit, timed). A PNG after each step in OUT_DIR/<size>/; look at every one.
+# Then, on the first size's display: per-key latency (key to the switch shown) and the longest token gap
+# during a 30-key mash (benchmarks/stage_keys.py), --screenshot --size 1024x768 normal and presenter (the
+# PNG must be 1024x768), start-up at idle (benchmarks/startup.py), and with STAGE_FRESH=1 the first
+# quantized switch with optimum-quanto's extension built afresh (benchmarks/fresh_quantized.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-stage-shots}
 shift || true
 SIZES=("$@")
-[ ${#SIZES[@]} -gt 0 ] || SIZES=(1280x720 1920x1080)
+[ ${#SIZES[@]} -gt 0 ] || SIZES=(1024x768 1280x720 1920x1080)
 PY=${PY:-.venv/bin/python}
 for tool in Xvfb openbox xdotool import; do
   command -v "$tool" >/dev/null || { echo "stage_check: $tool is missing (apt-get install -y xvfb openbox xdotool imagemagick)"; exit 2; }
@@ -82,3 +87,28 @@ for size in "${SIZES[@]}"; do
   kill "$WM" "$XVFB" 2>/dev/null || true
   wait "$XVFB" 2>/dev/null || true
 done
+
+# ---- figures (issue 25, item 7)
+echo "== figures"
+export DISPLAY=:97
+Xvfb "$DISPLAY" -screen 0 "${SIZES[0]}x24" -nolisten tcp >/dev/null 2>&1 &
+XVFB=$!
+sleep 1
+openbox >/dev/null 2>&1 &
+WM=$!
+sleep 1
+XDG_CONFIG_HOME="$CONFIG/keys" "$PY" benchmarks/stage_keys.py 2>&1 | grep -E "^(key|30-key|\{)" | sed 's/^/  /' || true
+kill "$WM" "$XVFB" 2>/dev/null || true
+wait "$XVFB" 2>/dev/null || true
+for mode in normal presenter; do
+  extra=()
+  [ "$mode" = presenter ] && extra=(--presenter)
+  QT_QPA_PLATFORM=offscreen "$PY" main.py --screenshot "$OUT/screenshot-1024x768-$mode.png" --size 1024x768 \
+    --tokens 120 --force "${extra[@]}" --switch 40:attention=mqa --switch 40:cache=static \
+    --switch 80:attention=window:256 >/dev/null 2>&1 || true
+  echo "  --screenshot --size 1024x768 $mode: $(identify -format '%wx%h' "$OUT/screenshot-1024x768-$mode.png" 2>/dev/null || echo missing)"
+done
+"$PY" benchmarks/startup.py --repeats 1 2>&1 | sed 's/^/  /' || true
+if [ "${STAGE_FRESH:-0}" = 1 ]; then
+  "$PY" benchmarks/fresh_quantized.py 2>&1 | grep -v "^USDT" | sed 's/^/  /' || true
+fi

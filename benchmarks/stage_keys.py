@@ -1,0 +1,100 @@
+"""Keys on stage (issue 25, items 1-3 and 7): in the real window (the engine in its own process, as the app
+runs), how long each key takes to show its switch, and the longest gap between two tokens during a
+30-key mash.
+
+* per key (1-5, F, C): from the key press to the badges / combos showing the engine's answer (the
+  switch applied, or refused and put back), with the run going on;
+* a seeded 30-key mash of those keys: the longest gap between two arriving tokens until every answer
+  is in, and how many answers (switch events) the engine gave per axis (presses coalesce: at most the
+  one under way plus the last press per axis).
+
+    QT_QPA_PLATFORM=offscreen .venv/bin/python benchmarks/stage_keys.py      # or on an X display
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+KEYS = ["1", "2", "3", "4", "5", "F", "C"]
+
+
+def main() -> int:
+    from PySide6.QtCore import QEventLoop, QSettings, Qt, QTimer
+    from PySide6.QtTest import QTest
+    from PySide6.QtWidgets import QApplication
+
+    app = QApplication.instance() or QApplication([])
+    from core.request import RunRequest
+    from ui.main_window import MainWindow
+
+    settings = QSettings(tempfile.mktemp(suffix=".ini"), QSettings.Format.IniFormat)
+    settings.setValue("app/first_start_done", True)
+    window = MainWindow(settings=settings)
+    window.resize(1280, 720)
+    window.show()
+
+    def wait_until(test, timeout_s: float) -> bool:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            app.processEvents(QEventLoop.ProcessEventsFlag.AllEvents, 20)
+            if test():
+                return True
+        return False
+
+    arrivals: list[float] = []
+    answers: list = []
+    window.sample_observers.append(lambda s: arrivals.append(time.monotonic()) if s.phase == "decode" else None)
+    window.sample_observers.append(lambda s: answers.append((time.monotonic(), s)) if s.is_event and s.switch_key else None)
+    window.start_run(RunRequest(source="embedded", max_new_tokens=100_000))
+    if not wait_until(lambda: window.decode_tokens >= 40, 300):
+        print("the run did not start")
+        return 1
+    qt_key = {k: getattr(Qt.Key, f"Key_{k}") for k in KEYS}
+    latencies: dict[str, float | None] = {}
+    for k in KEYS:
+        before = len(answers)
+        pressed = time.monotonic()
+        QTest.keyClick(window, qt_key[k])
+        if window.session.switches_pending == 0:  # nothing sent (no change, or nothing offered here)
+            latencies[k] = None
+            continue
+        wait_until(lambda: window.session.switches_pending == 0, 600)
+        shown = answers[before][0] if len(answers) > before else time.monotonic()
+        latencies[k] = shown - pressed
+        print(f"key {k}: {latencies[k]:.2f} s to {answers[before][1].event if len(answers) > before else '?'}: "
+              f"{answers[before][1].text[:90] if len(answers) > before else ''}", flush=True)
+        wait_until(lambda: False, 0.5)
+    rng = random.Random(25)
+    start = len(answers)
+    first_token = len(arrivals)
+    mash_start = time.monotonic()
+    for _ in range(30):
+        QTest.keyClick(window, qt_key[rng.choice(KEYS)])
+        app.processEvents()
+    wait_until(lambda: window.session.switches_pending == 0, 600)
+    mash_end = time.monotonic()
+    wait_until(lambda: False, 1.0)
+    times = [t for t in arrivals[max(first_token - 1, 0):] if t <= mash_end + 1.0]
+    gaps = [b - a for a, b in zip(times, times[1:])] or [mash_end - mash_start]
+    per_axis: dict[str, int] = {}
+    for _, s in answers[start:]:
+        per_axis[s.switch_key] = per_axis.get(s.switch_key, 0) + 1
+    print(f"30-key mash: answers per axis {per_axis}; all answered after {mash_end - mash_start:.2f} s; "
+          f"{len(times)} tokens meanwhile; longest gap between two tokens {max(gaps):.2f} s")
+    print(json.dumps({"latency_s": latencies, "mash_longest_gap_s": max(gaps), "mash_answers": per_axis}))
+    window.stop_run()
+    wait_until(lambda: window.state == "idle", 30)
+    window.shutdown()
+    QTimer.singleShot(0, app.quit)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -54,7 +54,7 @@ from core.caches import kv_layout
 from core.parallel import Parallelism, layout
 from core.predict import activation_bytes, kv_elem_bytes, weight_bytes
 from core.settings import RunSettings
-from core.spec import NO_KV, ModelSpec, human_bytes
+from core.spec import NO_KV, ModelSpec, dtype_bytes, human_bytes
 
 VLLM_VERSION = "0.33.0"
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
@@ -133,6 +133,8 @@ class BlockGroup:
 
     def blocks_per_request(self, max_model_len: int, max_in_flight_tokens: int) -> int:
         """cdiv(spec.max_memory_usage_bytes, page_size_bytes) for one request of ``max_model_len`` tokens."""
+        if self.kind == MAMBA:  # MambaSpec.max_memory_usage_bytes, mamba_cache_mode "none": one state
+            return 1
         if self.window is None:  # FullAttentionSpec.max_memory_usage_bytes
             return -(-max_model_len // self.block_size)
         # SlidingWindowSpec.max_admission_blocks_per_request
@@ -140,28 +142,56 @@ class BlockGroup:
         return -(-tokens // self.block_size) + 1
 
 
-def block_groups(layers, block_size: int, elem: float, hybrid: bool = True) -> tuple[tuple[BlockGroup, ...], int]:
+#: FlashAttention's kernel block sizes are MultipleOf(16) (vllm/v1/attention/backends/flash_attn.py
+#: get_supported_kernel_block_sizes): the alignment of a hybrid model's attention block size.
+KERNEL_BLOCK_ALIGNMENT = 16
+MAMBA = "state"  # a group of layers that keep a fixed-size state (linear attention, Mamba): vLLM's MambaSpec
+
+
+def mamba_block_size(block_size: int, attn_page_1_token: int, mamba_page: int) -> int:
+    """vllm/platforms/interface.py ``_align_hybrid_block_size``: the smallest attention block size (a multiple of
+    the kernel block) whose page holds a Mamba state; never smaller than ``block_size``. The state's page is then
+    padded to the attention page."""
+    align = max(KERNEL_BLOCK_ALIGNMENT, block_size)
+    needed = align * -(-mamba_page // (align * attn_page_1_token))
+    needed = KERNEL_BLOCK_ALIGNMENT * -(-needed // KERNEL_BLOCK_ALIGNMENT)
+    return max(block_size, needed)
+
+
+def block_groups(layers, block_size: int, elem: float, hybrid: bool = True, states: tuple[int, ...] = ()
+                 ) -> tuple[tuple[BlockGroup, ...], int]:
     """vLLM's KV cache groups of ``layers`` (``core.caches.LayerKV``) and the bytes of one block over a group (the
     largest): ``get_kv_cache_groups`` and ``_get_kv_cache_bytes_per_block`` (see the module docstring). With
     ``hybrid`` False (--disable-hybrid-kv-cache-manager) window layers count as full ones (``unify_hybrid_kv_cache_
-    specs``)."""
+    specs``). ``states``: the bytes of each state layer's per-sequence state (linear attention, Mamba), which vLLM
+    gives pages of their own, one block per request, padded to the attention page (the attention block size grows
+    until its page holds a state: ``mamba_block_size``)."""
+    states = tuple(n for n in states if n > 0)
+    if states and layers:
+        block_size = mamba_block_size(block_size, int(math.ceil(layers[0].width * elem)), max(states))
     specs = []
     for layer in layers:
         page = int(math.ceil(block_size * layer.width * elem))
         window = layer.window if hybrid else None
         specs.append((window, page))
+    if states:
+        attn_page = specs[0][1] if specs else max(states)
+        specs += [(MAMBA, attn_page)] * len(states)  # MambaSpec.page_size_padded = the attention page
     if not specs:
         return (), 0
+    def group(w, n: int, bs: int, page: int) -> BlockGroup:
+        if w == MAMBA:
+            return BlockGroup(MAMBA, n, bs, page)
+        return BlockGroup("full" if w is None else "sliding window", n, bs, page, w)
+
     windows = {w for w, _ in specs}
     if len(windows) == 1:  # one type of layer: one group (uniform spec, or UniformTypeKVCacheSpecs)
         (w,) = windows
         pages = [p for _, p in specs]
         if len(set(pages)) == 1:
-            return (BlockGroup("full" if w is None else "sliding window", len(pages), block_size, pages[0], w),), \
-                sum(pages)
+            return (group(w, len(pages), block_size, pages[0]),), sum(pages)
         # UniformTypeKVCacheSpecs: page = the sum; a request needs the same blocks per layer
-        return (BlockGroup("full" if w is None else "sliding window", len(pages), block_size, sum(pages), w),), \
-            sum(pages)
+        return (group(w, len(pages), block_size, sum(pages)),), sum(pages)
     # unify_kv_cache_spec_page_size: a smaller page that divides the largest takes a larger block size
     max_page = max(p for _, p in specs)
     unified = []
@@ -183,8 +213,7 @@ def block_groups(layers, block_size: int, elem: float, hybrid: bool = True) -> t
     for (w, bs, page), n in buckets.items():
         num_groups = -(-n // group_size)
         for i in range(num_groups):
-            groups.append(BlockGroup("full" if w is None else "sliding window", len(range(i, n, num_groups)), bs,
-                                     page, w))
+            groups.append(group(w, len(range(i, n, num_groups)), bs, page))
     return tuple(groups), max(g.layers * g.page_bytes for g in groups)
 
 
@@ -276,7 +305,13 @@ def vllm_capacity(spec: ModelSpec, settings: RunSettings, gpu_memory: int, optio
     for rank in range(parallelism.gpus):
         stage = plan.gpu_stage(rank)
         layers = kv_layout(stage.spec)
-        stage_groups, block = block_groups(layers, options.block_size, elem, options.hybrid_kv_cache_manager)
+        st = stage.spec
+        model_elem = dtype_bytes(st.dtype)
+        state_sizes = tuple(state.nbytes(1, model_elem) for kind, state in
+                            zip(st.layer_types, st.layer_states or (None,) * len(st.layer_types))
+                            if kind == NO_KV and state is not None)
+        stage_groups, block = block_groups(layers, options.block_size, elem, options.hybrid_kv_cache_manager,
+                                           state_sizes)
         if rank == 0:
             groups = stage_groups
         weights = weight_bytes(stage.spec, shard_settings)
@@ -288,10 +323,14 @@ def vllm_capacity(spec: ModelSpec, settings: RunSettings, gpu_memory: int, optio
         blocks = max(0, available // block) if block else 0
         workers.append(WorkerCapacity(rank, requested, weights, act, options.non_torch_bytes, options.cudagraph_bytes,
                                       available, block, blocks))
-    if any(kind == NO_KV for kind in eff.layer_types):
-        notes.append("layers without K/V (linear attention, Mamba/SSM states): vLLM gives them MambaSpec pages padded "
-                     "to the attention page (a block or two per request); not counted here, so the block bytes and "
-                     "the capacity above cover the attention layers only")
+    if any(g.kind == MAMBA for g in groups):
+        bs = next(g.block_size for g in groups if g.kind != MAMBA) if any(g.kind != MAMBA for g in groups) else 0
+        notes.append(f"layers with a fixed-size state (linear attention, Mamba): one state block per request in each "
+                     f"of their groups, padded to the attention page; attention blocks of {bs} tokens so that a page "
+                     "holds a state (vllm/platforms/interface.py _align_hybrid_block_size). The state's size is "
+                     "transformers' (core.states); vLLM's own state dtypes (--mamba-ssm-cache-dtype) may differ")
+    elif any(kind == NO_KV for kind in eff.layer_types):
+        notes.append("layers without K/V and without a known state: not counted in the blocks")
     if len(groups) > 1:
         kinds = sorted({g.kind for g in groups})
         notes.append(f"vLLM's hybrid allocator: {len(groups)} KV cache groups ({' and '.join(kinds)}) of up to "

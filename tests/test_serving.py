@@ -253,3 +253,36 @@ def test_cli_hybrid_groups_and_the_flag_that_disables_them():
     assert [(g["kind"], g["layers"]) for g in off["kv_cache_groups"]] == [("full", 62)]
     assert off["num_gpu_blocks"] == 20 * GiB // (62 * page) and off["blocks_per_request"] == 131072 // 16
     assert on["kv_cache_tokens"] > 2 * off["kv_cache_tokens"]
+
+
+@pytest.mark.parametrize("state_bytes,pattern", [(1 << 20, 4), (3 << 20, 4), (700_000, 3), (40_000, 2)])
+def test_linear_attention_states_take_padded_pages(state_bytes, pattern):
+    """A hybrid of attention and fixed-state layers (Qwen3-Next-style linear attention, Mamba): vLLM raises the
+    attention block size until a page holds a state (vllm/platforms/interface.py _align_hybrid_block_size: a
+    multiple of the kernel block 16), pads the state page to it (MambaSpec.page_size_padded), groups both kinds
+    (_get_kv_cache_groups_uniform_page_size) and charges a request one block per state group
+    (MambaSpec.max_memory_usage_bytes, mamba_cache_mode 'none'). Worked by hand here."""
+    from dataclasses import replace
+
+    from core.spec import NO_KV
+    from core.states import LayerState
+
+    base = load_spec("llama-3-8b")
+    types = tuple("full_attention" if il % pattern == pattern - 1 else NO_KV for il in range(32))
+    spec = replace(base, layer_types=types,
+                   layer_states=tuple(LayerState(fixed_bytes=state_bytes) if t == NO_KV else None for t in types))
+    cap = vllm_capacity(spec, RunSettings(), 80 * GiB, VllmOptions(kv_cache_memory=10 * GiB, max_model_len=32768))
+    per_token = 8 * 256 * 2  # one attention layer: 8 KV heads x (128 + 128) x 2 B
+    block = 16 * -(-state_bytes // (16 * per_token))
+    block = max(16, 16 * -(-block // 16))
+    page = block * per_token
+    n_attn = 32 // pattern
+    n_state = 32 - n_attn
+    size = min(n_attn, n_state) if max(n_attn, n_state) >= 1.5 * min(n_attn, n_state) else max(n_attn, n_state)
+    state_groups = -(-n_state // size)
+    assert {g.block_size for g in cap.groups if g.kind == "full"} == {block}
+    assert all(g.page_bytes == page for g in cap.groups)
+    assert sum(1 for g in cap.groups if g.kind == "state") == state_groups
+    assert cap.workers[0].block_bytes == max(g.layers for g in cap.groups) * page
+    assert cap.num_gpu_blocks == 10 * GiB // cap.workers[0].block_bytes
+    assert cap.blocks_per_request == -(-32768 // block) * -(-n_attn // size) + state_groups

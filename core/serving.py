@@ -33,7 +33,12 @@ The rules follow vLLM 0.33.0 (read in its wheel, vllm-0.33.0-cp38-abi3-manylinux
   ``vllm/config/vllm.py``: max_in_flight_tokens = max_concurrent_batches (2 with async scheduling, vLLM's
   default, at pipeline size 1) x max_num_batched_tokens); concurrency = num_blocks / the sum. The default
   (layer-outermost) KV layout is assumed: the block-outermost packing (``_get_packed_kv_cache_groups``) is not
-  followed. MLA layers cache one latent head (kv_lora_rank + rope, ``MLAAttentionSpec``, head_size_v 0).
+  followed. MLA layers cache one latent head (kv_lora_rank + rope, ``MLAAttentionSpec``, head_size_v 0). Layers
+  with a fixed-size state (linear attention, Mamba) are ``MambaSpec``s: ``vllm/platforms/interface.py``
+  ``_align_hybrid_block_size`` grows the attention block (a multiple of the 16-token kernel block) until its page
+  holds a state and pads the state page to it; a request takes one block per state group. The state's bytes are
+  transformers' (``core.states``). ``scripts/vllm_groups_against_vllm.py`` runs vLLM 0.33.0's own planning
+  functions on the CPU against ``block_groups`` (300 generated layer mixes, all equal).
 - ``vllm/engine/arg_utils.py``: max_num_batched_tokens defaults (the OpenAI server) to 2048 below
   70 GiB, 8192 from 70 GiB (not A100), 16384 from 160 GiB.
 

@@ -73,7 +73,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 import main
 from core import loading
-from core import run as core_run
 from core.embedded import embedded_model_dir
 from core.loading import EMBEDDED_HINT
 from core.recording import RecordingReader
@@ -603,7 +602,9 @@ def test_prompt_longer_than_model_maximum_refused_before_loading(tmp_path, capsy
 def test_prompt_longer_than_model_maximum_refused_after_loading(tmp_path, capsys, monkeypatch):
     """Where the config comes only with the weights (a hub model: no check before loading), the run refuses
     the same prompt once loaded, before the prefill."""
-    monkeypatch.setattr(core_run, "_check_prompt_before_loading", lambda request, spec: None)
+    from core.runtimes import transformers as transformers_runtime  # the transformers runtime's own check
+
+    monkeypatch.setattr(transformers_runtime, "_check_prompt_before_loading", lambda request, spec: None)
     path, n = _long_prompt(tmp_path)
     code, out, err = _cli(capsys, *run_args("embedded", "--prompt-file", path))
     line = one_line_error(code, err)

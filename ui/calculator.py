@@ -42,7 +42,7 @@ from core.safe_text import NAME_LIMIT, safe_text
 from core.settings import RunSettings, attention_choices, cache_choices
 from core.longlived import freeze_long_lived
 from core.spec import ModelSpec, SpecError, human_bytes, load_spec, parse_size, preset_names
-from core.calc import kv_formula
+from core.calc import SEARCH_LIMIT, kv_formula
 from core.parallel import Parallelism, max_context_per_gpu, predict_parallel
 from core.llamacpp import CACHE_TYPES, formula_llamacpp, max_context_llamacpp, predict_llamacpp
 from ui.controls import IMPORT_LOCK, FollowsInstalled, InstalledModels
@@ -681,10 +681,10 @@ class CalculatorTab(FollowsInstalled, QWidget):
                     self._fit = None
                 elif llama:
                     self._fit = max_context_llamacpp(spec, memory, self.cache_combo.currentText() or "f16", ceiling)
-                elif parallel.single:
-                    self._fit = max_context_that_fits(spec, settings.with_(max_context=None), memory, limit=ceiling)
+                elif parallel.single:  # calc's search (core.calc.calculate): not capped at the slider's end
+                    self._fit = max_context_that_fits(spec, settings.with_(max_context=None), memory, limit=SEARCH_LIMIT)
                 else:
-                    self._fit = max_context_per_gpu(spec, settings.with_(max_context=None), parallel, memory, ceiling)
+                    self._fit = max_context_per_gpu(spec, settings.with_(max_context=None), parallel, memory, SEARCH_LIMIT)
             fit = self._fit
             formula = (formula_llamacpp(spec, context, self.cache_combo.currentText() or "f16") if llama else
                        kv_formula(spec, settings, context, times=" \u00d7 "))
@@ -707,6 +707,13 @@ class CalculatorTab(FollowsInstalled, QWidget):
                          if llama else "Peak transient bytes of one forward pass (the larger of the prefill and one "
                          "decode step).")
         n["total"].setText(human_bytes(p.total))
+        # With several GPUs the four sizes are the busiest GPU's share; KV per token and the formula stay totals.
+        each = "" if parallel.single or llama else " per GPU"
+        for key, name in (("weights", "Weights"), ("kv", "KV cache"), ("total", "Total")):
+            self.number_names[key].setText(name + each)
+        if each and not llama:
+            self.number_names["activations"].setText("Activations (peak)" + each)
+        self.number_names["per_token"].setText("KV per token" + (" (all GPUs)" if each else ""))
         per_token = (p.kv_bytes_per_token if llama else kv_bytes(spec, settings.with_(cache=parse_cache("dynamic")), 1))
         n["per_token"].setText(human_bytes(per_token))
         t = self.theme
@@ -725,10 +732,12 @@ class CalculatorTab(FollowsInstalled, QWidget):
         elif fit is None:
             self.fits_label.setText(f"Weights alone do not fit in {human_bytes(memory)}")
         else:
-            more = "+" if fit >= ceiling else ""
+            more = "+" if fit >= (ceiling if llama else SEARCH_LIMIT) else ""
             where = "" if parallel.single else f" on every one of {parallel.gpus} GPUs"
-            self.fits_label.setText(f"Largest context that fits{where}: {fit:,}{more} tokens")
-        self.formula_label.setText(formula)
+            past = (f" (past the trained {format_tokens(spec.max_position_embeddings)})"
+                    if fit > spec.max_position_embeddings else "")
+            self.fits_label.setText(f"Largest context that fits{where}: {fit:,}{more} tokens{past}")
+        self.formula_label.setText(formula if parallel.single or llama else f"All GPUs: {formula}")
         self._update_chart(spec, settings, context, memory, fit)
         self.updated.emit(self.state)
 

@@ -624,8 +624,9 @@ class MainWindow(FileActions, QMainWindow):
         memory = f" \u00b7 {human_bytes(info.total_memory)}" if info.total_memory else ""
         self.status_device.setText(f"{info.device_name}{memory}")
         self.statusBar().showMessage(f"loaded {safe_text(info.label, limit=NAME_LIMIT)} on {info.device_name} ({info.dtype})", 5000)
-        self.calculator.set_spec(info.spec, source=f"{info.spec.name}")
-        if info.total_memory and str(info.device).startswith(("cuda", "mps")):
+        if self.mode == "live":  # a replay leaves the calculator alone (it reset it to the recording's model)
+            self.calculator.set_spec(info.spec, source=f"{info.spec.name}")
+        if self.mode == "live" and info.total_memory and str(info.device).startswith(("cuda", "mps")):
             self.calculator.set_detected_memory(info.total_memory, info.device_name)
         if self.mode == "live" and str(info.device) != self.sampling.device:
             # The probe must read the device the model is on (NVML and the allocator of that GPU).

@@ -139,6 +139,18 @@ class LlamaCppPlan:
     notes: tuple[str, ...] = ()
     compute: "ComputeEstimate | None" = None  # the compute buffer (core.llamacpp_compute), CPU backend
     output_bytes: int | None = None  # the output buffer at creation (logits for n_seq_max outputs)
+    weights_duplicated: int = 0  # a tied output's second copy of the token embedding, on the GPU
+
+    @property
+    def model_buffers(self) -> dict[str, int] | None:
+        """llama.cpp's model buffers per backend: on a GPU build with this -ngl, the GPU's and the CPU's (the token
+        embedding and the layers left there); on a CPU build, one CPU buffer of every tensor (llama.cpp logs
+        "CPU_Mapped model buffer size", equal to the file's tensor bytes)."""
+        if self.weights is None:
+            return None
+        return {"gpu_build_gpu": self.weights_gpu,
+                "gpu_build_cpu": self.weights - (self.weights_gpu - self.weights_duplicated),
+                "cpu_build_cpu": self.weights}
 
     @property
     def compute_bytes(self) -> int | None:
@@ -184,6 +196,7 @@ class LlamaCppPlan:
             "n_gpu_layers": len(self.gpu_layers), "kv_cache_bytes": self.kv_bytes, "kv_gpu_bytes": self.kv_gpu_bytes,
             "weights_bytes": self.weights, "weights_gpu_bytes": self.weights_gpu,
             "compute_buffer_bytes": self.compute_bytes, "output_buffer_bytes": self.output_bytes,
+            "model_buffers_bytes": self.model_buffers,
             "compute_graphs": {name: n for name, n in self.compute.graphs} if self.compute else {},
             "compute_buffer_note": (self.compute.why_not if self.compute and self.compute.bytes is None else
                                     COMPUTE_NOTE),
@@ -318,6 +331,7 @@ def plan(source, options: LlamaCppOptions | None = None, n_ctx_train: int | None
     gpu_layers = tuple(range(gpu_start, n_all))
     output_on_gpu = ngl >= 1
     weights = weights_gpu = None
+    dup = 0
     if isinstance(source, GgufModel):
         weights = source.weight_bytes
         by_layer = source.bytes_by_layer
@@ -333,7 +347,7 @@ def plan(source, options: LlamaCppOptions | None = None, n_ctx_train: int | None
     compute, output = (_compute_and_output(source, o, n_batch, n_ubatch, flash, buffers, v_trans, v_max)
                        if with_buffers else (None, None))
     return LlamaCppPlan(name, o, n_ctx, n_ctx_seq, n_ubatch, flash, tuple(buffers), n_layer, weights, weights_gpu,
-                        gpu_layers, tuple(notes), compute, output)
+                        gpu_layers, tuple(notes), compute, output, dup)
 
 
 def _compute_and_output(source, o: LlamaCppOptions, n_batch: int, n_ubatch: int, flash: bool, buffers, v_trans: bool,

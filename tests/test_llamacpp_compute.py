@@ -173,8 +173,11 @@ def test_breakdown_reader_sees_the_model_and_the_cache(gguf_files):
     with LlamaCppContext(path, options) as ctx:
         rows = memory_breakdown(ctx.ctx)
     g = read_gguf(path)
-    assert sum(r[0] for r in rows) == g.weight_bytes
+    assert sum(r[0] for r in rows) == g.weight_bytes == plan(g, options).model_buffers["cpu_build_cpu"]
     assert sum(r[1] for r in rows) == plan(g, options).kv_bytes
+    # a GPU build's split: every tensor on one side or the other, the tied copy on top (not checkable here)
+    split = plan(g, LlamaCppOptions(n_ctx=512, n_gpu_layers=2)).model_buffers
+    assert split["gpu_build_gpu"] + split["gpu_build_cpu"] == g.weight_bytes  # untied: no second copy
 
 
 def test_calc_json_rows_carry_the_buffers(gguf_files, capsys):

@@ -184,13 +184,13 @@ def last_true(holds, lo: int, hi: int) -> int:
 
 #: Model types whose decoder layers this replay follows op by op (transformers 5.24's modeling code);
 #: others get the Llama layer, the nearest shape (``PrefillPeak.exact`` is False for them).
-_LLAMA_LIKE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt_neox", "phi",
-                         "olmo", "olmo2", "granite", "starcoder2", "stablelm", "cohere", "glm", "helium"})
+_LLAMA_LIKE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt_neox", "phi", "olmo", "granite",
+                         "starcoder2", "stablelm", "cohere", "glm", "helium"})
 
 _FUSED_QKV = frozenset({"gpt_neox", "phi3"})
-_LAYER_NORM = frozenset({"gpt_neox", "phi", "starcoder2"})
+_LAYER_NORM = frozenset({"gpt_neox", "phi", "starcoder2", "stablelm"})
 _PARALLEL = frozenset({"gpt_neox", "phi"})
-_FUSED_GATE_UP = frozenset({"phi3"})
+_FUSED_GATE_UP = frozenset({"phi3", "glm"})
 _DENSE_MLP = frozenset({"gpt_neox", "phi", "starcoder2"})
 
 
@@ -413,8 +413,10 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
             heap.free(prod)
         return down
 
-    # Phi's attention binds the rotated halves and the pass-through views to locals that live until it returns.
-    locals_hold = mt == "phi" and rotary < hd
+    # Phi's and StableLM's attention bind the rotated halves and the pass-through views to locals that live until
+    # it returns.
+    locals_hold = mt in ("phi", "stablelm") and rotary < hd
+    attn_locals_kept = mt == "stablelm" and not parallel
     kept: list[int] = []
     h = E  # the layer's input, held by the caller's binding for the whole layer
     for layer in range(eff.num_layers):
@@ -477,7 +479,9 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
             heap.free(float_mask, *reps)
             heap.at = f"layer {layer + 1} attention"
         attn = heap.alloc(A)  # o_proj
-        heap.free(out, qe, normed, qkv, *kept)
+        # StableLM binds ``self_attn_output, _ = ...`` beside its normed input: both live to the end of the layer.
+        layer_locals = [normed, attn] if attn_locals_kept else []
+        heap.free(out, qe, qkv, *kept, *([] if attn_locals_kept else [normed]))
         kept.clear()
         heap.at = f"layer {layer + 1} mlp"
         if parallel:  # x + attn(ln1(x)) + mlp(ln2(x)) (GPT-NeoX, Phi)
@@ -490,13 +494,14 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
             h2 = 0
         else:
             h2 = heap.alloc(A)  # residual add
-            heap.free(attn)
+            if not attn_locals_kept:
+                heap.free(attn)
             normed = norm()
             down = mlp()
             heap.free(normed)
             h3 = heap.alloc(A)
             heap.free(down)
-        heap.free(h2, weights)
+        heap.free(h2, weights, *layer_locals)
         if layer:  # layer 0's input is the embeddings, held to the end
             heap.free(h)
         h = h3

@@ -9,7 +9,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from core.breakdown import MEASURED, NA, PARTS, PREDICTED, REMAINDER, comparable_totals, forward_peak_totals, memory_breakdown
+from core.breakdown import (MEASURED, NA, PARTS, PREDICTED, REMAINDER, comparable_totals, forward_peak_totals,
+                            memory_breakdown)
 from core.metrics import MetricsExporter, RunCollector
 from core.probes import MemoryProbe
 from core.sample import Sample
@@ -116,7 +117,8 @@ def test_the_exporter_publishes_the_same_breakdown(seed: int) -> None:
     s = _gpu_sample(rng).replace(phase="prefill", peak_bytes_observed=5 * MiB, peak_bytes_predicted=5 * MiB)
     collector = RunCollector(model="m", device="cuda:0")
     collector.observe(s)
-    collector.observe(_gpu_sample(rng).replace(time_s=0.6))  # a decode step: the breakdown follows it, the prefill's peak stays
+    # a decode step: the breakdown follows it, the prefill's peak stays
+    collector.observe(_gpu_sample(rng).replace(time_s=0.6))
     last = collector._last
     with MetricsExporter(collector) as exporter:
         with urllib.request.urlopen(exporter.url, timeout=2) as response:

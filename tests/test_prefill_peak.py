@@ -28,7 +28,8 @@ from core.spec import spec_from_config  # noqa: E402
 
 #: Replayed op by op: the prediction equals the allocator's peak to within the position scalars.
 #: GPT-NeoX and Phi through their traits: fused QKV, partial rotary, LayerNorm, parallel residual, the GELU formula.
-EXACT = ("llama", "qwen2", "mistral", "gemma", "qwen3", "phi3", "starcoder2", "gpt_neox", "phi")
+EXACT = ("llama", "qwen2", "mistral", "gemma", "qwen3", "phi3", "starcoder2", "gpt_neox", "phi", "olmo", "granite",
+         "cohere", "helium", "stablelm", "glm")
 EXACT_SLACK = 64  # bytes: sub-kilobyte int64/float scalars the replay does not follow one by one
 TOLERANCE = 0.05
 

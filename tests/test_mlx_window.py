@@ -16,6 +16,7 @@ from core.request import llamacpp_missing
 from core.runtimes.mlx.switches import mlx_missing
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(mlx_missing() is not None or llamacpp_missing() is not None,
                     reason=f"needs MLX and llama.cpp: {mlx_missing() or llamacpp_missing()} (make test installs both)")
 def test_three_runtimes_on_one_plot(qtbot, window):

@@ -75,6 +75,19 @@ class EventsTable(QTableWidget):
         self.setToolTip("What the run did (load, prefill, every switch, refused switches, forecasts, budget, out of "
                         "memory)\nand every spike in memory the sampler saw, with its likely cause.")
 
+    def recolor(self, old, new) -> None:
+        """The rows' event names in ``new``'s colours: rows shown under the dark theme kept its pale colours on
+        the light theme's white (1.8:1 contrast)."""
+        self.theme = new
+        mapping = {QColor(old.curves[k]).name(): new.curves[k] for k in old.curves if k in new.curves}
+        mapping.update({QColor(getattr(old, k)).name(): getattr(new, k) for k in ("error", "warning", "muted", "text")})
+        for r in range(self.rowCount()):
+            item = self.item(r, 2)
+            if item is not None:
+                now = item.foreground().color().name()
+                if now in mapping:
+                    item.setForeground(QBrush(QColor(mapping[now])))
+
     def add(self, row: EventRow, color: str | None = None) -> None:
         if len(self.rows) >= MAX_ROWS:
             self.removeRow(0)
@@ -83,7 +96,9 @@ class EventsTable(QTableWidget):
         r = bisect.bisect_right([existing.time_s for existing in self.rows], row.time_s)
         self.rows.insert(r, row)
         self.insertRow(r)
-        cells = (f"{row.time_s:.2f} s", "" if row.token is None else str(row.token), row.kind, row.size, row.detail)
+        # Before the run's time 0 (a spike while the model loaded): said so, not as "-0.44 s".
+        when = f"{row.time_s:.2f} s" if row.time_s >= 0 else "loading"
+        cells = (when, "" if row.token is None else str(row.token), row.kind, row.size, row.detail)
         for c, text in enumerate(cells):
             # A recording's events are untrusted text: no control character or bidi override is shown raw.
             item = QTableWidgetItem(safe_text(text))

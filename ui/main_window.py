@@ -792,7 +792,7 @@ class MainWindow(FileActions, QMainWindow):
         self.breakdown_view.apply_theme(self.theme)
         self.calculator.apply_theme(self.theme)
         self.servers.apply_theme(self.theme)
-        self.events_table.theme = self.theme
+        self.events_table.recolor(old, self.theme)
         self.gpu_panel.theme = self.theme
         if self.theme_name in getattr(self, "theme_actions", {}):
             self.theme_actions[self.theme_name].setChecked(True)

@@ -91,7 +91,7 @@ DARK = Theme(
 )
 LIGHT = Theme(
     name="light", background="#fbfbfd", panel="#eef1f5", border="#cdd3dc", text="#15191f", muted="#55606e",
-    grid_alpha=0.25, accent="#1f6feb", warning="#a86b00", error="#c62828", curves=_CURVES_LIGHT,
+    grid_alpha=0.25, accent="#1f6feb", warning="#8f5c00", error="#c62828", curves=_CURVES_LIGHT,
 )
 
 

@@ -342,6 +342,8 @@ class GraphShape:
     weight_type: dict = field(default_factory=dict, hash=False, compare=False)
     #: deepseek2's MLA (kv_lora_rank, rope, nope, v_head): the latent cache, Q absorbed (src/models/deepseek2.cpp)
     mla: tuple[int, int, int, int] | None = None
+    qkv_bias: tuple[bool, bool, bool, bool] = (False, False, False, False)  # Q, K, V, output biases (qwen2...)
+    qk_norm: bool = False  # per-head RMS norms of Q and K before RoPE (qwen3)
 
 
 @dataclass(frozen=True)
@@ -521,10 +523,19 @@ def _build_decoder(c: _Ctx) -> Graph:
         inpSA = inpL
         cur = _norm(c, inpL)
         nh, nkv, hk, hv = s.n_head[il], s.n_head_kv[il], s.head_k[il], s.head_v[il]
-        q = g.reshape(g.mul_mat(c.w(s.n_embd, nh * hk), cur), hk, nh, T)
-        k = g.reshape(g.mul_mat(c.w(s.n_embd, nkv * hk), cur), hk, nkv, T)
-        v = g.reshape(g.mul_mat(c.w(s.n_embd, nkv * hv), cur), hv, nkv, T)
-        if gemma:  # per-head Q/K norms before RoPE
+        qkv = []
+        for width, bias in ((nh * hk, s.qkv_bias[0]), (nkv * hk, s.qkv_bias[1]), (nkv * hv, s.qkv_bias[2])):
+            t = g.mul_mat(c.w(s.n_embd, width), cur)
+            if bias:  # build_qkv: ggml_add(Qcur, wq_b), in place
+                t = g.new("ADD", "f32", t.ne, t, c.w(width))
+            qkv.append(t)
+        q = g.reshape(qkv[0], hk, nh, T)
+        k = g.reshape(qkv[1], hk, nkv, T)
+        v = g.reshape(qkv[2], hv, nkv, T)
+        if s.qk_norm and not gemma:  # qwen3: Q and K normed per head, then RoPE
+            q = g.new("ROPE", "f32", q.ne, _norm(c, q), pos)
+            k = g.new("ROPE", "f32", k.ne, _norm(c, k), pos)
+        elif gemma:  # per-head Q/K norms before RoPE
             q = _norm(c, q)
             q = g.new("ROPE", "f32", q.ne, q, pos)
             k = _norm(c, k)
@@ -534,6 +545,8 @@ def _build_decoder(c: _Ctx) -> Graph:
             q = g.new("ROPE", "f32", q.ne, q, pos)
             k = g.new("ROPE", "f32", k.ne, k, pos)
         cur = c.attention(il, which, q, k, v, c.w(nh * hv, s.n_embd))
+        if s.qkv_bias[3]:  # build_attn: ggml_add(cur, wo_b)
+            cur = g.new("ADD", "f32", cur.ne, cur, c.w(s.n_embd))
         if il == s.n_layer - 1:  # only the rows that are output go on
             cur = g.get_rows(cur, out_ids)
             inpSA = g.get_rows(inpSA, out_ids)
@@ -645,7 +658,7 @@ def _build_mla(c: _Ctx) -> Graph:
     return g
 
 
-SUPPORTED = frozenset({"llama", "gemma3"})
+SUPPORTED = frozenset({"llama", "gemma3", "qwen2", "qwen3"})
 
 
 def graph_shape(model) -> GraphShape | None:
@@ -660,10 +673,22 @@ def graph_shape(model) -> GraphShape | None:
         mla = (model.kv_lora_rank, model.n_rot, model.head_k_mla - model.n_rot, model.head_v_mla)
     elif model.arch not in SUPPORTED or model.is_mla:
         return None
+    names = {t.name for t in model.tensors}
+    if any(".ffn_gate_inp." in name or ".attn_qkv." in name for name in names):
+        return None  # experts (MoE) or a fused QKV projection: graphs not replayed
+    biases = tuple(all(f"blk.{il}.{t}.bias" in names for il in range(n))
+                   for t in ("attn_q", "attn_k", "attn_v", "attn_output"))
+    if any(any(f"blk.{il}.{t}.bias" in names for il in range(n)) != b
+           for t, b in zip(("attn_q", "attn_k", "attn_v", "attn_output"), biases)):
+        return None  # biases on some layers only
+    if any(name.startswith("blk.") and name.endswith(".bias") and not any(f".{t}.bias" in name for t in
+           ("attn_q", "attn_k", "attn_v", "attn_output")) for name in names):
+        return None  # other biases (FFN): not replayed
+    qk_norm = model.arch == "qwen3"
     return GraphShape(model.arch, n, model.n_embd, tuple(model.n_head[:n]), tuple(model.n_head_kv[:n]),
                       tuple(model.head_k_of(il) for il in range(n)), tuple(model.head_v_of(il) for il in range(n)),
                       tuple(model.n_ff[:n]), model.n_vocab, tuple(model.is_swa[:n]),
-                      tuple(model.has_kv(il) for il in range(n)), mla=mla)
+                      tuple(model.has_kv(il) for il in range(n)), mla=mla, qkv_bias=biases, qk_norm=qk_norm)
 
 
 def _period(shape: GraphShape) -> int:
@@ -683,7 +708,7 @@ def truncated(shape: GraphShape, n: int) -> GraphShape:
     cut = lambda t: t[:p] + t[total - (n - p):]  # noqa: E731
     return GraphShape(shape.arch, n, shape.n_embd, cut(shape.n_head), cut(shape.n_head_kv), cut(shape.head_k),
                       cut(shape.head_v), cut(shape.n_ff), shape.n_vocab, cut(shape.swa), cut(shape.has_kv),
-                      mla=shape.mla)
+                      mla=shape.mla, qkv_bias=shape.qkv_bias, qk_norm=shape.qk_norm)
 
 
 def _mark(shape: GraphShape, n_tokens: int, n_seqs: int, n_outputs: int, flash: bool, unified: bool,
@@ -740,15 +765,19 @@ class ComputeEstimate:
 
 def shape_of_spec(spec) -> GraphShape | None:
     """A config's spec as llama.cpp's graph of the same model would see it (llama-family and gemma3 only)."""
-    arch = {"llama": "llama", "mistral": "llama", "gemma3": "gemma3", "gemma3_text": "gemma3"}.get(spec.model_type)
+    arch = {"llama": "llama", "mistral": "llama", "gemma3": "gemma3", "gemma3_text": "gemma3", "qwen2": "qwen2",
+            "qwen3": "qwen3"}.get(spec.model_type)
     if arch is None or spec.is_mla or spec.layer_kv is not None:
         return None
     n = spec.num_layers
     window = bool(spec.sliding_window)
+    config = spec.config if isinstance(spec.config, dict) else {}
+    # Qwen2 has Q/K/V biases (its attention always), others where the config says attention_bias
+    bias = arch == "qwen2" or bool(config.get("attention_bias"))
     return GraphShape(arch, n, spec.hidden_size, (spec.num_query_heads,) * n, (spec.num_kv_heads,) * n,
                       (spec.head_dim,) * n, (spec.v_head_dim or spec.head_dim,) * n, (spec.intermediate_size,) * n,
                       spec.vocab_size, tuple(window and t == "sliding_attention" for t in spec.layer_types),
-                      (True,) * n)
+                      (True,) * n, qkv_bias=(bias, bias, bias, bias and arch != "qwen2"), qk_norm=arch == "qwen3")
 
 
 def estimate(shape: GraphShape | None, *, n_ubatch: int, n_batch: int, n_seq_max: int, flash: bool, unified: bool,

@@ -66,6 +66,33 @@ def _random_shapes(seed: int = 24, n: int = 4) -> dict:
     return out
 
 
+def _qwen(path, arch: str, n_layer: int = 2, n_embd: int = 128, n_head: int = 4, n_head_kv: int = 2, head: int = 32,
+          n_ff: int = 256, seed: int = 5):
+    """A tiny qwen2 (Q/K/V biases) or qwen3 (per-head Q/K norms, head size of its own) as llama.cpp loads them
+    (src/models/qwen2.cpp, qwen3.cpp load_arch_tensors)."""
+    from core.gguf_write import GgufVocab, write_gguf
+
+    rng = gguf_models._rng(seed)
+    tensors = [("token_embd.weight", gguf_models._mat(rng, n_embd, gguf_models.VOCAB)),
+               ("output_norm.weight", gguf_models._norm(n_embd))]
+    for i in range(n_layer):
+        b = f"blk.{i}."
+        tensors += [(b + "attn_norm.weight", gguf_models._norm(n_embd))]
+        tensors += gguf_models._attention_and_ffn(rng, b, n_embd, n_head, n_head_kv, head, n_ff)
+        if arch == "qwen2":
+            tensors += [(b + "attn_q.bias", gguf_models._norm(n_head * head)),
+                        (b + "attn_k.bias", gguf_models._norm(n_head_kv * head)),
+                        (b + "attn_v.bias", gguf_models._norm(n_head_kv * head))]
+        else:
+            tensors += [(b + "attn_q_norm.weight", gguf_models._norm(head)),
+                        (b + "attn_k_norm.weight", gguf_models._norm(head))]
+    meta = {"general.name": f"tiny {arch}", "context_length": 4096, "embedding_length": n_embd, "block_count": n_layer,
+            "feed_forward_length": n_ff, "attention.head_count": n_head, "attention.head_count_kv": n_head_kv,
+            "attention.key_length": head, "attention.value_length": head, "rope.dimension_count": head,
+            "attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 1e6}
+    return write_gguf(path, arch, meta, tensors, GgufVocab.tiny(gguf_models.VOCAB))
+
+
 MODELS = {
     "llama-gqa": lambda p: gguf_models.llama(p),
     "llama-mha-untied": lambda p: gguf_models.llama(p, n_head_kv=4, tied=False, n_layer=3),
@@ -73,6 +100,8 @@ MODELS = {
     "llama-head64": lambda p: gguf_models.llama(p, n_embd=256, n_head=4, n_head_kv=1),
     "gemma3-swa": lambda p: gguf_models.gemma3(p),
     "deepseek2-mla": lambda p: gguf_models.deepseek2(p),
+    "qwen2-bias": lambda p: _qwen(p, "qwen2"),
+    "qwen3-qknorm": lambda p: _qwen(p, "qwen3", n_layer=3, n_embd=96, n_head=4, n_head_kv=1, head=64),
     "deepseek2-mla-wide": lambda p: gguf_models.deepseek2(p, n_layer=3, n_embd=96, n_head=6, kv_lora_rank=32, rope=16,
                                                           nope=48, v_head=24, n_ff=160, seed=9),
     # deep enough for the replay to take repeated layers out of the middle (core.llamacpp_compute._converged_mark)
@@ -202,16 +231,16 @@ def test_calc_json_rows_carry_the_buffers(gguf_files, capsys):
 
 
 def test_an_architecture_not_replayed_is_unknown_not_zero(capsys):
-    """A graph KV Scope does not replay (here Qwen2.5's, from its config): the compute buffer is n/a in the table,
-    null in the JSON, and so is the total: unknown, never a guess and never 0."""
+    """A graph KV Scope does not replay (here DeepSeek-V3's, MLA with experts, from its config): the compute buffer
+    is n/a in the table, null in the JSON, and so is the total: unknown, never a guess and never 0."""
     import main
 
-    assert main.main(["calc", "--model", "qwen2.5-7b", "--runtime", "llama.cpp", "--context", "4096", "--json"]) == 0
+    assert main.main(["calc", "--model", "deepseek-v3", "--runtime", "llama.cpp", "--context", "4096", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     row = out["rows"][0]
     assert row["compute_buffer_bytes"] is None and row["total_bytes"] is None and row["kv_cache_bytes"] > 0
     assert out["llama_cpp"][0]["compute_buffer_note"]  # the reason
-    assert main.main(["calc", "--model", "qwen2.5-7b", "--runtime", "llama.cpp", "--context", "4096"]) == 0
+    assert main.main(["calc", "--model", "deepseek-v3", "--runtime", "llama.cpp", "--context", "4096"]) == 0
     assert "compute buffer: n/a" in capsys.readouterr().out
 
 

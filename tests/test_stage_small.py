@@ -46,3 +46,16 @@ def test_event_names_keep_their_contrast_when_the_theme_changes(qtbot):
     table.recolor(light, dark)
     ratios = [contrast(table.item(r, 2).foreground().color().name(), dark.background) for r in range(table.rowCount())]
     assert min(ratios) >= 4.5, ratios
+
+
+def test_start_runs_the_prompt_the_first_run_runs(qtbot):
+    """The Start path stripped the default prompt's trailing space: 18 tokens where the first run had 19."""
+    from core.request import DEFAULT_PROMPT, RunRequest
+    from ui.controls import ControlsPanel
+
+    panel = ControlsPanel()
+    qtbot.addWidget(panel)
+    panel.prompt_edit.setPlainText(DEFAULT_PROMPT)
+    assert panel.build_request().prompt == RunRequest().prompt == DEFAULT_PROMPT
+    panel.prompt_edit.setPlainText("   \n")
+    assert panel.build_request().prompt == DEFAULT_PROMPT  # blank: the default, as before

@@ -205,6 +205,12 @@ class FollowsInstalled:
         raise NotImplementedError
 
 
+def _prompt_text(text: str) -> str:
+    """The prompt as typed ('' when blank): stripped, the default prompt lost its trailing space and Start
+    ran 18 tokens where the first run (and the command line) ran 19."""
+    return text if text.strip() else ""
+
+
 def _short(reason: str, limit: int = 44) -> str:
     """A reason short enough for a combo entry (the whole one is its tooltip)."""
     return reason if len(reason) <= limit else reason[:limit - 1].rstrip() + "\u2026"
@@ -695,7 +701,7 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
             attn_impl=parse_attn_impl(impl if impl in ATTN_IMPLS else "sdpa"),
             max_context=self.max_context_spin.value() or None,
         )
-        prompt = self.prompt_edit.toPlainText().strip()
+        prompt = _prompt_text(self.prompt_edit.toPlainText())
         budget_text = self.budget_edit.text().strip()
         budget = None
         if budget_text and budget_text.lower() not in ("none", "off", "0"):
@@ -726,7 +732,7 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
         kv = cache if cache in LLAMACPP_CACHE_TYPES else "f16"
         options = LlamaCppOptions(n_ctx=self.max_context_spin.value() or default_ctx or 4096, type_k=kv, type_v=kv)
         kwargs = dict(source=source, runtime="llama.cpp", llamacpp=options, max_new_tokens=self.max_tokens_spin.value())
-        prompt = self.prompt_edit.toPlainText().strip()
+        prompt = _prompt_text(self.prompt_edit.toPlainText())
         if prompt:
             kwargs["prompt"] = prompt
         return RunRequest(**kwargs)
@@ -741,7 +747,7 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
         except SpecError:
             cache = "kv"  # a transformers or llama.cpp cache from the run before
         kwargs = dict(source=source, runtime="mlx", mlx=MlxOptions(cache=cache), max_new_tokens=self.max_tokens_spin.value())
-        prompt = self.prompt_edit.toPlainText().strip()
+        prompt = _prompt_text(self.prompt_edit.toPlainText())
         if prompt:
             kwargs["prompt"] = prompt
         return RunRequest(**kwargs)

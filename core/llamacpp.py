@@ -355,7 +355,8 @@ def _compute_and_output(source, o: LlamaCppOptions, n_batch: int, n_ubatch: int,
     """The compute buffer (``core.llamacpp_compute``: llama.cpp's reserved graphs through its allocator) and the
     output buffer (``llama_context::output_reserve(n_seq_max)``: n_vocab x n_seq_max f32 logits)."""
     from core.gguf import GgufModel
-    from core.llamacpp_compute import CacheGeom, estimate, graph_shape, output_buffer_bytes, shape_of_spec
+    from core.llamacpp_compute import (CacheGeom, ComputeEstimate, estimate, graph_shape, output_buffer_bytes,
+                                       shape_of_spec)
 
     if isinstance(source, GgufModel):
         shape, n_vocab = graph_shape(source), source.n_vocab
@@ -363,8 +364,11 @@ def _compute_and_output(source, o: LlamaCppOptions, n_batch: int, n_ubatch: int,
         shape, n_vocab = shape_of_spec(source), source.vocab_size
     caches = {("swa" if b.window else "full"): CacheGeom(b.cells, b.streams, o.type_k, o.type_v, v_trans, v_max)
               for b in buffers}
-    compute = estimate(shape, n_ubatch=n_ubatch, n_batch=n_batch, n_seq_max=o.n_seq_max, flash=flash,
-                       unified=o.kv_unified, caches=caches)
+    try:
+        compute = estimate(shape, n_ubatch=n_ubatch, n_batch=n_batch, n_seq_max=o.n_seq_max, flash=flash,
+                           unified=o.kv_unified, caches=caches)
+    except (ArithmeticError, IndexError, KeyError, ValueError) as exc:  # a shape the replay cannot build: unknown
+        compute = ComputeEstimate(None, (), f"the graph could not be replayed for this model ({type(exc).__name__})")
     return compute, output_buffer_bytes(n_vocab, o.n_seq_max) if n_vocab else None
 
 

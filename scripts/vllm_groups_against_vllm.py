@@ -5,7 +5,7 @@ vllm/v1/core/kv_cache_planning.py and kv_cache_utils.py from the wheel, with the
 (zmq, openai, fastapi...) replaced by empty stand-ins, and compares, on a generated set of layer mixes (full and
 sliding-window attention, fixed-state layers padded to the attention page), vLLM's
 ``get_kv_cache_groups`` -> ``get_kv_cache_config_from_groups`` -> ``get_max_concurrency_for_kv_cache_config``
-with ``core.serving.block_groups``:
+with ``core.serving.block_groups`` (MLA layers too: one latent head, ``MLAAttentionSpec``):
 
     pip download 'vllm==0.33.0' --no-deps -d /tmp/vllm-wheel
     mkdir -p /tmp/vllm-src && cd /tmp/vllm-src && unzip -q /tmp/vllm-wheel/vllm-0.33.0-*.whl 'vllm/*' -x 'vllm/*.so'
@@ -88,7 +88,7 @@ def main(vllm_src: str) -> int:
     import torch
     import vllm.v1.core.kv_cache_planning as planning
     import vllm.v1.core.kv_cache_utils as utils
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     from core.caches import LayerKV
@@ -112,7 +112,14 @@ def main(vllm_src: str) -> int:
         if n_state:
             block_size = mamba_block_size(16, per_token, state)
         specs = {}
-        for i in range(n_full):
+        mla = case % 10 == 9  # an MLA model: one latent head of kv_lora_rank + rope per layer (MLAAttentionSpec)
+        if mla:
+            n_swa = n_state = 0
+            rank, rope = rng.choice(((512, 64), (256, 32)))
+            for i in range(n_full):
+                specs[f"mla.{i}"] = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=rank + rope,
+                                                     dtype=torch.bfloat16, cache_dtype_str="auto")
+        for i in range(0 if mla else n_full):
             specs[f"full.{i}"] = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head,
                                                    dtype=torch.bfloat16)
         for i in range(n_swa):
@@ -134,7 +141,8 @@ def main(vllm_src: str) -> int:
         groups = planning.get_kv_cache_groups(cfg, specs)
         config = planning.get_kv_cache_config_from_groups(cfg, groups, available)
         concurrency = utils.get_max_concurrency_for_kv_cache_config(cfg, config)
-        layers = ([LayerKV(heads=heads, k_dim=head, v_dim=head)] * n_full
+        layers = ([LayerKV(heads=1, k_dim=rank, v_dim=rope)] * n_full if mla else
+                  [LayerKV(heads=heads, k_dim=head, v_dim=head)] * n_full
                   + [LayerKV(heads=swa_heads, k_dim=head, v_dim=head, window=window)] * n_swa)
         ours, block = block_groups(layers, 16, 2, states=(state,) * n_state)
         blocks = available // block

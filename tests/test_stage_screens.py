@@ -55,3 +55,32 @@ def _parents(widget, top):
     while p is not None and p is not top:
         yield p
         p = p.parentWidget()
+
+
+@pytest.mark.parametrize("size", [(1024, 768), (1280, 720), (1920, 1080)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_switch_marker_labels_never_print_over_each_other_or_the_slope(qtbot, settings, size):
+    """Several switches at one token and at neighbouring tokens (the issue: one unreadable block)."""
+    w = MainWindow(settings=settings)
+    qtbot.addWidget(w)
+    w.resize(*size)
+    w.show()
+    qtbot.wait(50)
+    switches = {80: "gqa:2", 81: "mqa", 82: "mla", 83: "window:256", 84: "mha", 150: "gqa:4", 152: "mqa", 290: "mha"}
+    w.add_samples(synthetic_samples(300, switches=switches))
+    w.plots.redraw(settle=True)
+    qtbot.wait(50)
+    w.plots.redraw(settle=True)
+    labels = [m.lines[0].label for m in w.plots.markers]
+    shown = [label for label in labels if label.isVisible()]
+    assert len(shown) >= 3
+    rects = [label.sceneBoundingRect() for label in shown]
+    for i, a in enumerate(rects):
+        for b in rects[i + 1:]:
+            assert not a.intersects(b), (a.getRect(), b.getRect())
+        slope = w.plots.slope_label
+        if slope.isVisible() and slope.sceneBoundingRect().width() > 0:
+            assert not a.intersects(slope.sceneBoundingRect())
+    hidden = [m.label for m in w.plots.markers if not m.lines[0].label.isVisible()]
+    tips = "\n".join(label.toolTip() for label in shown)
+    assert all(name in tips for name in hidden)  # a label without room is named in its neighbour's tooltip
+    w.close()

@@ -611,6 +611,58 @@ class LivePlots(QWidget):
                 text.setVisible(fits)
         return shown
 
+    #: Heights (fractions of the KV plot, top down) a switch marker's label may take.
+    MARKER_ROWS = (0.93, 0.81, 0.69, 0.57, 0.45, 0.33)
+
+    def declutter_marker_labels(self) -> int:
+        """Place the switch markers' labels so that none prints over another, the slope label or the legend:
+        each (in token order) at the highest row of ``MARKER_ROWS`` where its rectangle meets nothing placed;
+        where no row is free it is hidden and its text joins the tooltip of the label before it (its line stays,
+        and the events table lists it). Measured in the scene, at the current zoom and size. Returns the labels
+        shown (-1: nothing moved since the last placement)."""
+        view = self.kv_plot.getViewBox()
+        (x0, x1), _ = view.viewRange()
+        key = (x0, x1, view.width(), view.height(), len(self.markers), self.markers[-1].token if self.markers else None,
+               self.slope_label.sceneBoundingRect().getRect())
+        if key == getattr(self, "_marker_layout_key", None):
+            return -1  # nothing moved since the last placement
+        self._marker_layout_key = key
+        taken = [item.sceneBoundingRect() for item in (self.slope_label, self._legends.get(id(self.kv_plot)))
+                 if item is not None and item.isVisible() and item.sceneBoundingRect().width() > 0]
+        shown, last = 0, None
+        for marker in sorted(self.markers, key=lambda m: m.token):
+            label = marker.lines[0].label
+            if label is None:
+                continue
+            label.setToolTip(marker.label)
+            if not x0 <= marker.token <= x1:
+                label.setVisible(False)
+                continue
+            spot = None
+            label.setVisible(True)  # a hidden label measures a few px tall: measure it as it is shown
+            for row in self.MARKER_ROWS:
+                label.setPosition(row)
+                label.updateTransform(force=True)  # else its rectangle is the one of its last paint
+                rect = label.sceneBoundingRect().adjusted(-2, -1, 2, 1)
+                if not any(rect.intersects(other) for other in taken):
+                    spot = rect
+                    break
+            label.setVisible(spot is not None)
+            if spot is None:
+                if last is not None:  # said by the label before: '+N' and the names in its tooltip
+                    last[1].append(marker.label)
+                continue
+            taken.append(spot)
+            shown += 1
+            last = (label, [marker.label])
+            label.more = last[1]
+        for marker in self.markers:
+            label = marker.lines[0].label
+            more = getattr(label, "more", None) if label is not None else None
+            if more and len(more) > 1:
+                label.setToolTip("\n".join(more))  # the switches whose labels had no room beside it
+        return shown
+
     def _style_spike(self, mark: SpikeMark) -> None:
         t = self.theme
         line, point, text = mark.items
@@ -750,6 +802,7 @@ class LivePlots(QWidget):
             self._ranges_pending = False
             self._fit_ranges()
             self.declutter_spike_labels()
+            self.declutter_marker_labels()
         if updated:
             self.slope_bytes_per_token = self._slope()
             self._refresh_labels()

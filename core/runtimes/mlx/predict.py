@@ -428,18 +428,24 @@ def prefill_peak(layers: Sequence[LayerShape], hidden: int, query_heads: int, pr
     layer's attention as MLX's CPU ``scaled_dot_product_attention`` computes it (the scores of every query head,
     ``heads x n x S`` values, and the causal mask, ``n x S`` bytes of bool) and that layer's per-token tensors
     (the residual, its norm, Q, K, V, Q and K after RoPE, the scaled Q: ``itemsize x (3 x hidden + 3 x heads x
-    head_dim + 3 x kv_heads x head_dim)`` per token). Not counted: the temporaries MLX's graph keeps alive
-    between layers, which depend on its evaluation order (measured: about 12 KiB per token on the embedded
-    model; the README's table gives the error per prompt length)."""
+    head_dim + 3 x kv_heads x head_dim)`` per token). Not counted, so the prediction is a floor: the other
+    temporaries alive at that moment. MLX's CPU backend runs the graph on a thread of its own and a buffer is freed
+    when the task that last reads it completes, so which temporaries overlap the scores depends on that timing:
+    measured 16 to 26 KiB per token over this floor across tiny Llamas (hidden 256/512, intermediate 688/1376,
+    head dims 16 to 64) and lengths 300/600, not a fixed count of tensors (benchmarks/mlx_prefill_peak.py)."""
     layers = tuple(layers)
     track = ModelTrack(layers, MlxCache(KV))
     peak = 0
-    for n in prompt_chunks(prompt_tokens, prefill_step):
+    chunks = prompt_chunks(prompt_tokens, prefill_step)
+    for i, n in enumerate(chunks):
         start = track.offset
         track.feed(n)
         keys = start + n
         worst = 0
-        for layer in layers:
+        # A chunk before the last is evaluated for the caches only (mx.eval of their state): the last layer's K
+        # and V are all it needs of that layer, so its attention never runs; the last token's pass runs them all.
+        attending = layers if i == len(chunks) - 1 else layers[:-1]
+        for layer in attending:
             s = keys if layer.window is None else min(keys, start + n)  # the keys attended (a window keeps S >= n)
             scores = query_heads * n * s * layer.itemsize + n * s
             per_token = layer.itemsize * (3 * hidden + 3 * query_heads * layer.k_dim + 3 * layer.heads * layer.k_dim)

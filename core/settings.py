@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from core.attention import MLA, AttentionMode, SettingsError, Window, native_attention, parse_attention
 from core.caches import CacheStrategy, Dynamic, Quantized, TokenSelecting, kv_layout, parse_cache
-from core.spec import INDEXED_ATTENTION, MAX_COUNT, ModelSpec, canonical_dtype, dtype_bytes, shown_count
+from core.spec import (INDEXED_ATTENTION, MAX_COUNT, ModelSpec, ViewNotKnown, canonical_dtype, dtype_bytes,
+                       known_views_only, shown_count)
 
 
 ATTN_IMPLS = ("eager", "sdpa", "flash")
@@ -192,7 +193,9 @@ def switch_problem(spec: ModelSpec, device: str | None, now: Now, key: str, valu
     if name == "cache" and strategy.needs_attention_weights:
         impl = "eager"  # a cache switch takes the kernel along (Engine.apply)
     try:
-        eff = _applied(spec, mode)
+        eff = _applied_known(spec, mode)
+    except ViewNotKnown:
+        return None  # only transformers would tell (the engine process has it): the engine judges
     except (SettingsError, ValueError) as exc:
         return str(exc).splitlines()[0]
     if strategy.needs_attention_weights and impl != "eager":
@@ -218,6 +221,16 @@ def switch_problem(spec: ModelSpec, device: str | None, now: Now, key: str, valu
             return _quantized_shape_problem(eff, strategy, dtype_bytes(spec.dtype), tokens,
                                             int(max_context or spec.max_position_embeddings))
     return None
+
+
+@functools.lru_cache(maxsize=256)
+def _applied_known(spec: ModelSpec, mode: AttentionMode) -> ModelSpec:
+    # The window's process asks this for every choice at every settings change, and never loads torch: a
+    # view transformers would have to find raises ViewNotKnown (an estimate swallowed inside apply, MLA's twin
+    # weights, is fine for these structural checks; kept apart from _applied, which the engine predicts with).
+    with known_views_only():
+        mode.check(spec)
+        return mode.apply(spec)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -11,6 +11,8 @@ predictor reads; the transformers side of it lives in core/hf.py.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import hashlib
 import json
@@ -577,6 +579,25 @@ def config_key(cfg: dict[str, Any]) -> str:
 VIEW_SCHEMA = 6
 
 
+_KNOWN_VIEWS_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("kvscope_known_views_only", default=False)
+
+
+class ViewNotKnown(SpecError):
+    """A config's view is neither shipped nor memoised, and finding it now (transformers, torch) is not
+    allowed where it was asked (``known_views_only``)."""
+
+
+@contextlib.contextmanager
+def known_views_only():
+    """Within it, ``config_view`` never imports transformers: a view not shipped or memoised raises
+    ``ViewNotKnown``. The window's process judges switches from the spec alone this way (it never loads torch)."""
+    token = _KNOWN_VIEWS_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _KNOWN_VIEWS_ONLY.reset(token)
+
+
 def config_view(cfg: dict[str, Any], shipped: Any = None) -> ConfigView:
     """What transformers makes of ``cfg``: from ``shipped`` (a preset's stored view) when it is for
     this transformers version, else from the on-disk memo, else found now (seconds for DeepSeek-V3,
@@ -597,6 +618,8 @@ def config_view(cfg: dict[str, Any], shipped: Any = None) -> ConfigView:
     view = ConfigView.from_json(known.get(digest))
     if view is not None:
         return view
+    if _KNOWN_VIEWS_ONLY.get():
+        raise ViewNotKnown("this config's view is not known yet (transformers would find it)")
     from core.hf import compute_view  # transformers (and torch): a config seen for the first time
 
     view = compute_view(key)

@@ -21,6 +21,12 @@ The rules are llama.cpp's own, read in the source that llama-cpp-python 0.3.36 v
 
 Every cell is allocated (and zeroed) at load and the buffer never changes size: the whole context is paid
 for before the first token. "Used" bytes are the cells that hold tokens so far.
+
+Beside the KV: the compute buffer (``core.llamacpp_compute``: sched_reserve's graphs through ggml's allocator, the
+CPU backend's, exact), the output buffer (``llama_context::output_reserve``: n_vocab x n_seq_max x 4 B) and the
+model buffers per backend. ``fit_llamacpp`` mirrors llama.cpp's own ``--fit`` (``common/fit.cpp``
+``common_params_fit_impl``, on by default in llama-server): keep what leaves ``--fit-target`` (1 GiB) free, else
+with -c 0 interpolate the context between --fit-ctx (4,096) and the trained one, else lower -ngl to what fits.
 """
 
 from __future__ import annotations

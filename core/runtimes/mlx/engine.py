@@ -49,17 +49,6 @@ class MlxRunError(SettingsError):
     """An MLX run failed for a reason written for the user."""
 
 
-def available() -> str | None:
-    """None when mlx and mlx-lm import, else why not (one line)."""
-    try:
-        import mlx.core  # noqa: F401
-        import mlx_lm  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - any failure to import is the same answer
-        return (f"MLX is not available ({type(exc).__name__}: {exc}); install it with pip install -e '.[mlx]' "
-                "(mlx[cpu] on Linux, mlx on macOS)")
-    return None
-
-
 def _itemsize(dtype: Any) -> int:
     return int(dtype.size)
 

@@ -84,3 +84,21 @@ def test_switch_marker_labels_never_print_over_each_other_or_the_slope(qtbot, se
     tips = "\n".join(label.toolTip() for label in shown)
     assert all(name in tips for name in hidden)  # a label without room is named in its neighbour's tooltip
     w.close()
+
+
+def test_the_calculator_fits_1024_px_without_a_sideways_scroll(qtbot, settings):
+    from core.spec import load_spec
+
+    w = MainWindow(settings=settings)
+    qtbot.addWidget(w)
+    w.resize(1024, 768)
+    w.show()
+    w.tabs.setCurrentIndex(1)
+    w.calculator.set_spec(load_spec("embedded"), source="embedded")
+    w.calculator.memory_combo.setCurrentText("24 GiB")
+    w.calculator.recompute()
+    qtbot.wait(50)
+    assert "1,635,930" in w.calculator.fits_label.text() or w.calculator.state.max_fit > 4096
+    scroll = w.tabs.currentWidget()
+    assert not scroll.horizontalScrollBar().isVisible(), (w.calculator.minimumSizeHint().width(), scroll.viewport().width())
+    w.close()

@@ -336,6 +336,7 @@ class CalculatorTab(FollowsInstalled, QWidget):
         self.fits_label.setToolTip("The largest context whose predicted total (weights + KV + activation peak) "
                                    "fits in the GPU memory above (core.predict.max_context_that_fits).")
         self.fits_label.setObjectName("headline")
+        self.fits_label.setWordWrap(True)  # never wider than the column: at 1024x768 its one line cut the numbers off
         self.numbers = {}
         numbers_box = QGroupBox("Breakdown at this context")
         grid = QGridLayout(numbers_box)
@@ -734,8 +735,8 @@ class CalculatorTab(FollowsInstalled, QWidget):
         else:
             more = "+" if fit >= (ceiling if llama else SEARCH_LIMIT) else ""
             where = "" if parallel.single else f" on every one of {parallel.gpus} GPUs"
-            past = (f" (past the trained {format_tokens(spec.max_position_embeddings)})"
-                    if fit > spec.max_position_embeddings else "")
+            past = (f"<br><span style='font-size:small'>past the trained {format_tokens(spec.max_position_embeddings)}"
+                    "</span>" if fit > spec.max_position_embeddings else "")
             self.fits_label.setText(f"Largest context that fits{where}: {fit:,}{more} tokens{past}")
         self.formula_label.setText(formula if parallel.single or llama else f"All GPUs: {formula}")
         self._update_chart(spec, settings, context, memory, fit)

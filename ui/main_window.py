@@ -749,6 +749,7 @@ class MainWindow(FileActions, QMainWindow):
             self._normal_geometry = self.saveGeometry()  # leaving presenter mode puts the window back
         if self.presenter:
             self.controls.setVisible(False)
+            self.demo_banner.setVisible(False)  # the first-start offer is not for the audience (half a 768 px plot)
         screen = self.screen() or QGuiApplication.primaryScreen()
         wide = screen is None or screen.availableGeometry().width() >= 1600
         self.right_panel.setMaximumWidth(600 if self.presenter else RIGHT_MAX_W)

@@ -102,6 +102,12 @@ def _add_llamacpp_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-kv-offload", action="store_true", help="keep the KV cache in system memory")
 
 
+def _runtime_names() -> tuple[str, ...]:
+    from core import runtimes
+
+    return runtimes.names()
+
+
 def _llamacpp_options(args: argparse.Namespace, n_ctx: int):
     from core.runtimes.llamacpp import options_from_args
 
@@ -113,12 +119,6 @@ def _add_metrics_options(p: argparse.ArgumentParser) -> None:
                    help="serve Prometheus metrics at http://127.0.0.1:PORT/metrics (0: any free port)")
     p.add_argument("--metrics-host", default=None, metavar="HOST",
                    help="bind the metrics server to HOST instead of 127.0.0.1 (e.g. 0.0.0.0: every interface)")
-
-
-def _runtime_names() -> tuple[str, ...]:
-    from core import runtimes
-
-    return runtimes.names()
 
 
 def _start_metrics(args: argparse.Namespace):

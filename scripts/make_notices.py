@@ -238,16 +238,28 @@ def python_notice() -> Notice:
     return Notice(name="Python", version=".".join(map(str, sys.version_info[:3])), license="PSF-2.0", texts=texts)
 
 
+def debian_owner(path: str) -> str | None:
+    """The Debian package that installed ``path`` (``dpkg -S``), trying the path as given, its resolved target,
+    and each with and without the /usr prefix: with merged /usr, dpkg knows a library by the path its package
+    installed it at (/lib/x86_64-linux-gnu/libz.so.1.2.13), which may not be the one a loader reports."""
+    candidates = []
+    for p in (str(path), str(Path(path).resolve())):
+        candidates += [p, p[4:] if p.startswith("/usr/") else "/usr" + p]
+    for candidate in dict.fromkeys(candidates):
+        try:
+            out = subprocess.run(["dpkg", "-S", candidate], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        if out.returncode == 0 and out.stdout:
+            return out.stdout.split(":", 1)[0].split(",")[0].strip()
+    return None
+
+
 def system_library_notices(paths: list[str]) -> list[Notice]:
     """Debian packages that own the given shared libraries (``dpkg -S``), with their copyright files."""
     owners: dict[str, list[str]] = {}
     for path in sorted(set(paths)):
-        try:
-            out = subprocess.run(["dpkg", "-S", str(Path(path).resolve())], capture_output=True, text=True,
-                                 timeout=60).stdout
-        except (OSError, subprocess.TimeoutExpired):
-            out = ""
-        package = out.split(":", 1)[0].strip() if out else ""
+        package = debian_owner(path)
         owners.setdefault(package or "(no Debian package)", []).append(Path(path).name)
     notices = []
     for package, libs in sorted(owners.items()):

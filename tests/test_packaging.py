@@ -469,6 +469,12 @@ def test_make_deb_packages_a_bundle(tmp_path):
     copyright_file = (unpacked / "usr/share/doc/kvscope/copyright").read_text()
     assert "Copyright: 2026 KV Scope developers\nLicense: Expat\n" in copyright_file
     assert "/opt/kvscope/_internal/packaging/THIRD_PARTY_NOTICES.txt" in copyright_file
+    # Each lintian override has its reason above it, as a comment.
+    overrides = (unpacked / "usr/share/lintian/overrides/kvscope").read_text().splitlines()
+    assert len(overrides) % 2 == 0 and overrides
+    for reason, tag in zip(overrides[::2], overrides[1::2]):
+        assert re.fullmatch(r"# [a-z0-9-]+: .{20,}", reason) and re.fullmatch(r"kvscope: [a-z0-9-]+", tag)
+        assert reason.split(":")[0][2:] == tag.split(": ")[1]
     if shutil.which("lintian"):
         lint = subprocess.run(["lintian", "--no-cfg", str(deb)], capture_output=True, text=True, timeout=300)
         tags = [line for line in lint.stdout.splitlines() if re.match(r"[EW]: ", line)]
@@ -501,3 +507,21 @@ def test_built_deb_has_the_bundle_llama_cpp_and_the_notices():
                    "/usr/share/icons/hicolor/256x256/apps/kvscope.png", "/usr/share/doc/kvscope/copyright"):
         assert needed in paths, needed
     assert "/usr/bin/kvscope -> /opt/kvscope/kvscope" in listing
+
+
+@needs_dpkg
+def test_notices_attribute_system_libraries_to_their_debian_packages():
+    """The bundle's notices name the Debian package of each library PyInstaller took from the system, with
+    its copyright file, whichever of /lib and /usr/lib (merged /usr) the loader reported."""
+    import make_notices
+
+    libz = next((p for p in ("/lib/x86_64-linux-gnu/libz.so.1", "/usr/lib/x86_64-linux-gnu/libz.so.1",
+                             "/lib/aarch64-linux-gnu/libz.so.1") if Path(p).exists()), None)
+    if libz is None:
+        pytest.skip("no libz.so.1 in the usual places")
+    owner = subprocess.run(["dpkg-query", "-S", "libz.so.1*"], capture_output=True, text=True).stdout.split(":")[0]
+    for path in {libz, str(Path(libz).resolve())}:
+        assert make_notices.debian_owner(path) == owner
+    (notice,) = make_notices.system_library_notices([libz])
+    assert notice.name == owner and "libz.so.1" in notice.note
+    assert notice.texts and "zlib" in notice.texts[0][1].lower()

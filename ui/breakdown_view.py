@@ -107,6 +107,9 @@ class BreakdownView(QGroupBox):
         grid.setColumnStretch(1, 1)
         layout.addLayout(grid)
         self.breakdown: Breakdown | None = None
+        # Never what sets the window's minimum (a 720p projector, presenter type): an explicit minimum keeps the
+        # layout's own out of the window's; when the column is short the legend's last rows are cut, not the plots.
+        self.setMinimumSize(1, 1)
         self._show_unattributed(False)
 
     def apply_theme(self, theme: Theme) -> None:

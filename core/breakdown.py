@@ -6,7 +6,8 @@ The parts, in the order a stacked view draws them (bottom up)::
     kv_held           the K/V of the tokens so far (walked: measured)
     kv_reserved_free  what the runtime set aside for the cache beyond that (llama.cpp's prepayment): measured
     activations       what the allocator holds beyond weights and KV (logits, temporaries): measured with a
-                      device allocator; predicted without one (the CPU allocator keeps no counters)
+                      device allocator; llama.cpp's compute buffer, measured (``activations_observed``: its
+                      own memory breakdown); else predicted (the CPU allocator keeps no counters)
     allocator_cache   reserved by torch's caching allocator but not allocated: measured (CUDA/MPS), else n/a
     runtime           the rest of this process: CUDA context, kernels, Python, libraries (NVML's process
                       figure less the allocator's reserve; on the CPU the resident set less the parts above)
@@ -97,6 +98,9 @@ def memory_breakdown(s: Sample) -> Breakdown:
     if allocated is not None:  # a device allocator (CUDA, MPS): activations measured, the pool's cache too
         activations = part("activations", _minus(allocated, weights, reserved), MEASURED)
         cache = part("allocator_cache", _minus(pool, allocated), MEASURED)
+    elif s.activations_observed is not None:  # the runtime measured its own (llama.cpp's compute buffer)
+        activations = part("activations", s.activations_observed, MEASURED)
+        cache = Part("allocator_cache", None, NA)
     else:  # the CPU: no allocator counters, so what transients hold is the prediction's
         activations = part("activations", s.activations_predicted, PREDICTED)
         cache = Part("allocator_cache", None, NA)

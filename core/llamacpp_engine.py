@@ -14,10 +14,14 @@ abort in llama.cpp ends that process, not the app). The KV figures:
   times the measured bytes per cell, a window cache capped at its window), so the plot shows what the reserved
   buffer is actually filled with.
 
-Switches: the attention layout (and its kernel) is fixed when llama.cpp loads the model, so ``attention`` and
-``attn-impl`` are refused with that reason and the run goes on. The cache type and the context size take a
-reload: the context is freed and created again with the new options, the tokens so far are decoded again
-(``tokens_rerun``), and the switch event carries the new allocation.
+- ``activations_observed``: the compute buffer llama.cpp reserved for the context, exact bytes from its own
+  ``llama_get_memory_breakdown`` (``core.llamacpp_observe``), read once per context; ``activations_predicted``:
+  ``core.llamacpp_compute``'s replay of the same reservation (``plan(...).compute_bytes``).
+
+Switches: the attention layout is fixed when llama.cpp loads the model, so ``attention`` is refused with that
+reason and the run goes on. The kernel (``attn-impl=fa-on`` / ``fa-off``: ``-fa``), the cache type and the context
+size take a reload: the context is freed and created again with the new options, the tokens so far are decoded
+again (``tokens_rerun``), and the switch event carries the new allocation and compute buffer.
 
 This module imports neither torch nor Qt; llama-cpp-python is imported when a run starts.
 """
@@ -42,6 +46,13 @@ RUNTIME = "llama.cpp"
 TOP_K = 40
 #: The reason an attention switch is refused.
 FIXED_LAYOUT = "llama.cpp fixes the attention layout when the model loads"
+#: The kernel keys (``attn-impl`` and its short names): a flash-attention switch, ``-fa`` on a reloaded context.
+KERNEL_KEYS = ("attn-impl", "attn", "impl", "flash")
+#: What a kernel switch's value means for ``-fa`` (the window's Kernel combo shows fa-on / fa-off; the F key and
+#: the other runtimes' names say flash or not).
+FLASH_VALUES = {"fa-on": "on", "on": "on", "flash": "on", "flash_attention_2": "on", "enabled": "on",
+                "fa-off": "off", "off": "off", "eager": "off", "sdpa": "off", "disabled": "off",
+                "fa-auto": "auto", "auto": "auto"}
 #: The cache types the window offers to reload with (the C key cycles through them).
 OFFERED_CACHE_TYPES = ("f16", "q8_0", "q4_0", "f32")
 
@@ -100,6 +111,24 @@ def allocation_of(ctx: Any, n_swa: int) -> Allocation:
     return Allocation(caches, per_cell, windows)
 
 
+def _bytes(n: int | None) -> str:
+    return "n/a" if n is None else f"{n:,} B ({human_bytes(n)})"
+
+
+def observed_compute_bytes(ctx: Any) -> int | None:
+    """The compute buffer llama.cpp reserved for a loaded ``LlamaCppContext``, exact bytes: its own
+    ``llama_get_memory_breakdown`` (``core.llamacpp_observe``), summed over the buffer types. Read once per context
+    (each call leaves a few hundred bytes of the returned map unfreed). None where this libllama does not export
+    it or the map cannot be read: unknown, never a guess from the log's rounded MiB."""
+    from core.llamacpp_observe import memory_breakdown
+
+    try:
+        rows = memory_breakdown(ctx.ctx)
+    except Exception:  # noqa: BLE001 - a map laid out otherwise: unknown
+        return None
+    return sum(r[2] for r in rows) if rows else None
+
+
 class LlamaCppEngine:
     """One GGUF in llama.cpp with one context, generating for sequence 0; ``step`` returns a Sample per token."""
 
@@ -145,6 +174,7 @@ class LlamaCppEngine:
         self.ctx, self.options, self.allocation = ctx, options, allocation
         self.weights = ctx.weights_bytes()
         self.flash = self._logged_flash(ctx.log, options)
+        self.compute_observed = observed_compute_bytes(ctx)
         self.device = "cuda" if any("cuda" in name.lower() for name, _ in ctx.buffers) else "cpu"
         import re
 
@@ -232,6 +262,7 @@ class LlamaCppEngine:
             kv_bytes_held=used, kv_bytes_reserved=self.allocation.reserved, kv_bytes_storage=self.allocation.reserved,
             weights_bytes=self.weights, process_rss=rss,
             kv_bytes_predicted=self.plan.kv_bytes, weights_predicted=weights_predicted,
+            activations_observed=self.compute_observed, activations_predicted=self.plan.compute_bytes,
             total_predicted=(weights_predicted + self.plan.kv_bytes) if weights_predicted is not None else None,
             tokens_per_s=self.tokens_per_s if phase == PHASE_DECODE else None, event=event,
             context_tokens=len(self.tokens), runtime=RUNTIME, **fields)
@@ -262,6 +293,8 @@ class LlamaCppEngine:
         """A switch between two tokens: an event Sample (``switch``, ``refused`` or ``note``)."""
         fields = self.switch_fields(key, value)
         k = fields["switch_key"]
+        if k in KERNEL_KEYS:
+            return self._flash_switch(str(value), fields)
         if k in LLAMACPP_ATTENTION_KEYS:
             return self.event("refused", f"{k}={value} refused: {FIXED_LAYOUT} (this file's is {self.attention}, "
                                          f"-fa {self.flash}); load another GGUF to change it", **fields)
@@ -281,6 +314,23 @@ class LlamaCppEngine:
                                          f"{new_plan.n_ctx_seq:,} cells", **fields)
         return self._reload(wanted, new_plan, k, fields)
 
+    def _flash_switch(self, value: str, fields: dict[str, Any]) -> Sample:
+        """``attn-impl=fa-on`` / ``fa-off`` (``-fa``): the context created again with the other setting, the tokens
+        decoded again; the compute buffer is what moves (flash attention never materialises the n_kv x n_tokens
+        scores), the KV only where a quantized V needs flash attention."""
+        wanted_fa = FLASH_VALUES.get(value.strip().lower())
+        if wanted_fa is None:
+            return self.event("refused", f"attn-impl={value} refused: llama.cpp's kernel setting is -fa: use fa-on, "
+                                         "fa-off or fa-auto", **fields)
+        if wanted_fa == self.options.flash_attn or (wanted_fa != "auto" and wanted_fa == self.flash):
+            return self.event("note", f"attn-impl is already {self.attn_impl}: nothing to reload", **fields)
+        wanted = dataclasses.replace(self.options, flash_attn=wanted_fa)
+        try:
+            new_plan = plan(self.gguf, wanted)
+        except SettingsError as exc:
+            return self.event("refused", f"attn-impl={value} refused: {exc}", **fields)
+        return self._reload(wanted, new_plan, "attn-impl", fields)
+
     def _options_for(self, key: str, value: Any) -> LlamaCppOptions:
         o = self.options
         if key in ("cache", "cache-type"):
@@ -293,6 +343,7 @@ class LlamaCppEngine:
 
     def _reload(self, wanted: LlamaCppOptions, new_plan: LlamaCppPlan, key: str, fields: dict[str, Any]) -> Sample:
         before_bytes, old_options, old_plan = self.allocation.reserved, self.options, self.plan
+        compute_before = self.compute_observed
         self.ctx.close()
         self.ctx = None
         t = self.clock()
@@ -312,7 +363,9 @@ class LlamaCppEngine:
         fields["switch_after"] = self._settings_now().get(key, fields["switch_after"])
         return self.event("switch", f"{key}: {fields['switch_before']} -> {fields['switch_after']}: llama.cpp reloaded "
                                     f"the context; KV reserved {human_bytes(before_bytes)} -> {human_bytes(after)} "
-                                    f"({self.describe_allocation()}); re-ran {len(self.tokens)} tokens in {took:.2f} s",
+                                    f"({self.describe_allocation()}); compute buffer {_bytes(compute_before)} -> "
+                                    f"{_bytes(self.compute_observed)} (predicted {_bytes(self.plan.compute_bytes)}); "
+                                    f"re-ran {len(self.tokens)} tokens in {took:.2f} s",
                           tokens_rerun=len(self.tokens), **fields)
 
 

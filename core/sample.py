@@ -51,6 +51,9 @@ class Sample:
     kv_bytes_predicted: int | None = None
     weights_predicted: int | None = None
     activations_predicted: int | None = None
+    #: A runtime's own measure of what it holds for activations, where it has one: llama.cpp's compute buffer
+    #: (exact bytes, ``llama_get_memory_breakdown``), predicted by ``activations_predicted``.
+    activations_observed: int | None = None
     total_predicted: int | None = None
     tokens_per_s: float | None = None
     event: str | None = None  # for phase == event: "switch", "load", "error", "oom", "budget"...

@@ -64,7 +64,8 @@ def model_info(engine: LlamaCppEngine) -> ModelInfo:
                      device_name="llama.cpp on the CPU" if engine.device == "cpu" else "llama.cpp on the GPU",
                      dtype=engine.dtype, spec=engine.spec, total_memory=total,
                      attention_choices=(engine.attention,), cache_choices=cache_choices,
-                     attn_impl_choices=(engine.attn_impl,), max_context=engine.cells, runtime=NAME)
+                     # -fa: a switch reloads the context with the other setting (the compute buffer moves)
+                     attn_impl_choices=("fa-off", "fa-on"), max_context=engine.cells, runtime=NAME)
 
 
 def _settings(engine: LlamaCppEngine) -> dict[str, Any]:

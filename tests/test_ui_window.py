@@ -113,7 +113,10 @@ def test_a_refused_switch_puts_the_controls_back_to_what_runs(qtbot, window):
     request = RunRequest(source="embedded", max_new_tokens=100_000, settings=RunSettings(cache=parse_cache("quantized:4")))
     window.start_run(request)
     qtbot.waitUntil(lambda: window.decode_tokens >= 2, timeout=120_000)
-    qtbot.keyClick(window, Qt.Key.Key_5)  # a sliding window
+    qtbot.keyClick(window, Qt.Key.Key_5)  # a sliding window: not offered under a quantized cache (issue 25)
+    assert window.session.switches_pending == 0 and window.controls.attention_combo.currentData() == "mha"
+    assert "quantized cache needs full-attention layers" in window.statusBar().currentMessage()
+    window.request_switch("attention", "window:256")  # sent nonetheless: the engine refuses it
     assert window.controls.attention_combo.currentData().startswith("window")  # asked for, not yet applied
     qtbot.waitUntil(lambda: window.controls.attention_combo.currentData() == "mha", timeout=30_000)
     assert window.badges["attention"].text() == "MHA" and window.controls.cache_combo.currentData() == "quantized:4"

@@ -208,3 +208,21 @@ def _values(spec, axis):
     if axis == "attn-impl":
         return ATTN_IMPLS
     return tuple(k for k, reason in cache_choices("cpu", spec) if reason is None)
+
+
+@pytest.mark.parametrize("impls,flash,other", [(("fa-off", "fa-on"), "fa-on", "fa-off"),
+                                               (ATTN_IMPLS, "flash", "sdpa")])
+def test_the_kernel_combo_lists_a_runtimes_own_kernels_and_f_toggles_its_flash(qtbot, impls, flash, other):
+    """llama.cpp names its kernels fa-off / fa-on: the Kernel combo lists them enabled (they were greyed as
+    'not available here' under torch's three), and F goes to flash attention and back, as with SDPA's flash."""
+    spec = load_spec("embedded")
+    panel = _panel(qtbot, spec, "cpu")
+    panel.set_choices(attention_choices(spec), cache_choices("cpu", spec), impls)
+    listed = [panel.impl_combo.itemData(i) for i in range(panel.impl_combo.count())]
+    assert listed == list(impls)
+    model = panel.impl_combo.model()
+    assert all(model.item(i).isEnabled() for i in range(len(impls)) if listed[i] in impls)
+    panel.select(panel.impl_combo, other)
+    assert panel.flash_toggled() == flash
+    panel.select(panel.impl_combo, flash)
+    assert panel.flash_toggled() == other

@@ -500,7 +500,7 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
 
             current = self.impl_combo.currentData() or "sdpa"
             self.impl_combo.clear()
-            for key in ATTN_IMPLS:
+            for key in self._impls_listed():
                 self.impl_combo.addItem(key, key)
                 if key not in self.impl_choices:
                     self._disable_item(self.impl_combo, key, "not available here")
@@ -599,7 +599,7 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
         """Grey out, with the reason, each combo entry the engine cannot apply from the settings ahead;
         enable again what can (the entries the choices themselves rule out stay grey)."""
         base = {"cache": dict(self.cache_choices),
-                "attn-impl": {k: None if k in self.impl_choices else "not available here" for k in ATTN_IMPLS}}
+                "attn-impl": {k: None if k in self.impl_choices else "not available here" for k in self._impls_listed()}}
         now = self.settings_ahead()
         for key in SWITCH_KEYS:
             combo = self.combo(key)
@@ -642,12 +642,25 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
             5: next((c for c in reversed(choices) if c.startswith("window")), None),
         }.get(n))
 
+    def _impls_listed(self) -> list[str]:
+        """The kernels the Kernel combo lists: torch's three (those this model cannot run greyed), or the
+        runtime's own where it names others (llama.cpp's ``fa-off`` / ``fa-on``)."""
+        own = [k for k in self.impl_choices if k not in ATTN_IMPLS]
+        return list(self.impl_choices) if own else list(ATTN_IMPLS)
+
+    def _flash_kernel(self) -> str | None:
+        """The kernel key F means here: SDPA's flash, or a runtime's flash attention on (``fa-on``)."""
+        return next((k for k in ("flash", "fa-on") if k in self.impl_choices), None)
+
     def flash_toggled(self) -> str | None:
         """Key F: the kernel to switch to (flash, or back to the last other one); None (with ``last_problem``)
         if flash is not here or cannot run from the settings ahead."""
-        if (self.impl_combo.currentData() or "sdpa") == "flash":
-            return self._offer("attn-impl", self.last_non_flash or "sdpa")
-        return self._offer("attn-impl", "flash" if "flash" in self.impl_choices else None)
+        flash = self._flash_kernel()
+        if flash is not None and (self.impl_combo.currentData() or "sdpa") == flash:
+            others = [k for k in self.impl_choices if k != flash]
+            back = self.last_non_flash if self.last_non_flash in others else (others[0] if others else None)
+            return self._offer("attn-impl", back)
+        return self._offer("attn-impl", flash)
 
     def next_cache(self) -> str | None:
         """Key C: the next cache strategy after the one shown that the engine can apply from the settings

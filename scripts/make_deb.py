@@ -173,6 +173,11 @@ def _owner(path: str) -> str | None:
     return None
 
 
+#: Data packages that a library the bundle carries reads at run time (not a DT_NEEDED): its configuration.
+#: Seen on a minbase Debian 12: "Fontconfig error: Cannot load default config file" without /etc/fonts.
+CARRIED_LIBRARY_NEEDS = {"libfontconfig.so.1": "fontconfig-config"}
+
+
 def policy_package(soname: str) -> str | None:
     """The Debian package name for a shared library's soname by policy 8.1 (libfoo.so.1 -> libfoo1,
     libfoo-x11.so.0 -> libfoo-x11-0, lowercased), or None for a name that is not libNAME.so.N."""
@@ -210,6 +215,7 @@ def depends(scan: ElfScan) -> tuple[list[str], list[str]]:
                 unresolved.append(soname)
                 continue
         packages.add(package)
+    packages.update(need for lib, need in CARRIED_LIBRARY_NEEDS.items() if lib in scan.provided)
     packages.discard("libc6")
     entries = [f"libc6 (>= {'.'.join(map(str, scan.glibc))})"]
     if "libstdc++6" in packages and scan.glibcxx:

@@ -525,3 +525,17 @@ def test_notices_attribute_system_libraries_to_their_debian_packages():
     (notice,) = make_notices.system_library_notices([libz])
     assert notice.name == owner and "libz.so.1" in notice.note
     assert notice.texts and "zlib" in notice.texts[0][1].lower()
+
+
+@needs_dpkg
+def test_deb_depends_on_what_carried_libraries_read():
+    """A bundled libfontconfig needs /etc/fonts (fontconfig-config); a bundled library is never a dependency."""
+    import make_deb
+
+    scan = make_deb.ElfScan(needed={"libfontconfig.so.1": ["x"], "libc.so.6": ["x"]}, glibc=(2, 34),
+                            provided={"libfontconfig.so.1"})
+    entries, unresolved = make_deb.depends(scan)
+    assert entries == ["libc6 (>= 2.34)", "fontconfig-config"] and unresolved == []
+    assert make_deb.policy_package("libxkbcommon-x11.so.0") == "libxkbcommon-x11-0"
+    assert make_deb.policy_package("libEGL.so.1") == "libegl1"
+    assert make_deb.policy_package("not-a-library") is None

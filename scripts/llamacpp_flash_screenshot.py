@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from window_script import fresh_window  # noqa: E402
 
 TOKENS = 1200
 SWITCH_AT = 600  # the token at which -fa goes from off to on
@@ -24,21 +26,10 @@ CONTEXT = 4096
 
 
 def main() -> int:
-    from PySide6.QtCore import QEventLoop, QPoint, QSettings, Qt, QTimer
+    from PySide6.QtCore import QEventLoop, QPoint, Qt, QTimer
     from PySide6.QtGui import QColor, QFont, QPainter, QPixmap
-    from PySide6.QtWidgets import QApplication
 
-    from core.llamacpp import LlamaCppOptions
-    from ui.main_window import MainWindow
-
-    out = sys.argv[1] if len(sys.argv) > 1 else "docs/screenshot-llamacpp-flash.png"
-    width, height = (int(sys.argv[2]), int(sys.argv[3])) if len(sys.argv) > 3 else (1280, 720)
-    app = QApplication.instance() or QApplication(sys.argv)
-    settings = QSettings(str(Path(tempfile.mkdtemp()) / "settings.ini"), QSettings.Format.IniFormat)
-    settings.setValue("app/first_start_done", True)  # no demo banner
-    window = MainWindow(settings=settings)
-    window.resize(width, height)
-    window.show()
+    app, window, out = fresh_window("docs/screenshot-llamacpp-flash.png")
 
     controls = window.controls
     controls.max_tokens_spin.setValue(TOKENS)

@@ -12,37 +12,25 @@ at once.
 
 from __future__ import annotations
 
+import functools
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from window_script import fresh_window, run_to_end  # noqa: E402
 
 TOKENS = 1100  # past four MLX steps (256, 512, 768, 1024)
 LLAMACPP_CONTEXT = 2048  # the prepayment, twice the tokens generated
 
 
 def main() -> int:
-    from PySide6.QtCore import QEventLoop, QSettings, QTimer
-    from PySide6.QtWidgets import QApplication
+    from PySide6.QtCore import QEventLoop, QTimer
 
-    from ui.main_window import MainWindow
+    app, window, out = fresh_window("docs/screenshot-three-runtimes.png")
 
-    out = sys.argv[1] if len(sys.argv) > 1 else "docs/screenshot-three-runtimes.png"
-    width, height = (int(sys.argv[2]), int(sys.argv[3])) if len(sys.argv) > 3 else (1280, 720)
-    app = QApplication.instance() or QApplication(sys.argv)
-    settings = QSettings(str(Path(tempfile.mkdtemp()) / "settings.ini"), QSettings.Format.IniFormat)
-    settings.setValue("app/first_start_done", True)  # no demo banner
-    window = MainWindow(settings=settings)
-    window.resize(width, height)
-    window.show()
-
-    def run(request) -> None:
-        loop = QEventLoop()
-        window.run_finished.connect(loop.quit)
-        assert window.start_run(request)
-        loop.exec()
-        window.run_finished.disconnect(loop.quit)
+    run = functools.partial(run_to_end, window)
 
     controls = window.controls
     controls.max_tokens_spin.setValue(TOKENS)

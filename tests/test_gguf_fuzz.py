@@ -25,7 +25,6 @@ line, seconds). The table of outcomes per category is printed (visible without `
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -43,6 +42,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.fuzzing import Hang, category_table, guard
 
 import main as kvscope_main
 from core.gguf import GGML_TYPES, LLAMA_MAX_LAYERS, OWN_CACHE, read_gguf
@@ -521,24 +522,6 @@ def generate(seed: int = SEED) -> list[Variant]:
 # Running a variant
 
 
-class Hang(Exception):
-    pass
-
-
-@contextlib.contextmanager
-def guard(seconds: float):
-    def on_alarm(signum, frame):
-        raise Hang(f"still running after {seconds:.0f} s")
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def limits_problem(g, file_size: int) -> str | None:
     """A reading that breaks a limit llama.cpp sets (a damaged file that still read must keep every one)."""
     from core.gguf import GGML_MAX_NAME
@@ -724,14 +707,8 @@ def test_every_gguf_ends_refused_or_correct(tmp_path, capsys, monkeypatch):
 
 def render_table(table: dict[str, Counter], seed: int, n: int, elapsed: float) -> str:
     head = f"{'category':<14}{'tried':>6}{'refused':>9}{'correct':>9}{'traceback':>11}{'hang':>6}{'silently wrong':>16}"
-    rows = [f"GGUF fuzzer, seed {seed}: {n} files in {elapsed:.1f} s (header reader, calc table/--json/--runtime "
-            "llama.cpp)", head]
-    total = Counter()
-    for category, c in table.items():
-        total.update(c)
-        rows.append(_row(category, c))
-    rows.append(_row("all", total))
-    return "\n".join(rows)
+    return category_table(f"GGUF fuzzer, seed {seed}: {n} files in {elapsed:.1f} s (header reader, calc "
+                          "table/--json/--runtime llama.cpp)", head, table, _row)
 
 
 def _row(name: str, c: Counter) -> str:

@@ -28,7 +28,6 @@ on a replay that never ends.
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import dataclasses
 import gzip
@@ -47,6 +46,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+
+from tests.fuzzing import Hang, category_table, guard
 
 import main as kvscope_main
 from core.recording import MAX_INT, MAX_LINE_BYTES, RecordingError, RecordingReader, spec_from_header
@@ -421,25 +422,6 @@ def sample_problem(s: Sample) -> str | None:
 # Running one variant
 
 
-class Hang(Exception):
-    pass
-
-
-@contextlib.contextmanager
-def guard(seconds: float):
-    """Raise Hang in this (main) thread after ``seconds``: a blocking open or a loop is interrupted."""
-    def on_alarm(signum, frame):
-        raise Hang(f"still running after {seconds:g} s")
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 FAILURES = ("traceback", "hang", "silently wrong")
 
 
@@ -650,13 +632,7 @@ def test_every_variant_ends_cleanly(replay_window, qtbot, tmp_path, capsys, monk
 def render_table(table: dict[str, Counter], seed: int, n: int, elapsed: float) -> str:
     head = f"{'category':<15}{'tried':>6}{'clean':>6} {'(refused/partial/correct)':<26}{'traceback':>10}" \
            f"{'hang':>6}{'silently wrong':>16}"
-    rows = [f"recording fuzzer, seed {seed}: {n} variants in {elapsed:.0f} s", head]
-    total = Counter()
-    for category, c in table.items():
-        total.update(c)
-        rows.append(_row(category, c))
-    rows.append(_row("all", total))
-    return "\n".join(rows)
+    return category_table(f"recording fuzzer, seed {seed}: {n} variants in {elapsed:.0f} s", head, table, _row)
 
 
 def _row(name: str, c: Counter) -> str:

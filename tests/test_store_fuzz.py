@@ -41,6 +41,8 @@ from typing import Callable
 
 import pytest
 
+from tests.fuzzing import category_table
+
 from core import installed
 from core.installed import InstalledModel, scan_installed
 from core.safe_text import safe_text
@@ -592,14 +594,8 @@ def tidy(s: Store) -> None:
 def render_table(table: dict[str, Counter], seed: int, n: int, elapsed: float, slowest: float) -> str:
     head = f"{'category':<19}{'stores':>7}{'clean':>6} {'(skipped/correct)':<18}{'hang':>5}{'traceback':>10}" \
            f"{'hidden':>7}{'silently wrong':>15}"
-    rows = [f"model-store fuzzer, seed {seed}: {n} hostile stores in {elapsed:.1f} s (slowest scan {slowest:.2f} s)",
-            head]
-    total: Counter = Counter()
-    for category, c in table.items():
-        total.update(c)
-        rows.append(_row(category, c))
-    rows.append(_row("all", total))
-    return "\n".join(rows)
+    return category_table(f"model-store fuzzer, seed {seed}: {n} hostile stores in {elapsed:.1f} s "
+                          f"(slowest scan {slowest:.2f} s)", head, table, _row)
 
 
 def _row(name: str, c: Counter) -> str:

@@ -345,7 +345,8 @@ def cmd_calc(args: argparse.Namespace) -> int:
 
 
 def _run_request(args: argparse.Namespace):
-    from core.request import DEFAULT_PROMPT, RunRequest, check_seed, parse_switch
+    from core.request import DEFAULT_PROMPT, RunRequest, check_seed
+    from core.runtimes import parse_switch
     from core.spec import parse_size
 
     _refuse_empty_values(args)

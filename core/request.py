@@ -6,7 +6,6 @@ loading the ML stack; only the engine (``core.engine`` and ``core.run``, in the 
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -107,22 +106,6 @@ class RunHooks:
     # Returns pending (key, value) switches; may block while paused. Called between tokens.
     poll: Callable[[], list[tuple[str, str]]] = lambda: []
     should_stop: Callable[[], bool] = lambda: False
-
-
-def parse_switch(text: str, runtime: str = "transformers") -> tuple[int, str, str]:
-    """Parse ``T:KEY=VALUE`` (e.g. ``32:attention=mqa``); the value is validated now, not at token T.
-    Each runtime checks its own keys (``core.runtimes.check_switch``): llama.cpp's are ``32:cache-type=q8_0``,
-    ``64:context=8192``."""
-    spelled = str(text).strip()
-    at, sep, rest = spelled.partition(":")
-    key, eq, value = rest.partition("=")
-    # ASCII digits only: str.isdigit() also accepts "²" and "٣", which int() then refuses or reads.
-    if not sep or not eq or not re.fullmatch(r"[0-9]+", at.strip()):
-        raise SettingsError(f"--switch {spelled!r}: write T:KEY=VALUE, e.g. 32:attention=mqa or 64:attn-impl=eager")
-    from core import runtimes
-
-    runtimes.check_switch(runtime, key, value)  # each runtime's own keys (llama.cpp: cache-type, context)
-    return int(at), key.strip().lower().replace("_", "-"), value.strip().lower()
 
 
 def llamacpp_missing() -> str | None:

@@ -17,7 +17,8 @@ from core.engine import Engine, GenerationError
 from core.run import BudgetExceeded, RunHooks, run_generation
 from core.loading import load_model
 from core.recording import RecordingReader
-from core.request import RunRequest, parse_switch
+from core.request import RunRequest
+from core.runtimes import parse_switch
 from core.settings import RunSettings
 
 ROOT = Path(__file__).resolve().parent.parent

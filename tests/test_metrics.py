@@ -13,7 +13,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from core.metrics import LOOPBACK, MetricsError, MetricsExporter, RunCollector, check_bind
-from core.request import RunRequest, parse_switch
+from core.request import RunRequest
+from core.runtimes import parse_switch
 from core.run import RunHooks, run_generation
 from core.sample import Sample
 

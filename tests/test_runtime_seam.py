@@ -17,7 +17,8 @@ import pytest
 from core import runtimes
 from core.attention import SettingsError
 from core.recording import RecordingReader, sample_from_json
-from core.request import RunHooks, RunRequest, parse_switch
+from core.request import RunHooks, RunRequest
+from core.runtimes import parse_switch
 from core.run import run_generation
 from tests import tiny_runtime
 from tests.helpers import run_in_window

@@ -11,13 +11,15 @@ Adding a runtime is one module (or package) implementing ``core.runtimes.base.Ru
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
+from core.attention import SettingsError
 from core.runtimes.base import OPTIONS, Runtime, RuntimeInfo, resolve
 
 __all__ = ["OPTIONS", "Runtime", "RuntimeInfo", "DEFAULT", "register", "unregister", "get", "find", "names",
            "reloads_cache", "open_runtime",
-           "runtime_for_source", "check_switch", "missing", "resolve"]
+           "runtime_for_source", "check_switch", "parse_switch", "missing", "resolve"]
 
 #: The runtime of a run that names none (and of every recording made before runtimes had names).
 DEFAULT = "transformers"
@@ -99,6 +101,20 @@ def check_switch(name: str | None, key: str, value: str) -> tuple[str, Any]:
     if parse is None:
         return key, value
     return parse(key, value)
+
+
+def parse_switch(text: str, runtime: str = DEFAULT) -> tuple[int, str, str]:
+    """Parse ``T:KEY=VALUE`` (e.g. ``32:attention=mqa``); the value is validated now, not at token T.
+    Each runtime checks its own keys (``check_switch``): llama.cpp's are ``32:cache-type=q8_0``,
+    ``64:context=8192``."""
+    spelled = str(text).strip()
+    at, sep, rest = spelled.partition(":")
+    key, eq, value = rest.partition("=")
+    # ASCII digits only: str.isdigit() also accepts "²" and "٣", which int() then refuses or reads.
+    if not sep or not eq or not re.fullmatch(r"[0-9]+", at.strip()):
+        raise SettingsError(f"--switch {spelled!r}: write T:KEY=VALUE, e.g. 32:attention=mqa or 64:attn-impl=eager")
+    check_switch(runtime, key, value)  # each runtime's own keys (llama.cpp: cache-type, context)
+    return int(at), key.strip().lower().replace("_", "-"), value.strip().lower()
 
 
 # ------------------------------------------------------------------------------------------------ the entries

@@ -16,12 +16,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from window_script import fresh_window, run_to_end  # noqa: E402
+from window_script import fresh_window, run_to_end, settle_and_save  # noqa: E402
 
 
 def main() -> int:
-    from PySide6.QtCore import QEventLoop, QTimer
-
     app, window, out = fresh_window("docs/screenshot-runtimes.png")
 
     run = functools.partial(run_to_end, window)
@@ -31,13 +29,8 @@ def main() -> int:
     run(controls.build_request())
     controls.source_combo.setCurrentIndex(controls.source_combo.findData("llamacpp"))
     run(controls.build_request())
-    loop = QEventLoop()
-    QTimer.singleShot(800, loop.quit)
-    loop.exec()
-    window.grab().save(out)
+    settle_and_save(app, window, out)
     print(f"saved {out}: {window.plots.previous_label}")
-    window.close()
-    app.processEvents()
     return 0
 
 

@@ -19,15 +19,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from window_script import fresh_window, run_to_end  # noqa: E402
+from window_script import fresh_window, run_to_end, settle_and_save  # noqa: E402
 
 TOKENS = 1100  # past four MLX steps (256, 512, 768, 1024)
 LLAMACPP_CONTEXT = 2048  # the prepayment, twice the tokens generated
 
 
 def main() -> int:
-    from PySide6.QtCore import QEventLoop, QTimer
-
     app, window, out = fresh_window("docs/screenshot-three-runtimes.png")
 
     run = functools.partial(run_to_end, window)
@@ -40,13 +38,8 @@ def main() -> int:
     controls.source_combo.setCurrentIndex(controls.source_combo.findData("llamacpp"))
     controls.max_context_spin.setValue(LLAMACPP_CONTEXT)
     run(controls.build_request())  # llama.cpp
-    loop = QEventLoop()
-    QTimer.singleShot(800, loop.quit)
-    loop.exec()
-    window.grab().save(out)
+    settle_and_save(app, window, out)
     print(f"saved {out}: {window.plots.previous_labels} under llama.cpp")
-    window.close()
-    app.processEvents()
     return 0
 
 

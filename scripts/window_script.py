@@ -39,3 +39,15 @@ def run_to_end(window: Any, request: Any) -> None:
     assert window.start_run(request)
     loop.exec()
     window.run_finished.disconnect(loop.quit)
+
+
+def settle_and_save(app: Any, window: Any, out: str, ms: int = 800) -> None:
+    """Let the last redraws land (``ms``), save the window as ``out``, close it."""
+    from PySide6.QtCore import QEventLoop, QTimer
+
+    loop = QEventLoop()
+    QTimer.singleShot(ms, loop.quit)
+    loop.exec()
+    window.grab().save(out)
+    window.close()
+    app.processEvents()

@@ -15,10 +15,10 @@ import argparse
 import os
 import sys
 
-from core import __version__ as APP_VERSION
-from core.errors import BAD_INPUT, KVScopeError, is_user_error
-from core.outputs import OutputError, check_output_path, display_path
-from core.safe_text import safe_text
+from kvscope.core import __version__ as APP_VERSION
+from kvscope.core.base.errors import BAD_INPUT, KVScopeError, is_user_error
+from kvscope.core.base.safe_text import safe_text
+from kvscope.core.records.outputs import OutputError, check_output_path, display_path
 
 
 class CliError(KVScopeError):
@@ -103,13 +103,13 @@ def _add_llamacpp_options(p: argparse.ArgumentParser) -> None:
 
 
 def _runtime_names() -> tuple[str, ...]:
-    from core import runtimes
+    from kvscope.core import runtimes
 
     return runtimes.names()
 
 
 def _llamacpp_options(args: argparse.Namespace, n_ctx: int):
-    from core.runtimes.llamacpp import options_from_args
+    from kvscope.core.runtimes.llamacpp.runtime import options_from_args
 
     return options_from_args(args, n_ctx)
 
@@ -127,7 +127,7 @@ def _start_metrics(args: argparse.Namespace):
         if args.metrics_host is not None:
             raise CliError("--metrics-host needs --metrics-port")
         return None, None
-    from core.metrics import LOOPBACK, MetricsError, MetricsExporter, RunCollector, is_loopback
+    from kvscope.core.live.metrics import LOOPBACK, MetricsError, MetricsExporter, RunCollector, is_loopback
 
     collector = RunCollector(model=args.model, device=args.device)
     try:
@@ -242,10 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _settings_from(args: argparse.Namespace):
-    from core.attention import parse_attention
-    from core.caches import parse_cache
-    from core.settings import RunSettings, parse_attn_impl
-    from core.spec import parse_tokens
+    from kvscope.core.model.attention import parse_attention
+    from kvscope.core.model.caches import parse_cache
+    from kvscope.core.model.settings import RunSettings, parse_attn_impl
+    from kvscope.core.model.spec import parse_tokens
 
     return RunSettings(
         batch=args.batch,
@@ -262,7 +262,7 @@ def _settings_from(args: argparse.Namespace):
 #: budget, `--max-context ''` no limit, `--prompt-file ''` the default prompt and `--model ''` the embedded
 #: model (while calc refused it): each is refused the same way by calc and run (_refuse_empty_values).
 _NOT_EMPTY = {
-    "model": None,  # the message of core.spec.check_model_name, as the window's calculator says it
+    "model": None,  # the message of kvscope.core.model.spec.check_model_name, as the window's calculator says it
     "dtype": "fp32, fp16 or bf16", "kv_dtype": "fp16, bf16, fp8, int8 or int4", "attention": "mha, gqa:N, mqa, mla or window:W",
     "cache": "dynamic, static, quantized, offloaded, sink:S+W or h2o:B+W", "attn_impl": "eager, sdpa or flash",
     "device": "auto, cpu, cuda, cuda:N or mps", "context": "token counts such as 4k,32k", "max_context": "a token count such as 4k",
@@ -273,7 +273,7 @@ _NOT_EMPTY = {
 
 def _refuse_empty_values(args: argparse.Namespace) -> None:
     """One place for calc and run: an option given an empty value is refused, not read as "not given"."""
-    from core.spec import check_model_name
+    from kvscope.core.model.spec import check_model_name
 
     for dest, instead in _NOT_EMPTY.items():
         value = getattr(args, dest, None)
@@ -288,7 +288,7 @@ def _refuse_empty_values(args: argparse.Namespace) -> None:
 
 def _size_or_zero(text: str | None) -> int | None:
     """A size that may be 0 (an overhead vLLM does not have, e.g. CUDA graphs under --enforce-eager)."""
-    from core.spec import parse_size
+    from kvscope.core.model.spec import parse_size
 
     if text is None:
         return None
@@ -296,8 +296,8 @@ def _size_or_zero(text: str | None) -> int | None:
 
 
 def cmd_calc(args: argparse.Namespace) -> int:
-    from core.calc import calculate, render_json, render_table
-    from core.spec import load_spec, parse_size, parse_tokens
+    from kvscope.core.cli.calc import calculate, render_json, render_table
+    from kvscope.core.model.spec import load_spec, parse_size, parse_tokens
 
     _refuse_empty_values(args)
     contexts = [parse_tokens(c) for c in str(args.context).split(",") if c.strip()]
@@ -305,7 +305,7 @@ def cmd_calc(args: argparse.Namespace) -> int:
         raise CliError("--context needs at least one token count, e.g. 4k,32k")
     spec = load_spec(args.model)
     if args.runtime == "mlx":  # mlx-lm's caches, from its own flags (--cache is transformers')
-        from core.runtimes.mlx.calc import calculate_mlx, render_mlx_json, render_mlx_table
+        from kvscope.core.runtimes.mlx.calc import calculate_mlx, render_mlx_json, render_mlx_table
 
         mlx = ["kv"] + ([f"rotating:{args.max_kv_size}"] if args.max_kv_size is not None else []) + (
             [f"quantized:{args.kv_bits}:{args.kv_group_size or 64}"] if args.kv_bits is not None else [])
@@ -315,20 +315,20 @@ def cmd_calc(args: argparse.Namespace) -> int:
     settings = _settings_from(args)
     gpu = parse_size(args.gpu_memory) if args.gpu_memory else None
     if args.runtime == "llama.cpp":
-        from core.llamacpp import calculate_llamacpp, render_llamacpp_json, render_llamacpp_table
+        from kvscope.core.prediction.llamacpp import calculate_llamacpp, render_llamacpp_json, render_llamacpp_table
 
         result = calculate_llamacpp(args.model, spec, contexts, lambda n: _llamacpp_options(args, n), gpu,
                                     fit_target=max(0, args.fit_target) << 20)
         print(render_llamacpp_json(result) if args.json else render_llamacpp_table(result))
         return 0
-    from core.parallel import Parallelism
+    from kvscope.core.prediction.parallel import Parallelism
 
     parallelism = Parallelism(args.tensor_parallel, args.pipeline_parallel)
     result = calculate(spec, settings, contexts, gpu, parallelism)
     if args.runtime == "vllm":
         from dataclasses import replace
 
-        from core.serving import VllmOptions, vllm_capacity
+        from kvscope.core.prediction.serving import VllmOptions, vllm_capacity
 
         if gpu is None:
             raise CliError("--runtime vllm needs --gpu-memory (each GPU's total memory, e.g. 24GiB)")
@@ -345,9 +345,9 @@ def cmd_calc(args: argparse.Namespace) -> int:
 
 
 def _run_request(args: argparse.Namespace):
-    from core.request import DEFAULT_PROMPT, RunRequest, check_seed
-    from core.runtimes import parse_switch
-    from core.spec import parse_size
+    from kvscope.core.model.request import DEFAULT_PROMPT, RunRequest, check_seed
+    from kvscope.core.model.spec import parse_size
+    from kvscope.core.runtimes import parse_switch
 
     _refuse_empty_values(args)
     prompt = args.prompt
@@ -371,11 +371,11 @@ def _run_request(args: argparse.Namespace):
             except OutputError as exc:
                 raise CliError(f"{what}{exc}") from None
     if args.model and args.model.strip() != "embedded":  # a GGUF llama.cpp would refuse: calc's line, at once
-        from core.gguf import is_gguf_source, read_gguf
+        from kvscope.core.model.gguf import is_gguf_source, read_gguf
 
         if is_gguf_source(args.model.strip()):
             read_gguf(args.model.strip())
-    from core import runtimes
+    from kvscope.core import runtimes
 
     # A model runs where it was made to run (a GGUF in llama.cpp) unless --runtime says otherwise.
     runtime = getattr(args, "runtime", None) or runtimes.runtime_for_source(args.model)
@@ -409,7 +409,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     request = _run_request(args)  # bad options and outputs are refused before torch is imported
     if not (0 <= args.metrics_linger <= 3600):  # also refuses NaN
         raise CliError("--metrics-linger: give 0 to 3600 seconds")
-    from core.terminal import run_terminal
+    from kvscope.core.cli.terminal import run_terminal
 
     collector, exporter = _start_metrics(args)
     if exporter is None:
@@ -428,7 +428,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_gui(args: argparse.Namespace) -> int:
-    from ui.app import display_problem, run_window
+    from kvscope.ui.app import display_problem, run_window
 
     request = _run_request(args)
     screenshot = args.screenshot
@@ -443,7 +443,7 @@ def cmd_gui(args: argparse.Namespace) -> int:
             return run_window(request, screenshot=screenshot, tokens=args.tokens, observers=observers, **_view(args))
         print(f"kvscope: {problem}: running the terminal view instead. "
               "Use QT_QPA_PLATFORM=offscreen with --screenshot to render the window without a display.", file=sys.stderr)
-        from core.terminal import run_terminal
+        from kvscope.core.cli.terminal import run_terminal
 
         return run_terminal(request, observers=observers)
     finally:
@@ -453,7 +453,7 @@ def cmd_gui(args: argparse.Namespace) -> int:
 
 def cmd_self_test(args: argparse.Namespace) -> int:
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
-    from ui.app import self_test
+    from kvscope.ui.app import self_test
 
     return self_test()
 
@@ -461,7 +461,7 @@ def cmd_self_test(args: argparse.Namespace) -> int:
 def cmd_watch(args: argparse.Namespace) -> int:
     import json
 
-    from core.scrape import ScrapeError, metrics_url, render_reading, watch
+    from kvscope.core.records.scrape import ScrapeError, metrics_url, render_reading, watch
 
     if not (0.1 <= args.interval <= 3600):  # also refuses NaN
         raise CliError("--interval: give 0.1 to 3600 seconds")
@@ -478,7 +478,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     spec = None
     if args.model:
-        from core.spec import load_spec
+        from kvscope.core.model.spec import load_spec
 
         spec = load_spec(args.model)
 
@@ -494,13 +494,13 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from core.recording import read_header
+    from kvscope.core.records.recording import read_header
 
     # A missing, empty, foreign or too-new file gets its one-line reason before Qt starts.
     read_header(args.file)
     # So does a PNG that would replace the recording, a device, a folder, or an existing file without --force.
     screenshot = check_output_path(args.screenshot, inputs=(args.file,), force=args.force) if args.screenshot else None
-    from ui.app import display_problem, run_replay
+    from kvscope.ui.app import display_problem, run_replay
 
     problem = None if args.screenshot else display_problem()
     if problem is not None:
@@ -511,8 +511,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from core.export import write_csv
-    from core.recording import RecordingReader
+    from kvscope.core.records.export import write_csv
+    from kvscope.core.records.recording import RecordingReader
 
     if not args.csv:
         raise CliError("export needs an output: --csv out.csv")
@@ -545,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `| head`: the reader left; not an error of ours
         sys.stderr.close()
         return 0
-    except Exception as exc:  # decided by type (core.errors): one line for the user's errors, a traceback for ours
+    except Exception as exc:  # decided by type (kvscope.core.base.errors): one line for the user's errors, a traceback for ours
         if os.environ.get("KVSCOPE_DEBUG"):
             raise
         if not is_user_error(exc):
@@ -559,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # The window runs the model in a child process (spawned: core.engine_process.serve). In the packaged app
+    # The window runs the model in a child process (spawned: kvscope.core.live.engine_process.serve). In the packaged app
     # that child is this same executable; freeze_support turns such a start into the child's work.
     import multiprocessing
 

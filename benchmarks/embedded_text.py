@@ -3,7 +3,7 @@
 Runs ``main.py run`` (the engine as the terminal runs it: the default prompt, the app's sampling,
 top-k 40 at temperature 1, seed 0) with the switches below, reads the recording it writes, and
 prints, per attention mode, the share of generated words that are words of the corpus
-(``core.embedded.corpus_word_share``) and the text itself. ``--random`` does the same with the
+(``kvscope.core.model.embedded.corpus_word_share``) and the text itself. ``--random`` does the same with the
 random-weight fallback (the shipped weights file pointed at a path that does not exist), for
 comparison.
 
@@ -25,15 +25,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from core.embedded import corpus_word_share, corpus_words  # noqa: E402
+from kvscope.core.model.embedded import corpus_word_share, corpus_words  # noqa: E402
 
 RUN = """
 import sys
 from pathlib import Path
-import core.embedded as embedded
+import kvscope.core.model.embedded as embedded
 if {random!r}:
     embedded.WEIGHTS_PATH = Path({missing!r})
-import main
+from kvscope import main
 sys.exit(main.main({argv!r}))
 """
 

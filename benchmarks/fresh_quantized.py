@@ -2,7 +2,7 @@
 
 optimum-quanto builds its C++ extension the first time a cache quantizes (into its package's folder).
 This points that build at an empty temporary folder, as on a machine where it never ran, starts a real
-run of the embedded model (core.engine_process.RunDriver, as the engine process drives it), asks for
+run of the embedded model (kvscope.core.live.engine_process.RunDriver, as the engine process drives it), asks for
 ``quantized:4`` at token 5 and reports: the longest gap between two tokens, how long the preparation
 took, how many tokens were generated meanwhile, and the token the switch applied at.
 
@@ -25,8 +25,8 @@ GAP_LIMIT_S = 2.0
 def main() -> int:
     from optimum.quanto.library.extensions import get_extension
 
-    from core.engine_process import RunDriver
-    from core.request import RunRequest
+    from kvscope.core.live.engine_process import RunDriver
+    from kvscope.core.model.request import RunRequest
 
     build = tempfile.mkdtemp(prefix="kvscope-quanto-build-")
     get_extension("quanto_cpp").build_directory = build  # nothing built there: the first use compiles

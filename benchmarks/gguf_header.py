@@ -1,5 +1,5 @@
 """Time and memory of reading a GGUF header (target: well under a second and a few MB, whatever the header holds):
-KV Scope's bounded reader (core.gguf.read_gguf) against gguf-py's GGUFReader (what core.gguf used before issue 29),
+KV Scope's bounded reader (kvscope.core.model.gguf.read_gguf) against gguf-py's GGUFReader (what kvscope.core.model.gguf used before issue 29),
 each in a fresh process, on genuine large headers and on hostile ones.
 
     .venv/bin/python benchmarks/gguf_header.py [--timeout 60]
@@ -30,8 +30,8 @@ KVSCOPE = """
 import sys, time
 sys.path.insert(0, {root!r})
 t = time.perf_counter()
-from core.gguf import read_gguf
-from core.spec import SpecError
+from kvscope.core.model.gguf import read_gguf
+from kvscope.core.model.spec import SpecError
 try:
     g = read_gguf(sys.argv[1])
     what = f"{{g.n_layer}} layers, {{len(g.tensors)}} tensors, vocabulary {{g.n_vocab:,}}"

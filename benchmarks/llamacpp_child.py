@@ -1,5 +1,5 @@
 """What llama.cpp's own process costs per token: the embedded GGUF decoded in this process (LlamaCppEngine) and
-through the runtime that keeps it in a child process (core.runtimes.llamacpp: one pipe round trip per token).
+through the runtime that keeps it in a child process (kvscope.core.runtimes.llamacpp.runtime: one pipe round trip per token).
 
     python benchmarks/llamacpp_child.py [tokens]
 
@@ -14,11 +14,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from core.gguf_write import embedded_gguf  # noqa: E402
-from core.llamacpp import LlamaCppOptions  # noqa: E402
-from core.llamacpp_engine import LlamaCppEngine  # noqa: E402
-from core.request import RunRequest  # noqa: E402
-from core.runtimes.llamacpp import LlamaCppRuntime  # noqa: E402
+from kvscope.core.model.gguf_write import embedded_gguf  # noqa: E402
+from kvscope.core.model.request import RunRequest  # noqa: E402
+from kvscope.core.prediction.llamacpp import LlamaCppOptions  # noqa: E402
+from kvscope.core.runtimes.llamacpp.engine import LlamaCppEngine  # noqa: E402
+from kvscope.core.runtimes.llamacpp.runtime import LlamaCppRuntime  # noqa: E402
 
 
 def main() -> None:

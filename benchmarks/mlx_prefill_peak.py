@@ -1,5 +1,5 @@
 """MLX's prefill peak on the CPU, measured (``mx.get_peak_memory()`` after ``mx.reset_peak_memory()``, less what was
-active before) against ``core.runtimes.mlx.predict.prefill_peak``, for prompts of 1 to 2,100 tokens of the embedded
+active before) against ``kvscope.core.runtimes.mlx.predict.prefill_peak``, for prompts of 1 to 2,100 tokens of the embedded
 model fed as ``mlx_lm.generate_step`` feeds them. Prints one row per prompt: observed, predicted, error.
 
     .venv/bin/python benchmarks/mlx_prefill_peak.py [1,16,256,2000]
@@ -16,8 +16,8 @@ PROMPTS = (1, 16, 64, 128, 255, 256, 257, 512, 1000, 2000, 2100)
 
 
 def main() -> int:
-    from core.embedded import embedded_model_dir
-    from core.runtimes.mlx.engine import MlxEngine
+    from kvscope.core.model.embedded import embedded_model_dir
+    from kvscope.core.runtimes.mlx.engine import MlxEngine
 
     prompts = [int(p) for p in sys.argv[1].split(",")] if len(sys.argv) > 1 else PROMPTS
     folder = embedded_model_dir()

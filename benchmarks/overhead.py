@@ -19,12 +19,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from core.engine import Engine  # noqa: E402
-from core.runtimes.transformers import limit_cpu_threads  # noqa: E402
-from core.request import DEFAULT_PROMPT  # noqa: E402
-from core.loading import load_model  # noqa: E402
-from core.probes import MemoryProbe  # noqa: E402
-from core.settings import RunSettings  # noqa: E402
+from kvscope.core.model.request import DEFAULT_PROMPT  # noqa: E402
+from kvscope.core.model.settings import RunSettings  # noqa: E402
+from kvscope.core.runtimes.probes import MemoryProbe  # noqa: E402
+from kvscope.core.runtimes.transformers.engine import Engine  # noqa: E402
+from kvscope.core.runtimes.transformers.loading import load_model  # noqa: E402
+from kvscope.core.runtimes.transformers.runtime import limit_cpu_threads  # noqa: E402
 
 
 def time_generate(loaded, ids, tokens: int) -> float:

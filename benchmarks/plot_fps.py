@@ -34,9 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     from PySide6.QtWidgets import QApplication
 
     app = QApplication.instance() or QApplication([])
-    from ui.plots import LivePlots
+    from kvscope.ui.plots import LivePlots
+    from kvscope.ui.theme import theme
     from tests.synthetic import synthetic_samples
-    from ui.theme import theme
 
     n = args.points
     plots = LivePlots(theme("dark", args.presenter), capacity=n + 10_000)

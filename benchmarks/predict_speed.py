@@ -12,9 +12,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from core.predict import predict  # noqa: E402
-from core.settings import RunSettings  # noqa: E402
-from core.spec import load_spec, preset_names  # noqa: E402
+from kvscope.core.model.settings import RunSettings  # noqa: E402
+from kvscope.core.model.spec import load_spec, preset_names  # noqa: E402
+from kvscope.core.prediction.predict import predict  # noqa: E402
 
 
 def main() -> None:

@@ -31,8 +31,8 @@ def main() -> int:
     from PySide6.QtWidgets import QApplication
 
     app = QApplication.instance() or QApplication([])
-    from core.request import RunRequest
-    from ui.main_window import MainWindow
+    from kvscope.core.model.request import RunRequest
+    from kvscope.ui.main_window import MainWindow
 
     settings = QSettings(tempfile.mktemp(suffix=".ini"), QSettings.Format.IniFormat)
     settings.setValue("app/first_start_done", True)

@@ -33,8 +33,8 @@ from PySide6.QtWidgets import QApplication
 def main():
     launched = float(os.environ["LAUNCHED"])
     app = QApplication([])
-    from ui.main_window import MainWindow
-    from core.request import RunRequest
+    from kvscope.ui.main_window import MainWindow
+    from kvscope.core.model.request import RunRequest
     window = MainWindow(settings=QSettings(tempfile.mktemp(suffix=".ini"), QSettings.Format.IniFormat))
     window.show()
     app.processEvents()
@@ -58,7 +58,7 @@ CALC = """
 import json, os, sys, time
 if os.environ.get("PRELOAD_ML"):
     import torch, transformers  # noqa: F401 - what calc imported before presets carried their view
-import main
+from kvscope import main
 main.main(["calc", "--model", "llama-3-8b", "--context", "4k,32k,128k"])
 print(json.dumps({"answer": time.time() - float(os.environ["LAUNCHED"]), "torch": "torch" in sys.modules}))
 """

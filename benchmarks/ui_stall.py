@@ -24,8 +24,8 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 from PySide6.QtCore import QEventLoop, QSettings, QTimer  # noqa: E402
 from PySide6.QtWidgets import QApplication  # noqa: E402
 
-from core.request import RunRequest  # noqa: E402
-from ui.main_window import MainWindow  # noqa: E402
+from kvscope.core.model.request import RunRequest  # noqa: E402
+from kvscope.ui.main_window import MainWindow  # noqa: E402
 from tests.stall import StallMeter  # noqa: E402
 
 
@@ -42,7 +42,7 @@ def wait(predicate, timeout_s: float) -> bool:
 
 def measure(app, engine: str, tokens: int) -> dict:
     """One window, one run of ``tokens`` tokens with the model in ``engine`` ('process' or 'thread')."""
-    from workers.generation import GenerationController
+    from kvscope.workers.generation import GenerationController
 
     ini = Path(tempfile.mkdtemp()) / "s.ini"
     controller = GenerationController() if engine == "thread" else None  # None: the window's default
@@ -92,7 +92,7 @@ def main() -> int:
     ok = results[0]["worst"] < 50
     print(f"target: worst stall during a run < 50 ms with the default engine ({results[0]['engine']}): "
           f"{'OK' if ok else 'MISSED'}")
-    from workers.engine_link import shared_host
+    from kvscope.workers.engine_link import shared_host
 
     shared_host().shutdown()
     return 0

@@ -141,7 +141,7 @@ def check_processes(probe):
 
 @check("4. allocator snapshot (pytorch.org/memory_viz)")
 def check_snapshot(out_dir: Path):
-    from core.probes import allocator_snapshot_save, allocator_snapshot_start
+    from kvscope.core.runtimes.probes import allocator_snapshot_save, allocator_snapshot_start
     allocator_snapshot_start(max_entries=10_000)
     xs = [torch.empty(n * MiB, dtype=torch.uint8, device="cuda") for n in (8, 16, 32)]
     del xs[1]
@@ -180,8 +180,8 @@ def sample_while(probe, action, seconds: float, rate_hz: float = 50.0):
 
 @check("5a. spike from this process (1 GiB) -> attributed to this app's event")
 def check_own_spike():
-    from core.probes import MemoryProbe
-    from core.spikes import EVENT_LOAD, Event, attribute_cause, detect_spikes, rise_between
+    from kvscope.core.live.spikes import EVENT_LOAD, Event, attribute_cause, detect_spikes, rise_between
+    from kvscope.core.runtimes.probes import MemoryProbe
     probe = MemoryProbe("cuda:0")  # its own probe: one probe per thread
     held = []
     events = []
@@ -218,8 +218,8 @@ time.sleep(3)
 
 @check("5b. spike from another process (1 GiB) -> 'another process'")
 def check_other_process():
-    from core.probes import MemoryProbe
-    from core.spikes import CAUSE_OTHER_PROCESS, attribute_cause, detect_spikes, rise_between
+    from kvscope.core.live.spikes import CAUSE_OTHER_PROCESS, attribute_cause, detect_spikes, rise_between
+    from kvscope.core.runtimes.probes import MemoryProbe
     probe = MemoryProbe("cuda:0")
     child: list[subprocess.Popen] = []
     seen_child_in_table = []
@@ -256,7 +256,8 @@ def check_other_process():
 def check_sampler():
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     from PySide6.QtCore import QCoreApplication, QTimer
-    from workers.sampler import MemorySampler
+
+    from kvscope.workers.sampler import MemorySampler
     app = QCoreApplication.instance() or QCoreApplication([])
     sampler = MemorySampler("cuda:0", rate_hz=20.0)
     rates, count, notes, errors = [], [0], [], []
@@ -288,7 +289,7 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.device_count()} device(s), "
           f"{torch.cuda.get_device_name(0)}")
-    from core.probes import MemoryProbe
+    from kvscope.core.runtimes.probes import MemoryProbe
     probe = MemoryProbe("cuda:0")
     check_probe(probe)
     check_allocation(probe)

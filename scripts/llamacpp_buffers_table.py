@@ -3,7 +3,7 @@ real llama.cpp (llama-cpp-python 0.3.36) reserved and logged, with the worst dif
 
     .venv/bin/python scripts/llamacpp_buffers_table.py            # the table (about 20 s on 2 cores)
 
-Exact bytes come from llama.cpp's own llama_get_memory_breakdown (core/llamacpp_observe.py); the MiB columns are its
+Exact bytes come from llama.cpp's own llama_get_memory_breakdown (core/runtimes/llamacpp/observe.py); the MiB columns are its
 log lines ("CPU compute buffer size", "CPU output buffer size"). The files are written to a temporary folder.
 """
 
@@ -15,11 +15,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from core.attention import SettingsError  # noqa: E402
-from core.gguf import read_gguf  # noqa: E402
-from core.gguf_write import embedded_gguf  # noqa: E402
-from core.llamacpp import LlamaCppOptions, plan  # noqa: E402
-from core.llamacpp_observe import observe_buffers  # noqa: E402
+from kvscope.core.model.attention import SettingsError  # noqa: E402
+from kvscope.core.model.gguf import read_gguf  # noqa: E402
+from kvscope.core.model.gguf_write import embedded_gguf  # noqa: E402
+from kvscope.core.prediction.llamacpp import LlamaCppOptions, plan  # noqa: E402
+from kvscope.core.runtimes.llamacpp.observe import observe_buffers  # noqa: E402
 from tests import gguf_models  # noqa: E402
 
 SETTINGS = [

@@ -13,9 +13,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from core.gguf import read_gguf  # noqa: E402
-from core.llamacpp import LLAMA_CPP_VERSION, LlamaCppOptions, plan  # noqa: E402
-from core.llamacpp_live import observe  # noqa: E402
+from kvscope.core.model.gguf import read_gguf  # noqa: E402
+from kvscope.core.prediction.llamacpp import LLAMA_CPP_VERSION, LlamaCppOptions, plan  # noqa: E402
+from kvscope.core.runtimes.llamacpp.live import observe  # noqa: E402
 from tests import gguf_models  # noqa: E402
 
 SETTINGS = [
@@ -39,7 +39,7 @@ def main() -> int:
     md = "--markdown" in sys.argv
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        from core.gguf_write import embedded_gguf
+        from kvscope.core.model.gguf_write import embedded_gguf
 
         models = {"embedded demo model (MHA, 4 layers)": embedded_gguf(),
                   "llama (GQA 4:2)": gguf_models.llama(root / "l.gguf"),

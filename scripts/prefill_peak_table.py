@@ -1,4 +1,4 @@
-"""The prefill peak, predicted (core.predict.prefill_peak) and measured (core.peak, the CPU allocator's events
+"""The prefill peak, predicted (kvscope.core.prediction.predict.prefill_peak) and measured (kvscope.core.runtimes.transformers.peak, the CPU allocator's events
 through the PyTorch profiler), as a Markdown table: tiny random-weight models of several architectures
 (tests/archs.py, built offline) x prompt lengths x eager/sdpa x fp32/bf16.
 
@@ -21,9 +21,9 @@ from tests.test_prefill_peak import EXACT, _measure  # noqa: E402
 def main() -> int:
     import torch
 
-    from core.predict import prefill_peak
-    from core.settings import RunSettings
-    from core.spec import spec_from_config
+    from kvscope.core.model.settings import RunSettings
+    from kvscope.core.model.spec import spec_from_config
+    from kvscope.core.prediction.predict import prefill_peak
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--lengths", default="16,190,740,1322")

@@ -66,8 +66,8 @@ def main() -> int:
     out = Path(sys.argv[1] if len(sys.argv) > 1 else ROOT / "docs" / "screenshot-servers.png")
     from PySide6.QtWidgets import QApplication
 
-    from ui.servers import ServersTab
-    from ui.theme import DARK, stylesheet
+    from kvscope.ui.servers import ServersTab
+    from kvscope.ui.theme import DARK, stylesheet
 
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     httpd.daemon_threads = True

@@ -3,15 +3,15 @@
 Once, offline, on the CPU, deterministically: the same seed, corpus, preset and library versions
 give the same ``assets/embedded/model.safetensors`` byte for byte (one thread, deterministic
 algorithms, a fixed number of steps, every random draw from a seeded generator). The app never
-trains: it loads that file (``core/embedded.py``), checking its SHA-256.
+trains: it loads that file (``core/model/embedded.py``), checking its SHA-256.
 
     .venv/bin/python scripts/train_embedded.py                 # the shipped weights (20-27 minutes here)
     .venv/bin/python scripts/train_embedded.py --steps 20 --out /tmp/w.safetensors   # a quick check
 
 The model is the preset's (``assets/presets/embedded.json``: a 4-layer Llama, 8 query heads and 8
 K/V heads, head_dim 32, vocabulary 1,024, tied embeddings) and the tokenizer is the app's own,
-trained on the same corpus by ``core.embedded._train_tokenizer``. After training, set
-``core.embedded.WEIGHTS_SHA256`` to the digest this prints.
+trained on the same corpus by ``kvscope.core.model.embedded._train_tokenizer``. After training, set
+``kvscope.core.model.embedded.WEIGHTS_SHA256`` to the digest this prints.
 
 Training text: the corpus without its header, each paragraph on one line (the file is wrapped at
 100 columns for reading; the model should not learn those line breaks), paragraphs separated by a
@@ -21,7 +21,7 @@ as a lone space token before a word without its space: some word boundaries in t
 are encoded that way too, so the model knows how to go on after such a prompt.
 
 The app switches the model live to GQA and MQA by mean-pooling each group of K/V heads
-(``core.convert.regroup_heads``: consecutive heads averaged, query head i reading K/V head
+(``kvscope.core.runtimes.transformers.convert.regroup_heads``: consecutive heads averaged, query head i reading K/V head
 i // group). Each training step draws one of MHA, GQA:4, GQA:2 and MQA and pools the K and V
 projections' outputs the same way (the projections are linear, so this is the pooled model's
 forward pass), with the gradient flowing into the full MHA weights: the shipped MHA weights are
@@ -42,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from core import embedded  # noqa: E402
+from kvscope.core.model import embedded  # noqa: E402
 
 DEFAULT_OUT = embedded.WEIGHTS_PATH
 
@@ -85,7 +85,7 @@ HEAD_MODES = ((8, 0.4), (4, 0.15), (2, 0.2), (1, 0.25))
 
 class KVPooling:
     """Forward hooks on every layer's k_proj and v_proj that mean-pool their heads into ``groups``
-    (None: off), as ``core.convert`` pools the weights when the app switches to GQA/MQA."""
+    (None: off), as ``kvscope.core.runtimes.transformers.convert`` pools the weights when the app switches to GQA/MQA."""
 
     def __init__(self, model, heads: int, head_dim: int):
         self.heads, self.head_dim, self.groups = heads, head_dim, None
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                       "final_loss_smoothed": round(smooth or 0.0, 4), "seconds": round(elapsed, 1)}), flush=True)
 
     with torch.inference_mode():  # a look at what it writes (top-k 40 at temperature 1, like the app)
-        from core.request import DEFAULT_PROMPT
+        from kvscope.core.model.request import DEFAULT_PROMPT
 
         ids = torch.tensor([tok.encode(DEFAULT_PROMPT).ids])
         gen = torch.Generator().manual_seed(0)

@@ -1,11 +1,11 @@
-"""Check core.serving's KV cache groups, block bytes and concurrency against vLLM 0.33.0's own code, run on the CPU.
+"""Check kvscope.core.prediction.serving's KV cache groups, block bytes and concurrency against vLLM 0.33.0's own code, run on the CPU.
 
 vLLM cannot be installed here (CUDA wheels, many services), but its KV planning is plain Python. This script imports
 vllm/v1/core/kv_cache_planning.py and kv_cache_utils.py from the wheel, with the modules they pull in but never call
 (zmq, openai, fastapi...) replaced by empty stand-ins, and compares, on a generated set of layer mixes (full and
 sliding-window attention, fixed-state layers padded to the attention page), vLLM's
 ``get_kv_cache_groups`` -> ``get_kv_cache_config_from_groups`` -> ``get_max_concurrency_for_kv_cache_config``
-with ``core.serving.block_groups`` (MLA layers too: one latent head, ``MLAAttentionSpec``):
+with ``kvscope.core.prediction.serving.block_groups`` (MLA layers too: one latent head, ``MLAAttentionSpec``):
 
     pip download 'vllm==0.33.0' --no-deps -d /tmp/vllm-wheel
     mkdir -p /tmp/vllm-src && cd /tmp/vllm-src && unzip -q /tmp/vllm-wheel/vllm-0.33.0-*.whl 'vllm/*' -x 'vllm/*.so'
@@ -91,8 +91,8 @@ def main(vllm_src: str) -> int:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    from core.caches import LayerKV
-    from core.serving import block_groups, mamba_block_size
+    from kvscope.core.model.caches import LayerKV
+    from kvscope.core.prediction.serving import block_groups, mamba_block_size
 
     rng = random.Random(33)
     checked = 0

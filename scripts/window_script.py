@@ -17,7 +17,7 @@ def fresh_window(default_out: str) -> tuple[Any, Any, str]:
     from PySide6.QtCore import QSettings
     from PySide6.QtWidgets import QApplication
 
-    from ui.main_window import MainWindow
+    from kvscope.ui.main_window import MainWindow
 
     out = sys.argv[1] if len(sys.argv) > 1 else default_out
     width, height = (int(sys.argv[2]), int(sys.argv[3])) if len(sys.argv) > 3 else (1280, 720)

@@ -13,7 +13,7 @@ the full model has, so a model that mixes sliding and full attention keeps both.
 exceptions (``_EXCEPTIONS``) covers what the generic rules cannot know, each with a reason.
 
 ``build_tiny_folder(model_type, root)`` writes an ordinary model folder (config.json, safetensors
-weights, the embedded demo model's tokenizer) that ``core.loading.load_model`` loads.
+weights, the embedded demo model's tokenizer) that ``kvscope.core.runtimes.transformers.loading.load_model`` loads.
 """
 
 from __future__ import annotations
@@ -350,7 +350,7 @@ def _fit_ssm_heads(d: dict[str, Any], out: dict[str, Any]) -> None:
 
 @functools.lru_cache(maxsize=1)
 def embedded_tokenizer_dir() -> Path:
-    from core.embedded import embedded_model_dir
+    from kvscope.core.model.embedded import embedded_model_dir
 
     return embedded_model_dir()
 

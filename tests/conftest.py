@@ -18,7 +18,7 @@ os.environ.setdefault("HF_MODULES_CACHE", str(ROOT / ".pytest_cache" / "hf-modul
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # The window lists the models in the home folder (~/.ollama, ~/.lmstudio) and the Hugging Face cache
-# (core.installed): tests get an empty home of this checkout's own, so none sees the developer's models.
+# (kvscope.core.model.installed): tests get an empty home of this checkout's own, so none sees the developer's models.
 # Set before huggingface_hub is imported (it reads HF_HUB_CACHE once); a test builds its own stores.
 _HOME = ROOT / ".pytest_cache" / "home"
 _HOME.mkdir(parents=True, exist_ok=True)
@@ -45,7 +45,7 @@ def settings(tmp_path):
 
 def _shown_window(qtbot, settings, controller=None):
     """A shown MainWindow whose calculator has imported transformers (once, first)."""
-    from ui.main_window import MainWindow
+    from kvscope.ui.main_window import MainWindow
 
     w = MainWindow(settings=settings, controller=controller)
     qtbot.addWidget(w)
@@ -67,7 +67,7 @@ def window(qtbot, settings):
 def thread_window(qtbot, settings):
     """The window with generation on a thread of this process (KVSCOPE_ENGINE=thread): for tests that
     patch the model's code here, where the engine process could not see the patch."""
-    from workers.generation import GenerationController
+    from kvscope.workers.generation import GenerationController
 
     w = _shown_window(qtbot, settings, GenerationController())
     yield w

@@ -1,6 +1,6 @@
 """A stand-in for the ``pynvml`` module (nvidia-ml-py 13.x), faking NVML at its Python boundary.
 
-It implements exactly the names ``core.probes`` uses, with the real signatures, constants and
+It implements exactly the names ``kvscope.core.runtimes.probes`` uses, with the real signatures, constants and
 return shapes (checked against the installed ``pynvml.py``): memory info v1 has total/free/used,
 v2 adds version/reserved; process entries have pid/usedGpuMemory; errors are ``NVMLError(code)``
 with ``.value``; the unversioned process call raises ``NVMLLibraryMismatchError`` (not an

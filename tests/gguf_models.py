@@ -1,4 +1,4 @@
-"""Tiny GGUF models of three cache layouts, written with the ``gguf`` package (core.gguf_write) for the real llama.cpp.
+"""Tiny GGUF models of three cache layouts, written with the ``gguf`` package (kvscope.core.model.gguf_write) for the real llama.cpp.
 
 - ``llama``: plain GQA (4 query heads share 2 K/V heads), tied or untied output.
 - ``gemma3``: interleaved sliding-window layers (llama.cpp's gemma3 pattern: 5 window layers, then 1 full).
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from core.gguf_write import GgufVocab, write_gguf
+from kvscope.core.model.gguf_write import GgufVocab, write_gguf
 
 VOCAB = 300
 

@@ -73,7 +73,7 @@ def one_torch_thread():
 
 def fail_the_trial_pass(monkeypatch) -> None:
     """Make the switch transaction's trial pass fail after it ran (its cache appends included)."""
-    from core.engine import Engine
+    from kvscope.core.runtimes.transformers.engine import Engine
 
     real = Engine._trial_step
 

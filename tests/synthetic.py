@@ -7,7 +7,7 @@ the tests use the real worker; this exists so the redraw rate can be measured wi
 
 from __future__ import annotations
 
-from core.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
+from kvscope.core.base.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
 
 # Embedded-model-shaped numbers: 4 layers, 8 heads of 32, fp32 -> 2*4*8*32*4 = 8 KiB per token (MHA).
 LAYERS, QUERY_HEADS, HEAD_DIM, ELEM = 4, 8, 32, 4

@@ -45,7 +45,7 @@ KNOWN_GAPS: dict[str, str] = {
     "blt": "BLT keeps its layer counts in sub-configs (encoder, global, decoder): DynamicCache(config=...) fails in "
            "transformers 5.24 (cache_utils.py:1971 get_layer_types_and_kwargs -> "
            "integrations/heterogeneity/configuration_utils.py:216 reads num_hidden_layers, which BltConfig lacks), and "
-           "run refuses the folder for the same reason (core.spec.check_config: no layer count)",
+           "run refuses the folder for the same reason (kvscope.core.model.spec.check_config: no layer count)",
     **dict.fromkeys(("gemma4_assistant", "gemma4_unified_assistant"),
                     "a drafter for assisted decoding, not a model that generates on its own: its forward takes the "
                     "target model's inputs_embeds and shared_kv_states and raises without them "
@@ -71,7 +71,7 @@ def arch_root(tmp_path_factory):
 
 
 def _state(engine):
-    from core.measure import cache_bytes
+    from kvscope.core.runtimes.transformers.measure import cache_bytes
 
     return (engine.mode.key, engine.settings.attn_impl, engine.settings.cache.key, engine.seq_len,
             cache_bytes(engine.cache).logical, engine._weights_observed)
@@ -87,7 +87,7 @@ def _exact(sample, what):
 
 def _switch(engine, key, value, outcomes):
     """Apply one switch; check it is either applied exactly or refused with nothing changed."""
-    from core.attention import SettingsError
+    from kvscope.core.model.attention import SettingsError
 
     before = _state(engine)
     try:
@@ -105,13 +105,13 @@ def _switch(engine, key, value, outcomes):
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", _model_types())
 def test_every_switch_applies_exactly_or_is_refused_cleanly(model_type, arch_root):
-    from core.engine import Engine
-    from core.request import DEFAULT_PROMPT
-    from core.loading import load_model
-    from core.measure import cache_bytes, model_weight_bytes
-    from core.predict import kv_bytes, weight_bytes
-    from core.settings import RunSettings
-    from core.spec import load_spec
+    from kvscope.core.model.request import DEFAULT_PROMPT
+    from kvscope.core.model.settings import RunSettings
+    from kvscope.core.model.spec import load_spec
+    from kvscope.core.prediction.predict import kv_bytes, weight_bytes
+    from kvscope.core.runtimes.transformers.engine import Engine
+    from kvscope.core.runtimes.transformers.loading import load_model
+    from kvscope.core.runtimes.transformers.measure import cache_bytes, model_weight_bytes
 
     try:
         folder = archs.build_tiny_folder(model_type, arch_root)

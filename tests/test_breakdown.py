@@ -1,4 +1,4 @@
-"""Where the memory went (core.breakdown), without Qt: generated samples of every kind of device, a real
+"""Where the memory went (kvscope.core.live.breakdown), without Qt: generated samples of every kind of device, a real
 reading of this process, and the Prometheus page that publishes the same parts."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from core.breakdown import (MEASURED, NA, PARTS, PREDICTED, REMAINDER, comparable_totals, forward_peak_totals,
-                            memory_breakdown)
-from core.metrics import MetricsExporter, RunCollector
-from core.probes import MemoryProbe
-from core.sample import Sample
+from kvscope.core.base.sample import Sample
+from kvscope.core.live.breakdown import (MEASURED, NA, PARTS, PREDICTED, REMAINDER, comparable_totals,
+                                         forward_peak_totals, memory_breakdown)
+from kvscope.core.live.metrics import MetricsExporter, RunCollector
+from kvscope.core.runtimes.probes import MemoryProbe
 
 MiB = 1 << 20
 

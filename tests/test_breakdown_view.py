@@ -1,15 +1,15 @@
 """The stacked view of where the memory went (ui/breakdown_view.py) and the numbers panel's total tile, in real Qt
-(offscreen), rendering core.breakdown's figures."""
+(offscreen), rendering kvscope.core.live.breakdown's figures."""
 
 from __future__ import annotations
 
 import random
 
-from core.breakdown import PARTS, memory_breakdown
-from core.spec import human_bytes
+from kvscope.core.live.breakdown import PARTS, memory_breakdown
+from kvscope.core.model.spec import human_bytes
+from kvscope.ui.breakdown_view import UNATTRIBUTED, BreakdownView
+from kvscope.ui.stats import StatsPanel
 from tests.test_breakdown import MiB, _gpu_sample, _sample
-from ui.breakdown_view import UNATTRIBUTED, BreakdownView
-from ui.stats import StatsPanel
 
 
 def test_the_bar_and_the_legend_follow_the_breakdown(qtbot) -> None:

@@ -1,4 +1,4 @@
-"""Live conversions (core/convert.py) on real tiny transformers models, fp32 on the CPU.
+"""Live conversions (core/runtimes/transformers/convert.py) on real tiny transformers models, fp32 on the CPU.
 
 Every check is a real forward pass. Equality is ``torch.equal`` (bit for bit) wherever both sides
 run the same kernels on the same numbers, which is the case with the eager attention kernel;
@@ -14,22 +14,13 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, QuantizedCache, StaticCache
 
-from core.attention import GQA, MHA, MLA, MQA, SettingsError, Window
-from core.caches import Dynamic, Static, kv_layout
-from core.convert import (
-    DynamicTruncatedLayer,
-    build_mla_twin,
-    convert_cache,
-    convert_cache_kv_heads,
-    convert_cache_window,
-    dense_kv,
-    kv_heads_of,
-    refill_cache,
-    regroup_heads,
-    set_kv_heads,
-    with_window,
-)
-from core.spec import spec_from_config
+from kvscope.core.model.attention import GQA, MHA, MLA, MQA, SettingsError, Window
+from kvscope.core.model.caches import Dynamic, Static, kv_layout
+from kvscope.core.model.spec import spec_from_config
+from kvscope.core.runtimes.transformers.convert import (DynamicTruncatedLayer, build_mla_twin, convert_cache,
+                                                        convert_cache_kv_heads, convert_cache_window, dense_kv,
+                                                        kv_heads_of, refill_cache, regroup_heads, set_kv_heads,
+                                                        with_window)
 
 HEADS, HEAD_DIM, VOCAB = 8, 8, 128
 
@@ -73,7 +64,7 @@ def llama_spec(config: LlamaConfig, tmp_path, monkeypatch):
 
 
 def repeated_mha_twin(gqa: LlamaForCausalLM) -> LlamaForCausalLM:
-    """An MHA model built by hand from a GQA model, independently of core.convert: query head i
+    """An MHA model built by hand from a GQA model, independently of kvscope.core.runtimes.transformers.convert: query head i
     reads KV head i // groups (transformers' repeat_kv), so MHA head i gets GQA head i // groups."""
     kv = gqa.config.num_key_value_heads
     groups = HEADS // kv

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ui.decimate import PeakDecimator
-from ui.ringbuffer import RingBuffer
+from kvscope.ui.decimate import PeakDecimator
+from kvscope.ui.ringbuffer import RingBuffer
 
 
 def reference(buf: RingBuffer, bins: int) -> tuple[np.ndarray, np.ndarray]:

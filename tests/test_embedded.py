@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from core import embedded
-from core.embedded import (EMBEDDED_LABEL, RANDOM_WEIGHTS_LABEL, EmbeddedBuildError, corpus_word_share, embedded_build,
-                           embedded_model_dir, folder_bytes)
-from core.loading import LoadError, load_model
-from core.request import DEFAULT_PROMPT
-from core.spec import load_spec
+from kvscope.core.model import embedded
+from kvscope.core.model.embedded import (EMBEDDED_LABEL, RANDOM_WEIGHTS_LABEL, EmbeddedBuildError, corpus_word_share,
+                                         embedded_build, embedded_model_dir, folder_bytes)
+from kvscope.core.model.request import DEFAULT_PROMPT
+from kvscope.core.model.spec import load_spec
+from kvscope.core.runtimes.transformers.loading import LoadError, load_model
 
 
 @pytest.fixture(scope="module")
@@ -316,7 +316,7 @@ def test_weights_that_do_not_fit_the_preset_fall_back(weights_copy, monkeypatch)
 
 def test_the_window_shows_the_fallback_in_its_badge_and_status_bar(qtbot, thread_window, weights_copy):
     """On screen: the model badge names the random weights and the status bar says why (no new widget)."""
-    from core.request import RunRequest
+    from kvscope.core.model.request import RunRequest
     from tests.helpers import run_in_window
 
     weights_copy.unlink()

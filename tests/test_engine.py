@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.attention import parse_attention
-from core.caches import parse_cache
-from core.engine import Engine, GenerationError
-from core.run import BudgetExceeded, RunHooks, run_generation
-from core.loading import load_model
-from core.recording import RecordingReader
-from core.request import RunRequest
-from core.runtimes import parse_switch
-from core.settings import RunSettings
+from kvscope.core.live.run import BudgetExceeded, RunHooks, run_generation
+from kvscope.core.model.attention import parse_attention
+from kvscope.core.model.caches import parse_cache
+from kvscope.core.model.request import RunRequest
+from kvscope.core.model.settings import RunSettings
+from kvscope.core.records.recording import RecordingReader
+from kvscope.core.runtimes import parse_switch
+from kvscope.core.runtimes.transformers.engine import Engine, GenerationError
+from kvscope.core.runtimes.transformers.loading import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT_TOKENS = 12
@@ -90,7 +90,7 @@ def test_gqa_to_mha_switch_matches_a_model_that_was_mha_from_the_start():
     token = engine.step()  # first token generated on the converted model and cache
 
     # Reference: the same pooled-then-repeated weights, MHA from the first token, same ids.
-    from core import convert
+    from kvscope.core.runtimes.transformers import convert
 
     reference = load_model("embedded", device="cpu").model
     reference.set_attn_implementation("eager")
@@ -199,14 +199,14 @@ def test_out_of_memory_in_decode_is_recovered(tmp_path, monkeypatch):
 
     def failing(*args, **kwargs):
         calls["n"] += 1
-        # The prefill, its profiled trial pass (core.kernels) and 4 tokens succeed; the 5th token runs out of memory.
+        # The prefill, its profiled trial pass (kvscope.core.runtimes.transformers.kernels) and 4 tokens succeed; the 5th token runs out of memory.
         if calls["n"] == 7:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(engine.model, "forward", failing)
-    from core import run
-    from core.runtimes.transformers import TransformersRuntime
+    from kvscope.core.live import run
+    from kvscope.core.runtimes.transformers.runtime import TransformersRuntime
 
     request = RunRequest(max_new_tokens=20)
     with pytest.raises(GenerationError, match="out of memory in decode at token 5"):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import CATEGORIES, INTERNAL, KVScopeError, category_of, is_user_error, one_line
+from kvscope.core.base.errors import CATEGORIES, INTERNAL, KVScopeError, category_of, is_user_error, one_line
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,8 +63,8 @@ def test_every_error_class_has_one_base_and_a_category():
 
 @pytest.mark.parametrize("cls", [*ERRORS, ValueError, KeyError], ids=lambda c: c.__name__)
 def test_the_cli_and_the_window_decide_by_type(cls, monkeypatch, capsys):
-    import main
-    from core import engine_process
+    from kvscope import main
+    from kvscope.core.live import engine_process
 
     exc = _instance(cls)
     user = is_user_error(exc)
@@ -83,7 +83,7 @@ def test_the_cli_and_the_window_decide_by_type(cls, monkeypatch, capsys):
         assert rc == 1 and "Traceback" in err and f"internal error: {cls.__name__}" in err
     # The engine process: what the window shows, and the traceback on its stderr for an internal error.
     sent = []
-    monkeypatch.setattr("core.run.run_generation", lambda request, hooks: (_ for _ in ()).throw(exc))
+    monkeypatch.setattr("kvscope.core.live.run.run_generation", lambda request, hooks: (_ for _ in ()).throw(exc))
     engine_process.RunDriver(object(), lambda kind, payload: sent.append((kind, payload))).run()
     err = capsys.readouterr().err
     assert ("errored", one_line(exc)) in sent

@@ -9,9 +9,9 @@ import logging
 
 import pytest
 
-from core.export import CSV_FIELDS, export_csv, write_csv
-from core.recording import RecordingError, RecordingReader, RecordingWriter
-from core.sample import PHASE_EVENT, Sample
+from kvscope.core.base.sample import PHASE_EVENT, Sample
+from kvscope.core.records.export import CSV_FIELDS, export_csv, write_csv
+from kvscope.core.records.recording import RecordingError, RecordingReader, RecordingWriter
 from tests.test_recording import _damaged_recording, make_sample, plain_header, raw_header
 
 
@@ -78,7 +78,7 @@ def test_formula_text_is_defused_numbers_are_not(tmp_path):
 def test_damaged_recording_exports_what_is_readable_and_warns(tmp_path, caplog):
     rec, kept = _damaged_recording(tmp_path, {2: b"garbage", 5: b'{"token": "x"}'})
     out = tmp_path / "out.csv"
-    with caplog.at_level(logging.WARNING, logger="core.export"):
+    with caplog.at_level(logging.WARNING, logger="kvscope.core.records.export"):
         assert export_csv(rec, out) == len(kept) == 8
     assert [int(r["token"]) for r in read_csv(out)] == [s.token for s in kept]
     assert "skipped 2 damaged lines" in caplog.text

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from core.forecast import (Forecast, budget_check, budget_forecast, budget_used, estimate_bytes_per_token,
-                           forecast_oom, tokens_until_budget)
+from kvscope.core.prediction.forecast import (Forecast, budget_check, budget_forecast, budget_used,
+                                              estimate_bytes_per_token, forecast_oom, tokens_until_budget)
 
 MiB = 1 << 20
 GiB = 1 << 30

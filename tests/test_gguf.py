@@ -1,5 +1,5 @@
-"""GGUF files as a model source (core.gguf), the llama.cpp rules that need no llama.cpp (core.llamacpp), and the
-embedded model's conversion (core.gguf_write). Needs only the gguf package, a dependency: runs everywhere."""
+"""GGUF files as a model source (kvscope.core.model.gguf), the llama.cpp rules that need no llama.cpp (kvscope.core.prediction.llamacpp), and the
+embedded model's conversion (kvscope.core.model.gguf_write). Needs only the gguf package, a dependency: runs everywhere."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import struct
 import numpy as np
 import pytest
 
-from core.attention import SettingsError
-from core.gguf import is_gguf_source, read_gguf
-from core.llamacpp import LlamaCppOptions, plan, row_bytes
-from core.spec import SpecError, load_spec
+from kvscope.core.model.attention import SettingsError
+from kvscope.core.model.gguf import is_gguf_source, read_gguf
+from kvscope.core.model.spec import SpecError, load_spec
+from kvscope.core.prediction.llamacpp import LlamaCppOptions, plan, row_bytes
 from tests import gguf_models
 
 
@@ -50,7 +50,7 @@ def _arrays(g):
 
 
 def test_transformers_calc_reads_a_gguf(files, capsys):
-    import main
+    from kvscope import main
 
     assert main.main(["calc", "--model", str(files["llama"]), "--context", "1000", "--json"]) == 0
     row = json.loads(capsys.readouterr().out)["rows"][0]
@@ -126,7 +126,7 @@ def test_llamacpp_rules_from_the_source():
 
 
 def _presets():
-    from core.spec import preset_names
+    from kvscope.core.model.spec import preset_names
 
     return preset_names()
 
@@ -135,8 +135,8 @@ def test_embedded_model_converts_to_gguf(tmp_path, monkeypatch):
     """The embedded model as a GGUF: every weight, Q and K rows permuted for llama.cpp's rotary layout, fp16."""
     from safetensors.numpy import load_file
 
-    from core.embedded import embedded_model_dir
-    from core.gguf_write import _permute, export_llama_folder
+    from kvscope.core.model.embedded import embedded_model_dir
+    from kvscope.core.model.gguf_write import _permute, export_llama_folder
 
     folder = embedded_model_dir()
     out = export_llama_folder(folder, tmp_path / "e.gguf")
@@ -157,7 +157,7 @@ def test_embedded_model_converts_to_gguf(tmp_path, monkeypatch):
 def test_the_calculator_and_calc_agree_on_what_fits(files):
     """One rule for "the largest context that fits" (llama.cpp's -ngl all: every weight but the token embedding,
     plus a tied output's copy of it, and the KV): the calculator tab and calc --runtime llama.cpp --gpu-memory."""
-    from core.llamacpp import calculate_llamacpp, max_context_llamacpp, predict_llamacpp
+    from kvscope.core.prediction.llamacpp import calculate_llamacpp, max_context_llamacpp, predict_llamacpp
 
     for name in ("untied", "llama"):
         spec = load_spec(str(files[name]))
@@ -172,11 +172,11 @@ def test_the_calculator_and_calc_agree_on_what_fits(files):
 
 
 def test_the_readers_type_tables_are_the_gguf_packages():
-    """core.gguf reads a header without the gguf package (no numpy, no memory map of every array); its tables of
+    """kvscope.core.model.gguf reads a header without the gguf package (no numpy, no memory map of every array); its tables of
     ggml types (block size, bytes per block) and file types are llama.cpp's own gguf-py's, entry for entry."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
-    from core.gguf import FILE_TYPES, GGML_TYPES
+    from kvscope.core.model.gguf import FILE_TYPES, GGML_TYPES
 
     assert GGML_TYPES == {int(t): (t.name, *GGML_QUANT_SIZES[t]) for t in GGMLQuantizationType}
     assert FILE_TYPES == {int(t): t.name.removeprefix("MOSTLY_") for t in LlamaFileType if t.name != "GUESSED"}
@@ -188,8 +188,8 @@ def test_the_bounded_reader_reads_what_the_gguf_package_reads(files, tmp_path):
     embedded model's conversion."""
     from gguf import GGUFReader
 
-    from core.embedded import embedded_model_dir
-    from core.gguf_write import export_llama_folder
+    from kvscope.core.model.embedded import embedded_model_dir
+    from kvscope.core.model.gguf_write import export_llama_folder
 
     paths = dict(files, q8=gguf_models.llama(tmp_path / "q8.gguf", quant="q8_0", n_layer=3),
                  embedded=export_llama_folder(embedded_model_dir(), tmp_path / "e.gguf"))

@@ -5,8 +5,8 @@
 format of ggml's docs/gguf.md, so any field can hold any type, count or length), in the categories below. Each
 goes through, in this process:
 
-* the header reader: ``core.gguf.read_gguf`` and ``GgufModel.spec()``, and llama.cpp's plan of the header
-  (``core.llamacpp.plan``) where the reading succeeds;
+* the header reader: ``kvscope.core.model.gguf.read_gguf`` and ``GgufModel.spec()``, and llama.cpp's plan of the header
+  (``kvscope.core.prediction.llamacpp.plan``) where the reading succeeds;
 * ``calc``: ``main.main(["calc", "--model", FILE, ...])``, the command line itself (exit status, stdout, stderr),
   as a table and as JSON.
 
@@ -43,12 +43,11 @@ from typing import Any
 
 import pytest
 
+from kvscope import main as kvscope_main
+from kvscope.core.base.safe_text import is_safe, safe_text
+from kvscope.core.model.gguf import GGML_TYPES, LLAMA_MAX_LAYERS, OWN_CACHE, read_gguf
+from kvscope.core.model.spec import SpecError
 from tests.fuzzing import Hang, category_table, guard
-
-import main as kvscope_main
-from core.gguf import GGML_TYPES, LLAMA_MAX_LAYERS, OWN_CACHE, read_gguf
-from core.safe_text import is_safe, safe_text
-from core.spec import SpecError
 
 REPO = Path(__file__).resolve().parent.parent
 SEED = int(os.environ.get("KVSCOPE_FUZZ_SEED", "29"))
@@ -524,7 +523,7 @@ def generate(seed: int = SEED) -> list[Variant]:
 
 def limits_problem(g, file_size: int) -> str | None:
     """A reading that breaks a limit llama.cpp sets (a damaged file that still read must keep every one)."""
-    from core.gguf import GGML_MAX_NAME
+    from kvscope.core.model.gguf import GGML_MAX_NAME
 
     if not 1 <= g.n_layer_all <= LLAMA_MAX_LAYERS or g.n_embd <= 0:
         return f"layers {g.n_layer_all}, embedding {g.n_embd}"
@@ -570,8 +569,8 @@ def truth_problem(g, truth: Truth) -> str | None:
 
 def run_reader(path: Path, v: Variant, file_size: int) -> tuple[str, str, Any]:
     """(outcome, detail, the reading or the refusal's message)."""
-    from core.attention import SettingsError
-    from core.llamacpp import LlamaCppOptions, plan
+    from kvscope.core.model.attention import SettingsError
+    from kvscope.core.prediction.llamacpp import LlamaCppOptions, plan
 
     traced = file_size < TRACE_BELOW  # tracemalloc slows the walk of 542K strings ~8x; the lying files are small
     if traced:
@@ -791,7 +790,7 @@ def test_the_calculator_says_the_same_line_and_shows_names_as_text(qtbot, tmp_pa
     full of HTML and escape codes is shown as text, never rendered."""
     from PySide6.QtCore import Qt
 
-    from ui.calculator import CalculatorTab
+    from kvscope.ui.calculator import CalculatorTab
 
     tab = CalculatorTab()
     qtbot.addWidget(tab)
@@ -823,7 +822,7 @@ def test_safe_text_escapes_what_a_terminal_or_a_bidi_renderer_would_obey():
     """Every C0 and C1 control, DEL, the line separators, the bidi marks, embeddings, overrides and isolates, and
     lone surrogates come out as distinct printable escapes; any other text (random letters of any script, symbols,
     emoji) comes out unchanged; safe_lines keeps line feeds and tabs only."""
-    from core.safe_text import safe_lines
+    from kvscope.core.base.safe_text import safe_lines
 
     unsafe = [chr(c) for c in (*range(0x20), *range(0x7F, 0xA0), 0x61C, 0x200E, 0x200F, 0x2028, 0x2029,
                                *range(0x202A, 0x202F), *range(0x2066, 0x206A), 0xD800, 0xDBFF, 0xDC80, 0xDFFF)]
@@ -846,12 +845,12 @@ def test_the_events_table_and_the_model_badge_show_hostile_names_as_text(qtbot):
     events table and badge row escaped, as plain text: no control character, and HTML shown, never rendered."""
     from PySide6.QtCore import Qt
 
-    from core.request import ModelInfo
-    from core.spec import load_spec
+    from kvscope.core.model.request import ModelInfo
+    from kvscope.core.model.spec import load_spec
+    from kvscope.ui.badges import BadgeRow
+    from kvscope.ui.diagnose import EventsTable
+    from kvscope.ui.theme import theme
     from tests.synthetic import synthetic_samples as samples
-    from ui.badges import BadgeRow
-    from ui.diagnose import EventsTable
-    from ui.theme import theme
 
     table = EventsTable(theme("dark"))
     qtbot.addWidget(table)

@@ -60,26 +60,26 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from transformers import (BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+from transformers import (BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM)
 
-import main
-from core import loading
-from core.attention import MHA, SettingsError, Window, parse_attention
-from core.caches import Static
-from core.embedded import embedded_model_dir
-from core.engine import Engine
-from core.run import RunHooks, run_generation
-from core.request import RunRequest
-from core.loading import EMBEDDED_HINT, load_model
-from core.measure import cache_bytes
-from core.predict import kv_bytes
-from core.probes import NOTE_NO_NVML, MemoryProbe
-from core.recording import RecordingReader, RecordingWriter
-from core.settings import RunSettings
+from kvscope import main
+from kvscope.core.live.run import RunHooks, run_generation
+from kvscope.core.model.attention import MHA, SettingsError, Window, parse_attention
+from kvscope.core.model.caches import Static
+from kvscope.core.model.embedded import embedded_model_dir
+from kvscope.core.model.request import RunRequest
+from kvscope.core.model.settings import RunSettings
+from kvscope.core.prediction.predict import kv_bytes
+from kvscope.core.records.recording import RecordingReader, RecordingWriter
+from kvscope.core.runtimes.probes import NOTE_NO_NVML, MemoryProbe
+from kvscope.core.runtimes.transformers import loading
+from kvscope.core.runtimes.transformers.engine import Engine
+from kvscope.core.runtimes.transformers.loading import EMBEDDED_HINT, load_model
+from kvscope.core.runtimes.transformers.measure import cache_bytes
 from tests.fake_pynvml import NVML_ERROR_GPU_IS_LOST, FakeGpu, FakeNvml
-from tests.helpers import (hub_offline, one_line_error, os_thread_names, run_args,  # noqa: F401 - hub_offline: a fixture
-                           run_in_window)
+from tests.helpers import (hub_offline, one_line_error, os_thread_names,  # noqa: F401 - hub_offline: a fixture
+                           run_args, run_in_window)
 
 pytestmark = pytest.mark.usefixtures("hub_offline")
 
@@ -420,7 +420,7 @@ def test_settings_offloaded_cache_without_cuda(capsys):
 def test_settings_device_without_support_for_fp16(capsys):
     """`--dtype fp16 --device mps` here (no Apple GPU): the device is refused first, saying why, and the
     embedded model is not offered (it would fail the same way). bf16 on a pre-Ampere CUDA GPU is refused by
-    core.loading.resolve_dtype ("bf16 is not supported on <GPU> (compute capability x.y; bf16 needs 8.0)");
+    kvscope.core.runtimes.transformers.loading.resolve_dtype ("bf16 is not supported on <GPU> (compute capability x.y; bf16 needs 8.0)");
     no such GPU here, so that message is covered in tests/test_loading.py's resolve_dtype tests only."""
     if torch.backends.mps.is_available():
         pytest.skip("this machine has MPS")
@@ -432,7 +432,7 @@ def test_settings_device_without_support_for_fp16(capsys):
 
 
 def test_settings_fp16_on_cpu_is_allowed_and_halves_memory(capsys):
-    """fp16 on the CPU is allowed (documented in core.loading: slow, but it shows the memory halve):
+    """fp16 on the CPU is allowed (documented in kvscope.core.runtimes.transformers.loading: slow, but it shows the memory halve):
     the run works and its KV cache is exactly half the fp32 one, as predicted."""
     code16, out16, err = _cli(capsys, *run_args("embedded", "--dtype", "fp16"))
     assert code16 == 0, err
@@ -546,7 +546,7 @@ def test_runtime_nvml_missing_or_failing(case, monkeypatch):
 def test_runtime_worker_raising_mid_token(qtbot, monkeypatch):
     """The model raises at token 3 inside a GenerationController run: `errored` carries the message,
     then `finished` fires, the tokens before it arrived, and no generation thread is left."""
-    from workers.generation import GenerationController
+    from kvscope.workers.generation import GenerationController
 
     _fail_forward(monkeypatch, call=5, make_error=lambda: RuntimeError("kernel exploded at token 3"))
     controller = GenerationController()
@@ -791,7 +791,7 @@ def _live_tensor_bytes() -> int:
 
 def test_churn_200_attention_switches_exact_cache_bytes():
     """200 rapid attention-mode switches (Engine.apply, a token after every third) leave the live cache
-    at exactly the bytes core.predict.kv_bytes gives for the mode in force, after every switch.
+    at exactly the bytes kvscope.core.prediction.predict.kv_bytes gives for the mode in force, after every switch.
 
     The issue also asks that on CUDA the allocator be back at its baseline; there is no GPU here, so
     that half is not tested. The CPU stand-in: after the churn, back in MHA, the bytes of all live

@@ -71,14 +71,14 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-import main
-from core import loading
-from core.embedded import embedded_model_dir
-from core.loading import EMBEDDED_HINT
-from core.recording import RecordingReader
-from core.request import DEFAULT_PROMPT
-from core.spec import EMPTY_MODEL_NAME, MAX_COUNT, MAX_JSON_DEPTH
-from core.terminal import TerminalView
+from kvscope import main
+from kvscope.core.cli.terminal import TerminalView
+from kvscope.core.model.embedded import embedded_model_dir
+from kvscope.core.model.request import DEFAULT_PROMPT
+from kvscope.core.model.spec import EMPTY_MODEL_NAME, MAX_COUNT, MAX_JSON_DEPTH
+from kvscope.core.records.recording import RecordingReader
+from kvscope.core.runtimes.transformers import loading
+from kvscope.core.runtimes.transformers.loading import EMBEDDED_HINT
 
 ROOT = Path(__file__).resolve().parent.parent
 from tests.helpers import hub_offline, one_line_error, run_args  # noqa: F401 - hub_offline: a fixture
@@ -243,7 +243,7 @@ CONFIG_FILES = {
 @pytest.mark.parametrize("case", list(CONFIG_FILES))
 def test_config_file_refused_alike_by_calc_and_run(case, tiny, tmp_path, capsys, nothing_is_built):
     """config.json that is no JSON object, not UTF-8, absurdly nested, or a folder: one reader
-    (core.spec.read_config_json) for calc and run, so one line for both (they were internal errors:
+    (kvscope.core.model.spec.read_config_json) for calc and run, so one line for both (they were internal errors:
     UnicodeDecodeError, RecursionError)."""
     content, expected = CONFIG_FILES[case]
     folder = _folder(tiny, tmp_path / case, config_bytes=b"{}")
@@ -273,7 +273,7 @@ def test_a_config_of_gigabytes_is_refused_by_its_size_unread(tiny, tmp_path):
     """A config.json of 3 GiB (sparse) was read whole before it was refused (6.3 GB of memory in the issue; 14.6 s
     and 2.1 GB for one of 1 GiB here): now its size is looked at first, one line names the size and the limit,
     in a real process that stays small."""
-    from core.spec import MAX_CONFIG_BYTES, human_bytes
+    from kvscope.core.model.spec import MAX_CONFIG_BYTES, human_bytes
 
     folder = _folder(tiny, tmp_path / "huge-config", config_bytes=b"{}")
     config = folder / "config.json"
@@ -610,7 +610,7 @@ def test_prompt_longer_than_model_maximum_refused_before_loading(tmp_path, capsy
 def test_prompt_longer_than_model_maximum_refused_after_loading(tmp_path, capsys, monkeypatch):
     """Where the config comes only with the weights (a hub model: no check before loading), the run refuses
     the same prompt once loaded, before the prefill."""
-    from core.runtimes import transformers as transformers_runtime  # the transformers runtime's own check
+    from kvscope.core.runtimes import transformers as transformers_runtime  # the transformers runtime's own check
 
     monkeypatch.setattr(transformers_runtime, "_check_prompt_before_loading", lambda request, spec: None)
     path, n = _long_prompt(tmp_path)

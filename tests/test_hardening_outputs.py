@@ -4,12 +4,12 @@ Everything here drives the real code: the CLI through ``main.main([...])`` in-pr
 child process where the exit status, a signal, standard output or a kill is the point; real
 recordings (the shipped demo, cut down, with damaged lines), real files, links, FIFOs and devices
 (/dev/null, /dev/stdout); the embedded model on the CPU. Nothing is faked except, in the tests
-that prove a refusal comes *before* loading, ``core.loading.load_model`` (replaced by a function
+that prove a refusal comes *before* loading, ``kvscope.core.runtimes.transformers.loading.load_model`` (replaced by a function
 that fails the test if it is ever called).
 
 Case -> test (all in this file)
 
-Item 1: outputs (one rule, core/outputs.py)
+Item 1: outputs (one rule, core/records/outputs.py)
   export / replay --screenshot over the recording itself (same name, another spelling, a link;
   with --force too; the window's export_csv too) .. test_output_never_the_input[export|replay]
   an existing file: refused, --force replaces it (keeping its mode)
@@ -57,11 +57,11 @@ from pathlib import Path
 
 import pytest
 
-import main
-from core.export import export_csv
-from core.outputs import display_path
-from core.recording import RecordingError, RecordingReader
-from core.spec import human_bytes
+from kvscope import main
+from kvscope.core.model.spec import human_bytes
+from kvscope.core.records.export import export_csv
+from kvscope.core.records.outputs import display_path
+from kvscope.core.records.recording import RecordingError, RecordingReader
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "assets" / "demo" / "demo.jsonl"
@@ -325,8 +325,8 @@ def test_sigterm_stops_run_cleanly(tmp_path):
 
 @pytest.fixture
 def no_loading(monkeypatch):
-    """core.loading.load_model fails the test if anything tries to load a model."""
-    import core.loading
+    """kvscope.core.runtimes.transformers.loading.load_model fails the test if anything tries to load a model."""
+    import kvscope.core.runtimes.transformers.loading
 
     calls = []
 
@@ -334,7 +334,7 @@ def no_loading(monkeypatch):
         calls.append(args)
         raise AssertionError("the model was loaded before the output was checked")
 
-    monkeypatch.setattr(core.loading, "load_model", refuse)
+    monkeypatch.setattr(kvscope.core.runtimes.transformers.loading, "load_model", refuse)
     return calls
 
 
@@ -364,9 +364,9 @@ def test_run_outputs_refused_before_loading(tmp_path, capsys, no_loading, case):
 
 def test_run_generation_refuses_record_before_loading(tmp_path, no_loading):
     """The window's runs go through run_generation, which checks before loading as well."""
-    from core.attention import SettingsError
-    from core.run import RunHooks, run_generation
-    from core.request import RunRequest
+    from kvscope.core.live.run import RunHooks, run_generation
+    from kvscope.core.model.attention import SettingsError
+    from kvscope.core.model.request import RunRequest
 
     existing = tmp_path / "old.jsonl"
     existing.write_text("precious\n")
@@ -408,7 +408,7 @@ def test_file_names_with_control_characters_stay_on_one_line(tmp_path, capsys):
 CHILD_BUILD = r"""
 import sys, time
 from pathlib import Path
-import core.embedded as embedded
+import kvscope.core.model.embedded as embedded
 
 def stuck(folder, **kwargs):  # a first build that is killed half-way: half a weights file, then SIGKILL
     (Path(folder) / "model.safetensors").write_bytes(b"half")
@@ -423,7 +423,7 @@ embedded.embedded_model_dir()
 def test_embedded_stale_build_folders_removed(tmp_path, monkeypatch):
     import socket
 
-    from core import embedded
+    from kvscope.core.model import embedded
 
     cache = tmp_path / "cache"
     child = subprocess.Popen([sys.executable, "-c", CHILD_BUILD], stdout=subprocess.PIPE, text=True, cwd=ROOT,
@@ -454,8 +454,8 @@ def test_embedded_stale_build_folders_removed(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("case", ["below-weights", "room-for-some"])
 def test_budget_messages_name_the_refused_token(case):
-    from core.run import BudgetExceeded, RunHooks, run_generation
-    from core.request import RunRequest
+    from kvscope.core.live.run import BudgetExceeded, RunHooks, run_generation
+    from kvscope.core.model.request import RunRequest
 
     weights = 13_706_368  # the embedded model's fp32 weights (checked below against the load event)
     budget = 1 << 20 if case == "below-weights" else weights + 350_000

@@ -35,10 +35,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-import main as kvscope_main
-from core import scrape
-from core.scrape import (DROPPED, ERROR, GARBAGE, HTTP_ERROR, MAX_BYTES, MAX_REDIRECTS, MAX_REQUESTS, MAX_TOKENS, OK,
-                         Watcher, render_reading, watch)
+from kvscope import main as kvscope_main
+from kvscope.core.records import scrape
+from kvscope.core.records.scrape import (DROPPED, ERROR, GARBAGE, HTTP_ERROR, MAX_BYTES, MAX_REDIRECTS, MAX_REQUESTS,
+                                         MAX_TOKENS, OK, Watcher, render_reading, watch)
 
 CONTROL = ("\x1b", "\x07", "\x9b", "\u202e", "\r")
 
@@ -371,7 +371,7 @@ def test_a_bug_met_by_one_server_is_that_servers_row(hostile, monkeypatch):
 def test_the_servers_tab_shows_hostile_rows_escaped_and_flagged(qtbot, hostile):
     """The real Servers tab: one row per server, the absurd one flagged and not plotted, no control character in
     any cell, the good one exact."""
-    from ui.servers import ServersTab
+    from kvscope.ui.servers import ServersTab
 
     srv, other_port, _ = hostile
     evil = "\x1b]0;pwned\x07\u202e"

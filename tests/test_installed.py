@@ -1,4 +1,4 @@
-"""The models already on the machine (core.installed): the Hugging Face cache, Ollama, LM Studio and added
+"""The models already on the machine (kvscope.core.model.installed): the Hugging Face cache, Ollama, LM Studio and added
 folders, built in a temporary home; then the window's Source list and the calculator's model picker."""
 
 from __future__ import annotations
@@ -11,13 +11,12 @@ from pathlib import Path
 import huggingface_hub.constants
 import pytest
 from huggingface_hub import scan_cache_dir
-
 from PySide6.QtCore import Qt
 
-from core import installed
-from core.installed import InstalledModel, find_installed
-from core.request import RunRequest
-from core.spec import SpecError
+from kvscope.core.model import installed
+from kvscope.core.model.installed import InstalledModel, find_installed
+from kvscope.core.model.request import RunRequest
+from kvscope.core.model.spec import SpecError
 
 TINY_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -188,7 +187,7 @@ def shortened(found):
 
 
 # ------------------------------------------------------------------------------------------------
-# core.installed
+# kvscope.core.model.installed
 
 
 def test_the_hf_cache_layout_is_huggingface_hubs_own(machine):
@@ -298,8 +297,8 @@ def smol(m) -> str:
 
 
 def test_the_calculator_lists_installed_models_after_the_presets_and_loads_one(qtbot, machine, settings):
-    from core.spec import preset_names
-    from ui.calculator import CalculatorTab
+    from kvscope.core.model.spec import preset_names
+    from kvscope.ui.calculator import CalculatorTab
 
     settings.setValue("model_folders", [str(machine["added"])])
     tab = CalculatorTab()
@@ -327,13 +326,13 @@ def test_the_calculator_lists_installed_models_after_the_presets_and_loads_one(q
 
 
 def installed_size(m) -> str:
-    from core.spec import human_bytes
+    from kvscope.core.model.spec import human_bytes
 
     return human_bytes(SMOL_SIZE)
 
 
 def test_a_typed_installed_name_loads_that_model(qtbot, machine, settings):
-    from ui.calculator import CalculatorTab
+    from kvscope.ui.calculator import CalculatorTab
 
     settings.setValue("model_folders", [str(machine["added"])])
     tab = CalculatorTab()
@@ -348,8 +347,8 @@ def test_a_typed_installed_name_loads_that_model(qtbot, machine, settings):
 
 
 def test_the_source_list_offers_installed_models_and_an_added_folder(qtbot, machine, settings, tmp_path):
-    from ui.controls import SOURCES, saved_folders
-    from ui.main_window import MainWindow
+    from kvscope.ui.controls import SOURCES, saved_folders
+    from kvscope.ui.main_window import MainWindow
 
     settings.setValue("model_folders", [str(machine["added"])])
     w = MainWindow(settings=settings, start_engine=False)
@@ -395,7 +394,7 @@ def test_the_source_list_offers_installed_models_and_an_added_folder(qtbot, mach
 
 
 def test_with_nothing_installed_the_list_says_so(qtbot, settings):
-    from ui.main_window import MainWindow
+    from kvscope.ui.main_window import MainWindow
 
     w = MainWindow(settings=settings, start_engine=False)  # the tests' own empty home (conftest)
     qtbot.addWidget(w)
@@ -409,9 +408,9 @@ def test_with_nothing_installed_the_list_says_so(qtbot, settings):
 
 
 def test_an_ollama_model_loads_in_the_calculator_from_its_blob(qtbot, tmp_path, monkeypatch, settings):
-    """An Ollama blob has no .gguf suffix: picking the model loads it all the same (core.gguf reads the magic)."""
+    """An Ollama blob has no .gguf suffix: picking the model loads it all the same (kvscope.core.model.gguf reads the magic)."""
+    from kvscope.ui.calculator import CalculatorTab
     from tests import gguf_models
-    from ui.calculator import CalculatorTab
 
     store = tmp_path / "store"
     monkeypatch.setenv("OLLAMA_MODELS", str(store))
@@ -439,10 +438,10 @@ def test_an_ollama_model_loads_in_the_calculator_from_its_blob(qtbot, tmp_path, 
 def test_an_installed_gguf_runs_with_llamacpp_and_ollamas_num_ctx(qtbot, tmp_path, monkeypatch, settings, capsys):
     """An Ollama model is a GGUF blob: the Source list's request runs it with llama.cpp, at the num_ctx its
     Modelfile sets (Max context, when set, wins), and llama.cpp runs the blob as it is (no .gguf suffix)."""
-    import main
+    from kvscope import main
+    from kvscope.ui.controls import SOURCES
+    from kvscope.ui.main_window import MainWindow
     from tests import gguf_models
-    from ui.controls import SOURCES
-    from ui.main_window import MainWindow
 
     store = tmp_path / "store"
     monkeypatch.setenv("OLLAMA_MODELS", str(store))
@@ -485,8 +484,8 @@ def test_a_config_nested_absurdly_deep_hides_nothing_else(tmp_path):
 QUIT_SCRIPT = r"""
 import os, sys, time
 from PySide6.QtCore import QSettings, QTimer
-from ui.app import _application
-from ui.main_window import MainWindow
+from kvscope.ui.app import _application
+from kvscope.ui.main_window import MainWindow
 
 app = _application()
 settings = QSettings(sys.argv[1], QSettings.Format.IniFormat)

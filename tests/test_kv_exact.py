@@ -2,7 +2,7 @@
 
 Tiny real models (random weights, fixed seed, built offline) run a prefill of P tokens and then N
 single-token decode steps through ``model(ids, cache=cache, use_cache=True)``; after the prefill and
-after EVERY step, ``core.predict.kv_bytes`` must equal ``core.measure.cache_bytes(cache).logical``.
+after EVERY step, ``kvscope.core.prediction.predict.kv_bytes`` must equal ``kvscope.core.runtimes.transformers.measure.cache_bytes(cache).logical``.
 Then the presets: per-token KV bytes derived by hand, and the MHA/GQA/MQA ratios of Llama-3-8B.
 """
 
@@ -11,29 +11,17 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-
-from tests import helpers
 import torch
-from transformers import (
-    DeepseekV3Config,
-    DeepseekV3ForCausalLM,
-    DynamicCache,
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    QuantizedCache,
-    StaticCache,
-)
+from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig,
+                          LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, QuantizedCache, StaticCache)
 
-from core.attention import SettingsError, parse_attention
-from core.caches import Dynamic, Quantized, Static, parse_cache
-from core.measure import cache_bytes, model_weight_bytes
-from core.predict import kv_bytes
-from core.settings import RunSettings
-from core.spec import load_spec, spec_from_config
+from kvscope.core.model.attention import SettingsError, parse_attention
+from kvscope.core.model.caches import Dynamic, Quantized, Static, parse_cache
+from kvscope.core.model.settings import RunSettings
+from kvscope.core.model.spec import load_spec, spec_from_config
+from kvscope.core.prediction.predict import kv_bytes
+from kvscope.core.runtimes.transformers.measure import cache_bytes, model_weight_bytes
+from tests import helpers
 
 VOCAB = 128
 HAS_QUANTO = importlib.util.find_spec("optimum.quanto") is not None
@@ -414,7 +402,7 @@ def test_gemma_3_27b_local_global():
 
 
 # ------------------------------------------------------------------------------------------------
-# Token-selecting caches (core/sparse_caches.py): attention sinks + window, heavy hitters
+# Token-selecting caches (core/runtimes/transformers/sparse_caches.py): attention sinks + window, heavy hitters
 
 
 def _selecting_rows(model, strategy, prompt: int, steps: int, batch: int = 1) -> list[tuple[int, int, int]]:
@@ -525,7 +513,7 @@ def test_layers_of_their_own_shapes_are_predicted_as_transformers_caches_them():
 def test_deepseek_v4_compressor_state_grows_window_by_window():
     """DeepSeek-V4's compressing layers keep, beside a sliding K=V (one tensor), one compressed entry per full window of
     compress_rate tokens, the tokens since the last full window, and (CSA) the last window's overlap series: predicted
-    from the probe (core.states.LayerState.compress_rate...) at every token, through several windows of each rate."""
+    from the probe (kvscope.core.model.states.LayerState.compress_rate...) at every token, through several windows of each rate."""
     from transformers import DeepseekV4ForCausalLM
 
     from tests import archs

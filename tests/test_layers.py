@@ -4,14 +4,13 @@ window's process (the window, a replay, calc of a preset) never loads torch or t
 from __future__ import annotations
 
 import ast
-import shutil
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
-
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,7 +63,7 @@ def test_window_process_loads_no_torch(tmp_path):
 
         def main():
             app = QApplication([])
-            from ui.main_window import MainWindow
+            from kvscope.ui.main_window import MainWindow
             window = MainWindow(settings=QSettings({str(tmp_path / 'w.ini')!r}, QSettings.Format.IniFormat))
             window.show()
             loop = QEventLoop()
@@ -96,7 +95,7 @@ def test_replay_starts_no_engine_and_calc_of_a_preset_loads_no_torch(tmp_path):
     config.write_text(json.dumps({k: v for k, v in preset.items() if k != "_kvscope"} | {"num_hidden_layers": 5}))
     code = """
         import json, multiprocessing, sys
-        import main
+        from kvscope import main
 
         def main_():
             rc = main.main({args!r})

@@ -21,14 +21,14 @@ import json
 
 import pytest
 
-from core.attention import SettingsError
-from core.gguf import read_gguf
-from core.llamacpp import LlamaCppOptions, plan
+from kvscope.core.model.attention import SettingsError
+from kvscope.core.model.gguf import read_gguf
+from kvscope.core.prediction.llamacpp import LlamaCppOptions, plan
 from tests import gguf_models
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="the llamacpp extra (make test installs it)")
 
-from core.llamacpp_live import MIB, LlamaCppContext, observe  # noqa: E402
+from kvscope.core.runtimes.llamacpp.live import MIB, LlamaCppContext, observe  # noqa: E402
 
 MODELS = {
     "llama-gqa": lambda p: gguf_models.llama(p),
@@ -111,7 +111,7 @@ def test_weights_are_the_files_tensor_bytes(gguf_files):
 def test_calc_cli_reports_llamacpps_bytes(gguf_files, capsys):
     """The issue's command: calc --runtime llama.cpp --context 4096 --cache-type-k q8_0 --cache-type-v q8_0
     --flash-attn on --json, equal to what llama.cpp allocates for that model and those settings."""
-    import main
+    from kvscope import main
 
     for name in ("llama-gqa", "gemma3-swa", "deepseek2-mla"):
         path = gguf_files[name]
@@ -155,13 +155,13 @@ def test_the_buffer_never_grows(gguf_files):
 
 
 def test_embedded_gguf_generates_what_transformers_generates():
-    """The embedded model's GGUF (core.gguf_write) is the same model: same tokens for the prompt and the same 30
+    """The embedded model's GGUF (kvscope.core.model.gguf_write) is the same model: same tokens for the prompt and the same 30
     greedy tokens through llama.cpp as through transformers (Q/K permuted right, the vocabulary and merges intact)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from core.embedded import embedded_model_dir
-    from core.gguf_write import embedded_gguf
+    from kvscope.core.model.embedded import embedded_model_dir
+    from kvscope.core.model.gguf_write import embedded_gguf
 
     folder = embedded_model_dir()
     tok = AutoTokenizer.from_pretrained(folder)
@@ -185,7 +185,7 @@ def test_embedded_gguf_generates_what_transformers_generates():
 
 
 def test_run_takes_a_gguf_to_llamacpp_without_being_told(gguf_files, capsys):
-    import main
+    from kvscope import main
 
     assert main.main(["run", "--model", str(gguf_files["gemma3-swa"]), "--tokens", "2", "-c", "512"]) == 0
     out = capsys.readouterr().out

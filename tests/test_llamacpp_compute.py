@@ -1,4 +1,4 @@
-"""llama.cpp's compute and output buffers (core.llamacpp_compute) against the real llama.cpp, byte for byte.
+"""llama.cpp's compute and output buffers (kvscope.core.prediction.llamacpp_compute) against the real llama.cpp, byte for byte.
 
 Tiny GGUFs (tests/gguf_models.py: GQA and MHA llama, tied and untied, F16 and Q8_0 weights, interleaved-window
 gemma3) and seeded random shapes of the same layouts that are not in the repository are loaded into the llama.cpp
@@ -22,15 +22,15 @@ from contextlib import contextmanager
 
 import pytest
 
-from core.attention import SettingsError
-from core.gguf import read_gguf
-from core.llamacpp import LlamaCppOptions, fit_llamacpp, plan
+from kvscope.core.model.attention import SettingsError
+from kvscope.core.model.gguf import read_gguf
+from kvscope.core.prediction.llamacpp import LlamaCppOptions, fit_llamacpp, plan
 from tests import gguf_models
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="the llamacpp extra (make test installs it)")
 
-from core.llamacpp_live import MIB  # noqa: E402
-from core.llamacpp_observe import memory_breakdown, observe_buffers  # noqa: E402
+from kvscope.core.runtimes.llamacpp.live import MIB  # noqa: E402
+from kvscope.core.runtimes.llamacpp.observe import memory_breakdown, observe_buffers  # noqa: E402
 
 
 @contextmanager
@@ -70,7 +70,7 @@ def _qwen(path, arch: str, n_layer: int = 2, n_embd: int = 128, n_head: int = 4,
           n_ff: int = 256, seed: int = 5):
     """A tiny qwen2 (Q/K/V biases) or qwen3 (per-head Q/K norms, head size of its own) as llama.cpp loads them
     (src/models/qwen2.cpp, qwen3.cpp load_arch_tensors)."""
-    from core.gguf_write import GgufVocab, write_gguf
+    from kvscope.core.model.gguf_write import GgufVocab, write_gguf
 
     rng = gguf_models._rng(seed)
     tensors = [("token_embd.weight", gguf_models._mat(rng, n_embd, gguf_models.VOCAB)),
@@ -104,7 +104,7 @@ MODELS = {
     "qwen3-qknorm": lambda p: _qwen(p, "qwen3", n_layer=3, n_embd=96, n_head=4, n_head_kv=1, head=64),
     "deepseek2-mla-wide": lambda p: gguf_models.deepseek2(p, n_layer=3, n_embd=96, n_head=6, kv_lora_rank=32, rope=16,
                                                           nope=48, v_head=24, n_ff=160, seed=9),
-    # deep enough for the replay to take repeated layers out of the middle (core.llamacpp_compute._converged_mark)
+    # deep enough for the replay to take repeated layers out of the middle (kvscope.core.prediction.llamacpp_compute._converged_mark)
     "llama-10-layers": lambda p: gguf_models.llama(p, n_layer=10, n_embd=64, n_head=2, n_head_kv=1, n_ff=128),
     "gemma3-20-layers": lambda p: gguf_models.gemma3(p, n_layer=20, n_embd=64, n_head=2, n_head_kv=1, head=32,
                                                      n_ff=128, n_swa=64),
@@ -195,7 +195,7 @@ def test_flash_attention_moves_the_compute_buffer(gguf_files):
 
 def test_breakdown_reader_sees_the_model_and_the_cache(gguf_files):
     """llama_get_memory_breakdown read through ctypes: model bytes are the file's tensors, context bytes the KV."""
-    from core.llamacpp_live import LlamaCppContext
+    from kvscope.core.runtimes.llamacpp.live import LlamaCppContext
 
     path = gguf_files["llama-mha-untied"]
     options = LlamaCppOptions(n_ctx=512)
@@ -210,7 +210,7 @@ def test_breakdown_reader_sees_the_model_and_the_cache(gguf_files):
 
 
 def test_calc_json_rows_carry_the_buffers(gguf_files, capsys):
-    import main
+    from kvscope import main
 
     path = gguf_files["gemma3-swa"]
     for fa in ("off", "on"):
@@ -233,7 +233,7 @@ def test_calc_json_rows_carry_the_buffers(gguf_files, capsys):
 def test_an_architecture_not_replayed_is_unknown_not_zero(capsys):
     """A graph KV Scope does not replay (here DeepSeek-V3's, MLA with experts, from its config): the compute buffer
     is n/a in the table, null in the JSON, and so is the total: unknown, never a guess and never 0."""
-    import main
+    from kvscope import main
 
     assert main.main(["calc", "--model", "deepseek-v3", "--runtime", "llama.cpp", "--context", "4096", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -283,7 +283,7 @@ def test_fit_interpolates_the_context_only_when_it_is_not_given(gguf_files):
 def test_settled_mark_equals_the_whole_graphs():
     """The speed-up (the mark taken on shorter models of the same repeated layers until it settles) changes no
     figure: the whole graph's replay agrees on a generated set of deep shapes, settings and both attention paths."""
-    from core.llamacpp_compute import CacheGeom, GraphShape, _with_rotation, reserve_graphs
+    from kvscope.core.prediction.llamacpp_compute import CacheGeom, GraphShape, _with_rotation, reserve_graphs
 
     rng = random.Random(11)
     for _ in range(16):
@@ -310,8 +310,8 @@ def test_settled_mark_equals_the_whole_graphs():
 def test_calc_gpu_memory_answers_with_the_total_and_llamacpps_fit(gguf_files, capsys):
     """calc --gpu-memory: the largest context is the one whose weights + KV + compute buffer on the GPU fit (one more
     256-cell step does not), and the JSON carries --fit's -c / -ngl for the given context and for -c 0."""
-    import main
-    from core.llamacpp import gpu_bytes
+    from kvscope import main
+    from kvscope.core.prediction.llamacpp import gpu_bytes
 
     path = gguf_files["llama-mha-untied"]
     g = read_gguf(path)

@@ -1,4 +1,4 @@
-"""llama.cpp as a live engine (core.llamacpp_engine): the embedded model's GGUF generated in the real llama.cpp.
+"""llama.cpp as a live engine (kvscope.core.runtimes.llamacpp.engine): the embedded model's GGUF generated in the real llama.cpp.
 
 Every decode sample's KV observed is what llama.cpp reserved at load (from its log's cells and a measured cell),
 flat, and equal to the predictor's plan; "used" grows by one cell's bytes per token; an attention switch is
@@ -15,12 +15,13 @@ import pytest
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="the llamacpp extra (make test installs it)")
 
-from core.gguf import read_gguf  # noqa: E402
-from core.gguf_write import embedded_gguf  # noqa: E402
-from core.llamacpp import LlamaCppOptions, plan  # noqa: E402
-from core.llamacpp_engine import FIXED_LAYOUT, run_llamacpp  # noqa: E402
-from core.request import RunHooks, RunRequest  # noqa: E402
-from core.sample import Sample  # noqa: E402
+from kvscope.core.base.sample import Sample  # noqa: E402
+from kvscope.core.live.run import run_generation  # noqa: E402
+from kvscope.core.model.gguf import read_gguf  # noqa: E402
+from kvscope.core.model.gguf_write import embedded_gguf  # noqa: E402
+from kvscope.core.model.request import RunHooks, RunRequest  # noqa: E402
+from kvscope.core.prediction.llamacpp import LlamaCppOptions, plan  # noqa: E402
+from kvscope.core.runtimes.llamacpp.engine import FIXED_LAYOUT, RUNTIME  # noqa: E402
 from tests import gguf_models  # noqa: E402
 
 
@@ -39,7 +40,7 @@ def _run(request: RunRequest, polls=None) -> list[Sample]:
             return [queue.pop(0)[1]]
         return []
 
-    run_llamacpp(request, RunHooks(emit=samples.append, poll=poll))
+    run_generation(dataclasses.replace(request, runtime=RUNTIME), RunHooks(emit=samples.append, poll=poll))
     return samples
 
 
@@ -106,8 +107,8 @@ def test_a_window_model_keeps_its_window_cells_used(tmp_path):
 
 
 def test_a_recording_of_a_llamacpp_run_round_trips_and_old_ones_still_read(gguf_path, tmp_path):
-    from core.export import export_csv
-    from core.recording import RecordingReader, sample_from_json
+    from kvscope.core.records.export import export_csv
+    from kvscope.core.records.recording import RecordingReader, sample_from_json
 
     path = tmp_path / "llama.jsonl"
     samples = _run(RunRequest(runtime="llama.cpp", llamacpp=LlamaCppOptions(n_ctx=512), max_new_tokens=12,
@@ -136,7 +137,7 @@ def test_a_recording_of_a_llamacpp_run_round_trips_and_old_ones_still_read(gguf_
 
 
 def test_the_cli_runs_llamacpp_and_refuses_a_model_that_is_not_gguf(capsys, tmp_path):
-    import main
+    from kvscope import main
 
     rc = main.main(["run", "--runtime", "llama.cpp", "--tokens", "8", "--context", "1024", "--cache-type-k", "q8_0",
                     "--cache-type-v", "q8_0", "--switch", "3:attention=mqa", "--switch", "5:context=2048"])
@@ -178,10 +179,10 @@ def test_a_llamacpp_run_in_the_window_draws_reserved_and_used(qtbot, window):
 
 
 def test_without_llama_cpp_the_window_disables_the_choice(qtbot, settings, monkeypatch):
-    import ui.controls
-    from ui.controls import ControlsPanel
+    import kvscope.ui.controls
+    from kvscope.ui.controls import ControlsPanel
 
-    monkeypatch.setattr(ui.controls, "llamacpp_missing", lambda: "llama-cpp-python is not installed: pip install it")
+    monkeypatch.setattr(kvscope.ui.controls, "llamacpp_missing", lambda: "llama-cpp-python is not installed: pip install it")
     panel = ControlsPanel()
     qtbot.addWidget(panel)
     i = panel.source_combo.findData("llamacpp")
@@ -196,7 +197,7 @@ def test_the_request_module_finds_llama_cpp_without_importing_it():
     import subprocess
     import sys
 
-    code = ("import sys; from core.request import llamacpp_missing; print(json.dumps([llamacpp_missing(), "
+    code = ("import sys; from kvscope.core.model.request import llamacpp_missing; print(json.dumps([llamacpp_missing(), "
             "'llama_cpp' in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == [None, False]

@@ -3,7 +3,7 @@ other ``-fa`` and re-runs the tokens, and the compute buffer moves.
 
 The real llama.cpp runs the embedded model's GGUF at -c 4096. Every sample carries the compute buffer llama.cpp
 reserved (``activations_observed``: exact bytes from its own ``llama_get_memory_breakdown``) and the replay's
-prediction (``activations_predicted``: core.llamacpp_compute); they are equal at every sample, before and after
+prediction (``activations_predicted``: kvscope.core.prediction.llamacpp_compute); they are equal at every sample, before and after
 each switch, and the buffer with flash attention off is larger (the n_kv x n_tokens scores it materialises).
 """
 
@@ -15,19 +15,20 @@ import pytest
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="the llamacpp extra (make test installs it)")
 
-from core.breakdown import MEASURED, memory_breakdown  # noqa: E402
-from core.gguf import read_gguf  # noqa: E402
-from core.gguf_write import embedded_gguf  # noqa: E402
-from core.llamacpp import LlamaCppOptions, plan  # noqa: E402
-from core.llamacpp_engine import FIXED_LAYOUT, run_llamacpp  # noqa: E402
-from core.recording import sample_from_json  # noqa: E402
-from core.request import RunHooks, RunRequest  # noqa: E402
-from core.sample import Sample  # noqa: E402
+from kvscope.core.base.sample import Sample  # noqa: E402
+from kvscope.core.live.breakdown import MEASURED, memory_breakdown  # noqa: E402
+from kvscope.core.live.run import run_generation  # noqa: E402
+from kvscope.core.model.gguf import read_gguf  # noqa: E402
+from kvscope.core.model.gguf_write import embedded_gguf  # noqa: E402
+from kvscope.core.model.request import RunHooks, RunRequest  # noqa: E402
+from kvscope.core.prediction.llamacpp import LlamaCppOptions, plan  # noqa: E402
+from kvscope.core.records.recording import sample_from_json  # noqa: E402
+from kvscope.core.runtimes.llamacpp.engine import FIXED_LAYOUT, RUNTIME  # noqa: E402
 
 
 def _run(request: RunRequest) -> list[Sample]:
     samples: list[Sample] = []
-    run_llamacpp(request, RunHooks(emit=samples.append))
+    run_generation(dataclasses.replace(request, runtime=RUNTIME), RunHooks(emit=samples.append))
     return samples
 
 

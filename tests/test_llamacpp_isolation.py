@@ -16,12 +16,12 @@ import pytest
 
 pytest.importorskip("llama_cpp", reason="the llamacpp extra (make test installs it)")
 
-from core.errors import RuntimeCrashed  # noqa: E402
-from core.gguf_write import GgufVocab  # noqa: E402
-from core.llamacpp import LlamaCppOptions  # noqa: E402
-from core.recording import RecordingReader  # noqa: E402
-from core.request import RunHooks, RunRequest  # noqa: E402
-from core.run import run_generation  # noqa: E402
+from kvscope.core.base.errors import RuntimeCrashed  # noqa: E402
+from kvscope.core.live.run import run_generation  # noqa: E402
+from kvscope.core.model.gguf_write import GgufVocab  # noqa: E402
+from kvscope.core.model.request import RunHooks, RunRequest  # noqa: E402
+from kvscope.core.prediction.llamacpp import LlamaCppOptions  # noqa: E402
+from kvscope.core.records.recording import RecordingReader  # noqa: E402
 from tests import gguf_models  # noqa: E402
 from tests.helpers import one_line_error, run_in_window  # noqa: E402
 
@@ -44,7 +44,7 @@ def aborting_gguf(tmp_path_factory) -> Path:
 
 
 def test_an_abort_while_loading_is_one_line_an_error_event_and_exit_2(aborting_gguf, tmp_path, capsys):
-    import main
+    from kvscope import main
 
     record = tmp_path / "abort.jsonl"
     rc = main.main(["run", "--model", str(aborting_gguf), "--tokens", "3", "--record", str(record)])

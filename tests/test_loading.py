@@ -17,15 +17,9 @@ import pytest
 import torch
 from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM
 
-from core.embedded import embedded_model_dir
-from core.loading import (
-    EMBEDDED_HINT,
-    LoadError,
-    _translate_hub_error,
-    load_model,
-    resolve_device,
-    resolve_dtype,
-)
+from kvscope.core.model.embedded import embedded_model_dir
+from kvscope.core.runtimes.transformers.loading import (EMBEDDED_HINT, LoadError, _translate_hub_error, load_model,
+                                                        resolve_device, resolve_dtype)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 

@@ -1,4 +1,4 @@
-"""The Prometheus exporter (core.metrics): served by prometheus_client on 127.0.0.1, scraped over HTTP with
+"""The Prometheus exporter (kvscope.core.live.metrics): served by prometheus_client on 127.0.0.1, scraped over HTTP with
 urllib, parsed with prometheus_client's own parser, and compared with the real embedded model's samples."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from core.metrics import LOOPBACK, MetricsError, MetricsExporter, RunCollector, check_bind
-from core.request import RunRequest
-from core.runtimes import parse_switch
-from core.run import RunHooks, run_generation
-from core.sample import Sample
+from kvscope.core.base.sample import Sample
+from kvscope.core.live.metrics import LOOPBACK, MetricsError, MetricsExporter, RunCollector, check_bind
+from kvscope.core.live.run import RunHooks, run_generation
+from kvscope.core.model.request import RunRequest
+from kvscope.core.runtimes import parse_switch
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -18,8 +18,9 @@ import random
 
 import pytest
 
-from core.runtimes.mlx.predict import (KV, QUANTIZED, ROTATING, STEP, CacheTrack, LayerShape, MlxCache, ModelTrack,
-                                       kv_after, layers_of, parse_cache, prompt_chunks, quantize_problem, slot_bytes)
+from kvscope.core.runtimes.mlx.predict import (KV, QUANTIZED, ROTATING, STEP, CacheTrack, LayerShape, MlxCache,
+                                               ModelTrack, kv_after, layers_of, parse_cache, prompt_chunks,
+                                               quantize_problem, slot_bytes)
 
 try:
     import mlx.core as mx
@@ -139,7 +140,7 @@ def test_cache_spellings(spelled, key):
                                           ("quantized:3", "bits"), ("quantized:8:48", "groups"),
                                           ("paged", "one of kv"), ("rotating:x", "rotating:MAX")])
 def test_bad_cache_spellings_say_why(spelled, says):
-    from core.attention import SettingsError
+    from kvscope.core.model.attention import SettingsError
 
     with pytest.raises(SettingsError, match=says):
         parse_cache(spelled)
@@ -188,7 +189,7 @@ def tiny_models(tmp_path_factory):
         pytest.skip(MISSING)
     from mlx_lm.utils import load_model
 
-    from core.spec import spec_from_config
+    from kvscope.core.model.spec import spec_from_config
 
     out = {}
     for i, (heads, kv, hd) in enumerate(ATTENTION):

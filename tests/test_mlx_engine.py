@@ -4,7 +4,7 @@
   (the cache arrays' nbytes) == predicted at every sample, switches to a quantized and a rotating cache exact too,
   MLX's allocator figures on every sample, the recording read back the same;
 - ``calc --runtime mlx`` gives the live prediction's numbers, per cache kind, from the start;
-- attention switches (heads mean-pooled or repeated, as core/convert.py does in torch) exact, and refusals with
+- attention switches (heads mean-pooled or repeated, as core/runtimes/transformers/convert.py does in torch) exact, and refusals with
   their reasons.
 """
 
@@ -14,8 +14,8 @@ import json
 
 import pytest
 
-from core.attention import SettingsError
-from core.runtimes.mlx.switches import mlx_missing
+from kvscope.core.model.attention import SettingsError
+from kvscope.core.runtimes.mlx.switches import mlx_missing
 
 MISSING = mlx_missing()
 pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"{MISSING} (make test installs the mlx extra)")
@@ -25,20 +25,20 @@ STEP_BYTES = 2 * 4 * 8 * 256 * 32 * 4  # K+V x 4 layers x 8 K/V heads x 256 slot
 
 @pytest.fixture(scope="module")
 def embedded_folder():
-    from core.embedded import embedded_model_dir
+    from kvscope.core.model.embedded import embedded_model_dir
 
     return embedded_model_dir()
 
 
 def _read(path):
-    from core.recording import iter_samples, read_header
+    from kvscope.core.records.recording import iter_samples, read_header
 
     return read_header(path), list(iter_samples(path, strict=True))
 
 
 @pytest.mark.slow
 def test_run_600_tokens_steps_of_256_and_switches_exact(embedded_folder, tmp_path, capsys):
-    import main
+    from kvscope import main
 
     out = tmp_path / "r.jsonl"
     status = main.main(["run", "--runtime", "mlx", "--tokens", "600", "--record", str(out),
@@ -78,8 +78,8 @@ def test_run_600_tokens_steps_of_256_and_switches_exact(embedded_folder, tmp_pat
 
 def test_calc_gives_the_live_prediction(embedded_folder):
     """Each cache from the start, every sample against calc's row for the same context and prompt."""
-    from core.runtimes.mlx.calc import calculate_mlx
-    from core.runtimes.mlx.engine import MlxEngine
+    from kvscope.core.runtimes.mlx.calc import calculate_mlx
+    from kvscope.core.runtimes.mlx.engine import MlxEngine
 
     for cache, tokens in (("kv", 260), ("rotating:64:4", 100), ("quantized:4:32", 30)):
         engine = MlxEngine(embedded_folder, cache, seed=1)
@@ -96,7 +96,7 @@ def test_calc_gives_the_live_prediction(embedded_folder):
 
 
 def test_calc_cli_table_and_json(capsys):
-    import main
+    from kvscope import main
 
     assert main.main(["calc", "--runtime", "mlx", "--context", "255,256,257", "--kv-bits", "8", "--kv-group-size",
                       "32", "--max-kv-size", "300", "--json"]) == 0
@@ -111,7 +111,7 @@ def test_calc_cli_table_and_json(capsys):
 
 
 def test_attention_switches_regroup_heads_exactly(embedded_folder):
-    from core.runtimes.mlx.engine import MlxEngine
+    from kvscope.core.runtimes.mlx.engine import MlxEngine
 
     engine = MlxEngine(embedded_folder, "kv", seed=2)
     try:
@@ -135,9 +135,9 @@ def test_attention_switches_regroup_heads_exactly(embedded_folder):
 
 
 def test_refusals_say_why(embedded_folder, tmp_path):
-    from core.runtimes.mlx.engine import MlxEngine
-    from core.runtimes.mlx.load import resolve_model
-    from core.runtimes.mlx.switches import cli_options, parse_switch
+    from kvscope.core.runtimes.mlx.engine import MlxEngine
+    from kvscope.core.runtimes.mlx.load import resolve_model
+    from kvscope.core.runtimes.mlx.switches import cli_options, parse_switch
 
     with pytest.raises(SettingsError, match="multiple of the group size"):
         MlxEngine(embedded_folder, "quantized:8:64")
@@ -184,7 +184,7 @@ def test_prefill_peak_against_the_allocator(embedded_folder):
     peak; what it leaves out (MLX's graph temporaries) keeps it within 35% below (the README's table)."""
     import random
 
-    from core.runtimes.mlx.engine import MlxEngine
+    from kvscope.core.runtimes.mlx.engine import MlxEngine
 
     rng = random.Random(27)
     lengths = sorted({1, 2} | {rng.randrange(3, 400) for _ in range(3)})
@@ -211,7 +211,7 @@ def test_an_mlx_convert_quantized_folder_runs_exact(embedded_folder, tmp_path):
     from mlx.utils import tree_flatten
     from mlx_lm.models.llama import Model, ModelArgs
 
-    from core.runtimes.mlx.engine import MlxEngine
+    from kvscope.core.runtimes.mlx.engine import MlxEngine
 
     folder = tmp_path / "Tiny-MLX-4bit"
     folder.mkdir()
@@ -229,7 +229,7 @@ def test_an_mlx_convert_quantized_folder_runs_exact(embedded_folder, tmp_path):
     nn.quantize(model, group_size=32, bits=4)
     mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (folder / "config.json").write_text(json.dumps(config))
-    from core.runtimes.mlx.switches import mlx_format
+    from kvscope.core.runtimes.mlx.switches import mlx_format
 
     assert mlx_format(folder) == "mlx-name"
     engine = MlxEngine(folder, "kv", seed=4)

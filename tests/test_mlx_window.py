@@ -12,8 +12,8 @@ import json
 import numpy as np
 import pytest
 
-from core.request import llamacpp_missing
-from core.runtimes.mlx.switches import mlx_missing
+from kvscope.core.model.request import llamacpp_missing
+from kvscope.core.runtimes.mlx.switches import mlx_missing
 
 
 @pytest.mark.slow
@@ -60,7 +60,7 @@ def test_three_runtimes_on_one_plot(qtbot, window):
 def test_installed_scan_marks_mlx_conversions(tmp_path):
     """An mlx-community repo in the Hugging Face cache and LM Studio's '-MLX-' folder are MLX models; a plain
     transformers folder is not."""
-    from core.installed import scan_installed
+    from kvscope.core.model.installed import scan_installed
     from tests.test_installed import hf_repo
 
     config = json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"],

@@ -98,19 +98,17 @@ def test_spec_is_python_and_builds_a_one_folder_gui_app_from_main_with_assets_an
 
 
 def test_spec_places_assets_where_core_spec_looks_for_them():
-    """core/spec.py finds assets at <folder holding core/>/assets; the bundle must put them there."""
-    from core.spec import ASSETS
+    """core/model/spec.py finds assets at <the kvscope package>/assets; the bundle must put them there."""
+    from kvscope.core.model.spec import ASSETS
 
-    assert ASSETS == (ROOT / "core" / "spec.py").resolve().parent.parent / "assets"
+    assert ASSETS == ROOT / "assets"
     text = SPEC.read_text(encoding="utf-8")
-    # datas entries are (file, its folder relative to the repository root): assets/... -> _internal/assets/...
-    assert 'datas.append((str(path), str(rel.parent)))' in text
+    # datas entries are (file, its folder in the bundle): assets/... -> _internal/kvscope/assets/...
+    assert 'datas.append((str(path), str(Path("kvscope") / rel.parent)))' in text
     assert 'rel = path.relative_to(ROOT)' in text
     for needed in ("presets/embedded.json", "embedded/corpus.txt", "icons/kvscope-256.png"):
         assert (ASSETS / needed).is_file(), f"assets/{needed} is missing"
 
-
-# ---------------------------------------------------------------------------------------- desktop
 
 def test_desktop_file_has_the_required_keys():
     parser = configparser.ConfigParser(interpolation=None)
@@ -225,10 +223,10 @@ def test_make_icons_refuses_a_missing_svg(tmp_path):
 
 def test_self_test_fails_with_a_reason_when_assets_are_missing(qapp, monkeypatch, capsys, tmp_path):
     """What a bundle built without assets/ would print, instead of a traceback."""
-    import core.spec
-    from ui.selftest import self_test
+    import kvscope.core.model.spec
+    from kvscope.ui.selftest import self_test
 
-    monkeypatch.setattr(core.spec, "ASSETS", tmp_path / "no-assets")
+    monkeypatch.setattr(kvscope.core.model.spec, "ASSETS", tmp_path / "no-assets")
     assert self_test() == 1
     out = capsys.readouterr().out.strip()
     assert out.startswith("self-test FAILED: assets folder not found at ")
@@ -236,7 +234,6 @@ def test_self_test_fails_with_a_reason_when_assets_are_missing(qapp, monkeypatch
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (ROOT / "core" / "loading.py").exists(), reason="core/loading.py (model loading) not there yet")
 def test_main_self_test_exits_0():
     """The same command the packaged app runs: embedded model, 8 tokens, observed == predicted KV bytes; then
     the embedded model's GGUF in llama.cpp where llama-cpp-python is installed (the bundle has it)."""
@@ -259,7 +256,7 @@ def test_main_self_test_exits_0():
 
 
 def test_self_test_failure_reasons_are_one_line():
-    from ui.selftest import _one_line
+    from kvscope.ui.selftest import _one_line
 
     numpy_style = "\n\nIMPORTANT: PLEASE READ THIS\n\n  * details\n\nOriginal error was: libfoo.so: bad ELF\n"
     assert _one_line(numpy_style) == "IMPORTANT: PLEASE READ THIS ... Original error was: libfoo.so: bad ELF"
@@ -376,7 +373,8 @@ def test_spec_ships_llama_cpp_the_licence_and_the_notices():
     text = SPEC.read_text(encoding="utf-8")
     tree = ast.parse(text)
     strings = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
-    assert {"LICENSE", "packaging/THIRD_PARTY_NOTICES.txt"} <= strings
+    # Beside the package's assets (_internal/kvscope/), as in a checkout and a wheel: Help > About finds them there.
+    assert {"kvscope/LICENSE", "kvscope/packaging/THIRD_PARTY_NOTICES.txt"} <= strings
     calls = {ast.unparse(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
     assert "make_notices.write_notices" in calls
     # llama_cpp's ctypes libraries (llama_cpp/lib/*.so) go in as binaries of the Analysis.
@@ -385,7 +383,7 @@ def test_spec_ships_llama_cpp_the_licence_and_the_notices():
                     if isinstance(node, ast.Call) and ast.unparse(node.func) == "Analysis")
     assert ast.unparse({kw.arg: kw.value for kw in analysis.keywords}["binaries"]) == "LLAMA_CPP_LIBS"
     # The bundle's layout mirrors the repository's, which is where Help > About looks.
-    from ui.menus import LICENSE_FILE, NOTICES_FILE
+    from kvscope.ui.menus import LICENSE_FILE, NOTICES_FILE
 
     assert (LICENSE_FILE, NOTICES_FILE) == ("LICENSE", "packaging/THIRD_PARTY_NOTICES.txt")
 
@@ -393,7 +391,7 @@ def test_spec_ships_llama_cpp_the_licence_and_the_notices():
 def test_about_shows_the_licence_and_opens_the_notices(qtbot):
     from PySide6.QtWidgets import QMainWindow
 
-    from ui.menus import NOTICES_FILE, about_box, legal_file, text_dialog
+    from kvscope.ui.menus import NOTICES_FILE, about_box, legal_file, text_dialog
 
     window = QMainWindow()
     qtbot.addWidget(window)

@@ -1,4 +1,4 @@
-"""Multi-GPU prediction (core.parallel, calc --tensor-parallel/--pipeline-parallel): per-GPU weights and KV
+"""Multi-GPU prediction (kvscope.core.prediction.parallel, calc --tensor-parallel/--pipeline-parallel): per-GPU weights and KV
 for Llama-3-70B against arithmetic done by hand from its config.json, vLLM's layout rules.
 
 Llama-3-70B: hidden 8192, 80 layers, 64 query heads, 8 KV heads, head_dim 128, MLP 28672, vocab 128256,
@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from core.attention import SettingsError
-from core.calc import calculate
-from core.parallel import Parallelism, layout, max_context_per_gpu, pp_partition, predict_parallel
-from core.predict import predict
-from core.settings import RunSettings
-from core.spec import load_spec
+from kvscope.core.cli.calc import calculate
+from kvscope.core.model.attention import SettingsError
+from kvscope.core.model.settings import RunSettings
+from kvscope.core.model.spec import load_spec
+from kvscope.core.prediction.parallel import Parallelism, layout, max_context_per_gpu, pp_partition, predict_parallel
+from kvscope.core.prediction.predict import predict
 
 ROOT = Path(__file__).resolve().parent.parent
 BF16 = 2

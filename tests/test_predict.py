@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from core.attention import SettingsError, parse_attention
-from core.caches import Quantized, Static, parse_cache
-from core.predict import activation_bytes, kv_bytes, kv_overtakes_weights_at, max_context_that_fits, predict
-from core.settings import RunSettings
-from core.spec import SpecError, load_spec, parse_size, parse_tokens
+from kvscope.core.model.attention import SettingsError, parse_attention
+from kvscope.core.model.caches import Quantized, Static, parse_cache
+from kvscope.core.model.settings import RunSettings
+from kvscope.core.model.spec import SpecError, load_spec, parse_size, parse_tokens
+from kvscope.core.prediction.predict import (activation_bytes, kv_bytes, kv_overtakes_weights_at, max_context_that_fits,
+                                             predict)
 
 ROOT = Path(__file__).resolve().parent.parent
 FP16 = RunSettings(weight_dtype="fp16")
@@ -121,7 +122,7 @@ def _calc(*args: str) -> subprocess.CompletedProcess:
 
 def _calc_inproc(capsys, *args: str) -> tuple[int, str, str]:
     """main.main in this process: the same code path, without paying torch's import per test."""
-    import main
+    from kvscope import main
 
     code = main.main(["calc", *args])
     out = capsys.readouterr()
@@ -166,7 +167,7 @@ def test_calc_bad_input_is_one_line(capsys, args, message):
 
 
 def test_calc_every_preset(capsys):
-    from core.spec import preset_names
+    from kvscope.core.model.spec import preset_names
 
     for name in preset_names():
         code, stdout, stderr = _calc_inproc(capsys, "--model", name, "--context", "1k")
@@ -175,12 +176,12 @@ def test_calc_every_preset(capsys):
 
 def test_prefill_peak_leaves_the_kv_and_the_last_logits():
     """Generated over the presets with full attention only: what the replayed pass leaves allocated is exactly the
-    KV it wrote (core.predict.kv_bytes) plus one row of logits per sequence; eager's scores make its peak larger
+    KV it wrote (kvscope.core.prediction.predict.kv_bytes) plus one row of logits per sequence; eager's scores make its peak larger
     than sdpa's from a few hundred tokens; and the peak never falls as the prompt grows."""
     import random
 
-    from core.predict import prefill_peak
-    from core.spec import dtype_bytes, preset_names
+    from kvscope.core.model.spec import dtype_bytes, preset_names
+    from kvscope.core.prediction.predict import prefill_peak
 
     rng = random.Random(24)
     checked = 0

@@ -1,4 +1,4 @@
-"""The predicted prefill peak (core.predict.prefill_peak) against the allocator's real peak (core.peak).
+"""The predicted prefill peak (kvscope.core.prediction.predict.prefill_peak) against the allocator's real peak (kvscope.core.runtimes.transformers.peak).
 
 A generated matrix: tiny random-weight models of several architectures from transformers' registry (built
 offline, tests/archs.py) x prompt lengths drawn by a seeded generator x eager/sdpa x fp32/bf16. Each row
@@ -21,10 +21,10 @@ from tests import archs
 
 torch = pytest.importorskip("torch")
 
-from core.peak import measure_peak  # noqa: E402
-from core.predict import _FP32_ROPE as FP32_ROPE, prefill_peak  # noqa: E402
-from core.settings import RunSettings  # noqa: E402
-from core.spec import spec_from_config  # noqa: E402
+from kvscope.core.model.settings import RunSettings  # noqa: E402
+from kvscope.core.model.spec import spec_from_config  # noqa: E402
+from kvscope.core.prediction.predict import _FP32_ROPE as FP32_ROPE, prefill_peak  # noqa: E402
+from kvscope.core.runtimes.transformers.peak import measure_peak  # noqa: E402
 
 #: Replayed op by op: the prediction equals the allocator's peak to within the position scalars.
 #: GPT-NeoX and Phi through their traits: fused QKV, partial rotary, LayerNorm, parallel residual, the GELU formula.
@@ -101,8 +101,8 @@ def test_the_peak_is_measured_above_the_start() -> None:
 def test_the_engine_measures_and_predicts_each_prefill_and_rerun() -> None:
     """The real engine on the embedded model: the prefill's Sample carries the allocator's peak and the replay's,
     equal in fp32; a switch that re-runs the tokens carries its own; decode steps carry none."""
-    from core.engine import Engine
-    from core.loading import load_model
+    from kvscope.core.runtimes.transformers.engine import Engine
+    from kvscope.core.runtimes.transformers.loading import load_model
 
     engine = Engine(load_model("embedded", device="cpu"), RunSettings(attn_impl="eager"), seed=0)
     prompt = torch.randint(0, 200, (1, 97), generator=torch.Generator().manual_seed(3))

@@ -4,7 +4,6 @@ real CPU path with no fake at all."""
 from __future__ import annotations
 
 import mmap
-
 import os
 import statistics
 import sys
@@ -14,9 +13,9 @@ import psutil
 import pytest
 import torch
 
-from core import probes
-from core.probes import (NOTE_CPU, NOTE_NOT_LISTED, NOTE_PROCESS_NA, NOTE_V1_MEMORY, MemoryProbe,
-                         ProbeError, allocator_snapshot_save, allocator_snapshot_start)
+from kvscope.core.runtimes import probes
+from kvscope.core.runtimes.probes import (NOTE_CPU, NOTE_NOT_LISTED, NOTE_PROCESS_NA, NOTE_V1_MEMORY, MemoryProbe,
+                                          ProbeError, allocator_snapshot_save, allocator_snapshot_start)
 from tests import fake_pynvml
 from tests.fake_pynvml import FakeGpu, FakeNvml
 

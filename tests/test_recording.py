@@ -19,10 +19,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from core.recording import (MAX_LINE_BYTES, RECORDING_FORMAT, RECORDING_VERSION, RecordingError,
-                            RecordingReader, RecordingWriter, header_for, iter_samples, read_header)
-from core.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
-from core.spec import FULL_ATTENTION, SLIDING_ATTENTION, ModelSpec
+from kvscope.core.base.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
+from kvscope.core.model.spec import FULL_ATTENTION, SLIDING_ATTENTION, ModelSpec
+from kvscope.core.records.recording import (MAX_LINE_BYTES, RECORDING_FORMAT, RECORDING_VERSION, RecordingError,
+                                            RecordingReader, RecordingWriter, header_for, iter_samples, read_header)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -110,9 +110,9 @@ def test_header_for_a_real_spec(tmp_path):
 
 
 def test_header_for_run_settings():
-    from core.attention import parse_attention
-    from core.caches import parse_cache
-    from core.settings import RunSettings
+    from kvscope.core.model.attention import parse_attention
+    from kvscope.core.model.caches import parse_cache
+    from kvscope.core.model.settings import RunSettings
 
     spec = tiny_spec()
     settings = RunSettings(attention=parse_attention("mqa"), cache=parse_cache("static"), attn_impl="eager")
@@ -188,8 +188,8 @@ def test_each_sample_reaches_the_os_before_write_returns(tmp_path):
 CHILD = textwrap.dedent("""
     import sys
     sys.path.insert(0, {repo!r})
-    from core.recording import RecordingWriter
-    from core.sample import Sample
+    from kvscope.core.records.recording import RecordingWriter
+    from kvscope.core.base.sample import Sample
     w = RecordingWriter({path!r}, {{"app_version": "kill-test"}})
     i = 0
     while True:
@@ -538,7 +538,7 @@ def test_encoded_surrogates_and_bom(tmp_path):
 
 
 def test_long_texts_are_elided_only_when_asked(tmp_path):
-    from core.recording import ELIDED, MAX_TEXT_CHARS
+    from kvscope.core.records.recording import ELIDED, MAX_TEXT_CHARS
 
     path, _ = _damaged_recording(tmp_path, {1: _sample_line(text="x" * 100_000)}, n=3)
     whole = RecordingReader(path)
@@ -584,7 +584,7 @@ def test_header_fields_are_checked_in_the_reader(tmp_path, block, key, value, wh
     (dict(dtype="float7"), "model.dtype 'float7' is not a dtype"),
 ])
 def test_spec_from_header_refuses_shapes_the_window_cannot_show(changes, why):
-    from core.recording import header_for, spec_from_header
+    from kvscope.core.records.recording import header_for, spec_from_header
 
     header = header_for(tiny_spec(), "cpu", {"attention": "gqa:2"}, "test")
     assert spec_from_header(header).num_layers == 4
@@ -598,8 +598,8 @@ def test_a_recording_of_a_model_with_states_or_layer_shapes_writes_and_replays(m
     """Models whose spec carries per-layer states (Mamba's, the hybrids') or K/V shapes of their own (MiMo's window
     layers): the header is written (LayerState is stored as its JSON list) and read back to the same spec, and the
     kinds of layer it names (no_kv included) are accepted."""
-    from core.recording import spec_from_header
-    from core.spec import load_spec
+    from kvscope.core.model.spec import load_spec
+    from kvscope.core.records.recording import spec_from_header
     from tests import archs
 
     pytest.importorskip("torch")

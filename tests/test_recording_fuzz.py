@@ -47,11 +47,10 @@ from pathlib import Path
 
 import pytest
 
+from kvscope import main as kvscope_main
+from kvscope.core.base.sample import PHASE_DECODE, Sample
+from kvscope.core.records.recording import MAX_INT, MAX_LINE_BYTES, RecordingError, RecordingReader, spec_from_header
 from tests.fuzzing import Hang, category_table, guard
-
-import main as kvscope_main
-from core.recording import MAX_INT, MAX_LINE_BYTES, RecordingError, RecordingReader, spec_from_header
-from core.sample import PHASE_DECODE, Sample
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "assets" / "demo" / "demo.jsonl"
@@ -558,7 +557,7 @@ class _Records(logging.Handler):
 
 @pytest.fixture
 def replay_window(qtbot, settings):
-    from ui.main_window import MainWindow
+    from kvscope.ui.main_window import MainWindow
 
     w = MainWindow(settings=settings, start_engine=False)
     qtbot.addWidget(w)
@@ -711,8 +710,8 @@ def test_cli_replay_and_export_exit_codes_and_one_line(tmp_path):
 def test_replay_pacing_is_bounded_by_the_gap_cap(qapp, tmp_path, monkeypatch):
     """At 1x a recording whose time jumps by 1e8 s (or starts at 0 and ends a day later) plays in
     seconds: each gap is waited at most MAX_GAP_S; a time running backwards waits nothing."""
-    from workers import replay
-    from workers.replay import _ReplayWorker
+    from kvscope.workers import replay
+    from kvscope.workers.replay import _ReplayWorker
 
     monkeypatch.setattr(replay, "MAX_GAP_S", 0.5)
     MAX_GAP_S = 0.5
@@ -732,8 +731,8 @@ def test_replay_pacing_is_bounded_by_the_gap_cap(qapp, tmp_path, monkeypatch):
 
 
 def test_screenshot_timeout_fires_with_a_message_and_status_2(qtbot, tmp_path, capsys, monkeypatch):
-    import ui.app
-    from workers import replay
+    import kvscope.ui.app
+    from kvscope.workers import replay
 
     slow = replay._ReplayWorker._emit
 
@@ -742,10 +741,10 @@ def test_screenshot_timeout_fires_with_a_message_and_status_2(qtbot, tmp_path, c
         slow(self, batch)
 
     monkeypatch.setattr(replay._ReplayWorker, "_emit", crawl)
-    monkeypatch.setattr(ui.app, "SCREENSHOT_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(kvscope.ui.app, "SCREENSHOT_TIMEOUT_S", 1.0)
     out = tmp_path / "slow.png"
     started = time.monotonic()
-    assert ui.app.run_replay(str(DEMO), screenshot=str(out)) == 2
+    assert kvscope.ui.app.run_replay(str(DEMO), screenshot=str(out)) == 2
     assert time.monotonic() - started < 30
     err = _stderr_lines(capsys.readouterr().err)
     assert len(err) == 1 and err[0].startswith("kvscope: gave up after 1 s with "), err
@@ -757,11 +756,11 @@ def test_screenshot_watchdog_ends_a_replay_whose_window_stopped_answering(tmp_pa
     script = textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(REPO)!r})
-        import ui.app
-        from ui.main_window import MainWindow
-        ui.app.SCREENSHOT_TIMEOUT_S, ui.app.WATCHDOG_GRACE_S = 0.5, 1.0
+        import kvscope.ui.app
+        from kvscope.ui.main_window import MainWindow
+        kvscope.ui.app.SCREENSHOT_TIMEOUT_S, kvscope.ui.app.WATCHDOG_GRACE_S = 0.5, 1.0
         MainWindow.open_recording = lambda self, *a, **k: time.sleep(120) or True  # the GUI thread is stuck
-        sys.exit(ui.app.run_replay({str(DEMO)!r}, screenshot={str(tmp_path / "x.png")!r}))
+        sys.exit(kvscope.ui.app.run_replay({str(DEMO)!r}, screenshot={str(tmp_path / "x.png")!r}))
     """)
     env = {**os.environ, "QT_QPA_PLATFORM": "offscreen"}
     started = time.monotonic()
@@ -776,7 +775,7 @@ def test_screenshot_watchdog_ends_a_replay_whose_window_stopped_answering(tmp_pa
 def test_text_view_paragraphs_stay_bounded(replay_window):
     """Tokens without spaces or newlines go into paragraphs of at most TEXT_BLOCK_CHARS, so each
     insertion lays out a bounded paragraph (one growing paragraph made 200 KB take minutes)."""
-    from ui.main_window import TEXT_BLOCK_CHARS
+    from kvscope.ui.main_window import TEXT_BLOCK_CHARS
 
     w = replay_window
     w.reset_view()

@@ -1,7 +1,7 @@
 """The Runtime seam (issue 26 item 2): a runtime is one module and one registry entry.
 
 The proof is ``tests/tiny_runtime.py``, a pure-Python runtime whose fake cache allocates in chunks: registered
-here through ``core.runtimes.register`` (no other file names it), it runs through ``run`` on the command line
+here through ``kvscope.core.runtimes.register`` (no other file names it), it runs through ``run`` on the command line
 (the terminal's table, a scripted switch and a refused one, a recording), the window (offscreen, a screenshot),
 and the recording replays. Plus: the registry's answers, the one loop's refusals as one kind of event, and
 the KV figures held/reserved filled by every runtime, old recordings mapped.
@@ -14,12 +14,12 @@ import math
 
 import pytest
 
-from core import runtimes
-from core.attention import SettingsError
-from core.recording import RecordingReader, sample_from_json
-from core.request import RunHooks, RunRequest
-from core.runtimes import parse_switch
-from core.run import run_generation
+from kvscope.core import runtimes
+from kvscope.core.live.run import run_generation
+from kvscope.core.model.attention import SettingsError
+from kvscope.core.model.request import RunHooks, RunRequest
+from kvscope.core.records.recording import RecordingReader, sample_from_json
+from kvscope.core.runtimes import parse_switch
 from tests import tiny_runtime
 from tests.helpers import run_in_window
 
@@ -88,7 +88,7 @@ def test_every_options_a_runtime_does_not_take_are_refused_before_it_opens(tiny)
 
 
 def test_the_cli_runs_the_tiny_runtime_and_it_replays(tiny, tmp_path, capsys, qtbot, settings):
-    import main
+    from kvscope import main
 
     record = tmp_path / "cli.jsonl"
     rc = main.main(["run", "--runtime", tiny_runtime.NAME, "--tokens", "30", "--switch", "8:cache=chunk:64",
@@ -102,7 +102,7 @@ def test_the_cli_runs_the_tiny_runtime_and_it_replays(tiny, tmp_path, capsys, qt
     assert main.main(["run", "--runtime", tiny_runtime.NAME, "--switch", "1:cache=dynamic"]) == 2
     assert "chunk:N" in capsys.readouterr().err
     # Replay: the window plays the recording back through the same reader.
-    from ui.main_window import MainWindow
+    from kvscope.ui.main_window import MainWindow
 
     window = MainWindow(settings=settings)
     qtbot.addWidget(window)
@@ -117,7 +117,7 @@ def test_the_window_runs_the_tiny_runtime_and_draws_it(tiny, qtbot, thread_windo
     """In the window (generation on a thread of this process, where the test registered the runtime): its
     samples reach the plots as reserved and used curves, its switch marker is drawn, and the screenshot has
     pixels."""
-    from ui.screenshot import save_widget
+    from kvscope.ui.screenshot import save_widget
 
     window = thread_window
     request = RunRequest(runtime=tiny_runtime.NAME, max_new_tokens=50, switches=((20, "cache", "chunk:64"),))

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.probes import NOTE_CPU, NOTE_PROCESS_NA, MemoryProbe, MemoryReading
+from kvscope.core.runtimes.probes import NOTE_CPU, NOTE_PROCESS_NA, MemoryProbe, MemoryReading
+from kvscope.workers.sampler import THREAD_NAME, MemorySampler
 from tests.fake_pynvml import FakeGpu, FakeNvml
 from tests.helpers import os_thread_names
-from workers.sampler import THREAD_NAME, MemorySampler
 
 GiB = 1 << 30
 

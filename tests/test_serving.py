@@ -1,4 +1,4 @@
-"""Serving capacity under vLLM 0.33.0's rules (core.serving, calc --runtime vllm), by hand."""
+"""Serving capacity under vLLM 0.33.0's rules (kvscope.core.prediction.serving, calc --runtime vllm), by hand."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from core.attention import SettingsError
-from core.parallel import Parallelism
-from core.predict import activation_bytes
-from core.serving import VllmOptions, default_max_num_batched_tokens, vllm_capacity
-from core.settings import RunSettings
-from core.spec import load_spec
+from kvscope.core.model.attention import SettingsError
+from kvscope.core.model.settings import RunSettings
+from kvscope.core.model.spec import load_spec
+from kvscope.core.prediction.parallel import Parallelism
+from kvscope.core.prediction.predict import activation_bytes
+from kvscope.core.prediction.serving import VllmOptions, default_max_num_batched_tokens, vllm_capacity
 
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 1 << 30
@@ -79,7 +79,7 @@ def test_does_not_fit_and_refusals():
         VllmOptions(gpu_memory_utilization=1.5)
     with pytest.raises(SettingsError):
         VllmOptions(gpu_memory_utilization=float("nan"))
-    from core.caches import parse_cache
+    from kvscope.core.model.caches import parse_cache
 
     with pytest.raises(SettingsError, match="paged"):
         vllm_capacity(spec, RunSettings(cache=parse_cache("static")), 80 * GiB)
@@ -109,7 +109,7 @@ def test_cli_table_and_json():
 def _qwen3_14b():
     """Qwen3-14B's KV geometry (its config.json: 40 layers, 8 KV heads, head_dim 128, bfloat16); the other
     fields do not enter a block's bytes."""
-    from core.spec import ModelSpec
+    from kvscope.core.model.spec import ModelSpec
 
     return ModelSpec(name="qwen3-14b", model_type="qwen3", num_layers=40, num_query_heads=40, num_kv_heads=8,
                      head_dim=128, hidden_size=5120, vocab_size=151936, tie_word_embeddings=False,
@@ -195,8 +195,8 @@ def test_gemma3_27b_groups_as_vllms_hybrid_allocator():
 ])
 def test_hybrid_groups_generated(n_full, n_swa, window, max_len, batched):
     """A generated spread of layer mixes, checked against vLLM's rules written out step by step."""
-    from core.caches import LayerKV
-    from core.serving import BlockGroup, block_groups
+    from kvscope.core.model.caches import LayerKV
+    from kvscope.core.prediction.serving import BlockGroup, block_groups
 
     layers = [LayerKV(heads=8, k_dim=128, v_dim=128)] * n_full + [LayerKV(heads=8, k_dim=128, v_dim=128,
                                                                           window=window)] * n_swa
@@ -220,8 +220,8 @@ def test_hybrid_groups_generated(n_full, n_swa, window, max_len, batched):
 
 def test_smaller_window_pages_take_larger_blocks():
     """unify_kv_cache_spec_page_size: a window layer with half the page of a full layer gets block_size 32."""
-    from core.caches import LayerKV
-    from core.serving import block_groups
+    from kvscope.core.model.caches import LayerKV
+    from kvscope.core.prediction.serving import block_groups
 
     layers = [LayerKV(heads=8, k_dim=128, v_dim=128)] * 2 + [LayerKV(heads=4, k_dim=128, v_dim=128, window=512)] * 10
     groups, block = block_groups(layers, 16, 2)
@@ -264,8 +264,8 @@ def test_linear_attention_states_take_padded_pages(state_bytes, pattern):
     (MambaSpec.max_memory_usage_bytes, mamba_cache_mode 'none'). Worked by hand here."""
     from dataclasses import replace
 
-    from core.spec import NO_KV
-    from core.states import LayerState
+    from kvscope.core.model.spec import NO_KV
+    from kvscope.core.model.states import LayerState
 
     base = load_spec("llama-3-8b")
     types = tuple("full_attention" if il % pattern == pattern - 1 else NO_KV for il in range(32))

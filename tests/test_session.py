@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from core.forecast import OomForecast
-from core.probes import MemoryReading
-from core.request import RunRequest
-from core.session import MARK_LABEL_CHARS, Session, marker_label
-from core.spikes import CAUSE_LOAD, CAUSE_SWITCH
+from kvscope.core.live.session import MARK_LABEL_CHARS, Session, marker_label
+from kvscope.core.live.spikes import CAUSE_LOAD, CAUSE_SWITCH
+from kvscope.core.model.request import RunRequest
+from kvscope.core.prediction.forecast import OomForecast
+from kvscope.core.runtimes.probes import MemoryReading
 from tests.synthetic import synthetic_samples
 
 MiB = 1 << 20
@@ -241,7 +241,7 @@ def test_the_session_imports_no_qt_and_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys, core.session; bad = [m for m in ('PySide6', 'torch', 'transformers', 'pyqtgraph') "
+    code = ("import sys, kvscope.core.live.session; bad = [m for m in ('PySide6', 'torch', 'transformers', 'pyqtgraph') "
             "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr

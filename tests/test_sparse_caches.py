@@ -10,17 +10,15 @@ import math
 import pytest
 import torch
 
-from core.attention import SettingsError
-from core.caches import HeavyHitter, SinkWindow, parse_cache
-from core.engine import Engine
-from core.loading import load_model
-from core.measure import cache_bytes
-from core.request import RunRequest
-from core.run import RunHooks, run_generation
-from core.settings import RunSettings, cache_choices, selecting_cache_keys
-from tests import helpers
-from tests import archs
-
+from kvscope.core.live.run import RunHooks, run_generation
+from kvscope.core.model.attention import SettingsError
+from kvscope.core.model.caches import HeavyHitter, SinkWindow, parse_cache
+from kvscope.core.model.request import RunRequest
+from kvscope.core.model.settings import RunSettings, cache_choices, selecting_cache_keys
+from kvscope.core.runtimes.transformers.engine import Engine
+from kvscope.core.runtimes.transformers.loading import load_model
+from kvscope.core.runtimes.transformers.measure import cache_bytes
+from tests import archs, helpers
 
 _one_thread = pytest.fixture(autouse=True, scope="module")(helpers.one_torch_thread)
 
@@ -158,7 +156,7 @@ def test_sink_keeps_exactly_the_first_and_last_tokens(embedded):
 
 def test_h2o_keeps_the_heaviest_hitters():
     """One layer by hand: the old tokens with the most attention so far stay, in time order, plus the window."""
-    from core.sparse_caches import HeavyHitterLayer
+    from kvscope.core.runtimes.transformers.sparse_caches import HeavyHitterLayer
 
     layer = HeavyHitterLayer(budget=2, window=2)
     keys = torch.arange(6, dtype=torch.float32).view(1, 1, 6, 1)
@@ -199,8 +197,8 @@ def test_dsa_indexer_layers_are_refused_before_anything_changes():
     """DeepSeek-V3.2's indexer keys cannot be evicted with the K/V: calc and the predictor refuse it in one line."""
     from dataclasses import replace
 
-    from core.predict import kv_bytes
-    from core.spec import INDEXED_ATTENTION, load_spec
+    from kvscope.core.model.spec import INDEXED_ATTENTION, load_spec
+    from kvscope.core.prediction.predict import kv_bytes
 
     spec = load_spec("embedded")
     dsa = replace(spec, layer_types=(INDEXED_ATTENTION,) * spec.num_layers, indexer_head_dim=16)
@@ -213,7 +211,7 @@ def test_dsa_indexer_layers_are_refused_before_anything_changes():
 
 def test_run_goes_flat_at_64_tokens_after_the_switch(embedded):
     """The issue's command, shortened: --switch 10:cache=sink:4+60 grows to 64 tokens' worth, then stays flat."""
-    from core.predict import kv_bytes
+    from kvscope.core.prediction.predict import kv_bytes
 
     per_token = kv_bytes(embedded.spec, RunSettings(weight_dtype=embedded.dtype), 1)
     emitted, infos = [], []
@@ -247,8 +245,8 @@ def test_quality_probe_off_by_default_and_exact_twin(embedded):
 
 
 def test_quality_probe_in_the_terminal_and_the_recording(tmp_path, capsys):
-    from core.recording import RecordingReader
-    from core.terminal import run_terminal
+    from kvscope.core.cli.terminal import run_terminal
+    from kvscope.core.records.recording import RecordingReader
 
     record = tmp_path / "q.jsonl"
     run_terminal(RunRequest(device="cpu", max_new_tokens=12, switches=((4, "cache", "sink:2+4"),),
@@ -262,7 +260,7 @@ def test_quality_probe_in_the_terminal_and_the_recording(tmp_path, capsys):
 
 
 def test_recordings_with_and_without_quality_fields_read():
-    from core.recording import sample_from_json
+    from kvscope.core.records.recording import sample_from_json
 
     engine = _engine(load_model("embedded", device="cpu"), quality_probe=True)
     sample = engine.step().to_dict()
@@ -280,7 +278,7 @@ def test_recordings_with_and_without_quality_fields_read():
 
 
 def test_choices_and_parsing():
-    from core.spec import load_spec
+    from kvscope.core.model.spec import load_spec
 
     assert parse_cache("sink:4+252") == SinkWindow(4, 252) and parse_cache("h2o:128+128") == HeavyHitter(128, 128)
     assert str(parse_cache("SINK:0+64")) == "sink:0+64"
@@ -295,8 +293,8 @@ def test_choices_and_parsing():
 
 
 def test_calc_shows_the_flat_line_beyond_s_plus_w(capsys):
-    from core.calc import calculate, render_table
-    from core.spec import load_spec
+    from kvscope.core.cli.calc import calculate, render_table
+    from kvscope.core.model.spec import load_spec
 
     spec = load_spec("llama-3-8b")
     result = calculate(spec, RunSettings(cache=parse_cache("sink:4+252")), [128, 256, 257, 4096, 131_072])
@@ -310,8 +308,8 @@ def test_calc_shows_the_flat_line_beyond_s_plus_w(capsys):
 
 
 def test_calculator_tab_offers_the_sizes_of_the_model(qtbot):
-    from core.spec import load_spec
-    from ui.calculator import CalculatorTab
+    from kvscope.core.model.spec import load_spec
+    from kvscope.ui.calculator import CalculatorTab
 
     tab = CalculatorTab()
     qtbot.addWidget(tab)
@@ -325,8 +323,8 @@ def test_calculator_tab_offers_the_sizes_of_the_model(qtbot):
 
 
 def test_the_kl_curve_sits_beside_the_kv_curve_only_when_measured(qtbot):
-    from core.sample import PHASE_DECODE, Sample
-    from ui.plots import LivePlots
+    from kvscope.core.base.sample import PHASE_DECODE, Sample
+    from kvscope.ui.plots import LivePlots
 
     plots = LivePlots()
     qtbot.addWidget(plots)
@@ -351,7 +349,7 @@ def test_the_kl_curve_sits_beside_the_kv_curve_only_when_measured(qtbot):
 def test_sink_without_sinks_is_transformers_sliding_window(embedded):
     """sink:0+64 holds the last 64 tokens and attends them plus the new one: transformers' own sliding window of
     65 (DynamicSlidingWindowLayer, a Mistral twin of the model) gives the same logits, to the bit."""
-    from core.attention import parse_attention
+    from kvscope.core.model.attention import parse_attention
 
     def logits(settings: RunSettings) -> torch.Tensor:
         engine = _engine(embedded, settings)

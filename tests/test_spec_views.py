@@ -1,4 +1,4 @@
-"""What transformers makes of a config (``core.spec.ConfigView``) is found once and then read without it:
+"""What transformers makes of a config (``kvscope.core.model.spec.ConfigView``) is found once and then read without it:
 presets carry it (and must carry the view a fresh transformers gives), the on-disk memo keeps it per
 config and transformers version, and both are read as untrusted input."""
 
@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from core import spec
-from core.hf import compute_view
-from core.spec import PRESETS_DIR, ConfigView, _text_config, config_key, config_view, load_spec, spec_from_config
+from kvscope.core.model import spec
+from kvscope.core.model.hf import compute_view
+from kvscope.core.model.spec import (PRESETS_DIR, ConfigView, _text_config, config_key, config_view, load_spec,
+                                     spec_from_config)
 
 PRESETS = sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
 

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from core.spikes import (CAUSE_DYNAMIC, CAUSE_LOAD, CAUSE_OTHER_PROCESS, CAUSE_STATIC, CAUSE_UNKNOWN,
-                         EVENT_DECODE, EVENT_LOAD, EVENT_PREFILL, EVENT_STATIC_PREALLOC, EVENT_SWITCH,
-                         Event, Spike, SpikeDetector, attribute_cause, detect_spikes, rise_between)
+from kvscope.core.live.spikes import (CAUSE_DYNAMIC, CAUSE_LOAD, CAUSE_OTHER_PROCESS, CAUSE_STATIC, CAUSE_UNKNOWN,
+                                      EVENT_DECODE, EVENT_LOAD, EVENT_PREFILL, EVENT_STATIC_PREALLOC, EVENT_SWITCH,
+                                      Event, Spike, SpikeDetector, attribute_cause, detect_spikes, rise_between)
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -156,12 +156,12 @@ def test_rise_between_with_no_points_is_none():
 
 
 def reading(t: float, device: int | None, process_gpu: int | None = None, rss: int | None = None):
-    from core.probes import MemoryReading
+    from kvscope.core.runtimes.probes import MemoryReading
     return MemoryReading(time_s=t, device_used=device, process_gpu=process_gpu, process_rss=rss)
 
 
 def test_monitor_reports_own_spikes_once_and_others_as_another_process():
-    from core.spikes import SpikeMonitor
+    from kvscope.core.live.spikes import SpikeMonitor
     mon = SpikeMonitor(min_rise_bytes=64 * MiB)
     mon.add_event(Event(1.98, EVENT_PREFILL, "eager, 2048 tokens"))
     found: list[Spike] = []
@@ -178,7 +178,7 @@ def test_monitor_reports_own_spikes_once_and_others_as_another_process():
 
 
 def test_monitor_on_cpu_watches_rss():
-    from core.spikes import SpikeMonitor
+    from kvscope.core.live.spikes import SpikeMonitor
     mon = SpikeMonitor(min_rise_bytes=32 * MiB)
     mon.add_event(Event(0.9, EVENT_SWITCH, "attention=mha"))
     found = [s for t in times(3) for s in mon.feed(reading(t, device=None, rss=300 * MiB + (100 * MiB if t >= 1.0 else 0)))]

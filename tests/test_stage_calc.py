@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from core.attention import SettingsError
-from core.calc import calculate
-from core.parallel import Parallelism
-from core.spec import load_spec
-from ui.calculator import GPU_LAYOUTS, CalculatorTab
+from kvscope.core.cli.calc import calculate
+from kvscope.core.model.attention import SettingsError
+from kvscope.core.model.spec import load_spec
+from kvscope.core.prediction.parallel import Parallelism
+from kvscope.ui.calculator import GPU_LAYOUTS, CalculatorTab
 
 MODELS = ("llama-3-8b", "mistral-7b", "qwen2.5-7b", "smollm2-135m", "gemma-3-27b")
 MEMORIES = ("24 GiB", "80 GiB  A100 / H100")

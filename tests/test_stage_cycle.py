@@ -11,12 +11,11 @@ import random
 
 import pytest
 
-from core.caches import parse_cache
-from core.settings import native_attention, switch_problem
-from core.spec import load_spec
+from kvscope.core.model.caches import parse_cache
+from kvscope.core.model.settings import ATTN_IMPLS, attention_choices, cache_choices, native_attention, switch_problem
+from kvscope.core.model.spec import load_spec
+from kvscope.ui.controls import SWITCH_KEYS, ControlsPanel
 from tests.synthetic import synthetic_samples
-from ui.controls import SWITCH_KEYS, ControlsPanel
-from core.settings import attention_choices, cache_choices, ATTN_IMPLS
 
 KEYS = ("1", "2", "3", "4", "5", "F", "C")
 TOKENS = 12  # the run's context when the keys are pressed (prompt + generated)
@@ -154,10 +153,10 @@ def test_the_real_engine_applies_what_a_key_offers_and_refuses_what_is_greyed(qt
     own switches on a fresh engine, then one offered switch must apply and one greyed switch be refused."""
     import torch
 
-    from core.attention import SettingsError
-    from core.engine import Engine
-    from core.loading import load_model
-    from core.settings import RunSettings
+    from kvscope.core.model.attention import SettingsError
+    from kvscope.core.model.settings import RunSettings
+    from kvscope.core.runtimes.transformers.engine import Engine
+    from kvscope.core.runtimes.transformers.loading import load_model
 
     torch.set_num_threads(1)
     spec = load_spec("embedded")

@@ -8,9 +8,9 @@ import random
 import pytest
 from PySide6.QtCore import Qt
 
-from core.engine_process import RunDriver
-from core.request import RunRequest
-from core.session import Session, canonical_switch
+from kvscope.core.live.engine_process import RunDriver
+from kvscope.core.live.session import Session, canonical_switch
+from kvscope.core.model.request import RunRequest
 from tests.synthetic import synthetic_samples
 
 AXES = {"attention": ("mha", "gqa:2", "mqa", "mla", "window:256"),

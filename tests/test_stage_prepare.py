@@ -1,5 +1,5 @@
 """Issue 25, item 1: a key never blocks the token stream. A switch to a quantized cache whose backend is
-not yet prepared in this process waits while core.prepare builds/loads it on a thread of its own; the
+not yet prepared in this process waits while kvscope.core.runtimes.transformers.prepare builds/loads it on a thread of its own; the
 run goes on under the current settings, the driver says what it prepares, and the switch applies at a
 later token. On a fresh install this is optimum-quanto's C++ build (minutes): the token gaps stay small.
 """
@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from core import prepare
-from core.engine_process import RunDriver
-from core.request import RunRequest
+from kvscope.core.live.engine_process import RunDriver
+from kvscope.core.model.request import RunRequest
+from kvscope.core.runtimes.transformers import prepare
 
 #: The longest gap between two tokens allowed while the backend is prepared (the issue's done-when: 2 s);
 #: a busy 2-core CI machine gets some slack.

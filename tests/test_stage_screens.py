@@ -10,8 +10,8 @@ import pytest
 from PySide6.QtCore import QPoint, QRect
 from PySide6.QtWidgets import QAbstractScrollArea, QWidget
 
+from kvscope.ui.main_window import MainWindow
 from tests.synthetic import synthetic_samples
-from ui.main_window import MainWindow
 
 SIZES = [(1024, 768), (1280, 720), (1366, 768), (1920, 1080)]
 
@@ -87,7 +87,7 @@ def test_switch_marker_labels_never_print_over_each_other_or_the_slope(qtbot, se
 
 
 def test_the_calculator_fits_1024_px_without_a_sideways_scroll(qtbot, settings):
-    from core.spec import load_spec
+    from kvscope.core.model.spec import load_spec
 
     w = MainWindow(settings=settings)
     qtbot.addWidget(w)

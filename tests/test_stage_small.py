@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from PySide6.QtGui import QColor
 
+from kvscope.ui.diagnose import EventRow, EventsTable
+from kvscope.ui.theme import theme as make_theme
 from tests.synthetic import synthetic_samples
-from ui.diagnose import EventRow, EventsTable
-from ui.theme import theme as make_theme
 
 
 def _luminance(color: QColor) -> float:
@@ -50,8 +50,8 @@ def test_event_names_keep_their_contrast_when_the_theme_changes(qtbot):
 
 def test_start_runs_the_prompt_the_first_run_runs(qtbot):
     """The Start path stripped the default prompt's trailing space: 18 tokens where the first run had 19."""
-    from core.request import DEFAULT_PROMPT, RunRequest
-    from ui.controls import ControlsPanel
+    from kvscope.core.model.request import DEFAULT_PROMPT, RunRequest
+    from kvscope.ui.controls import ControlsPanel
 
     panel = ControlsPanel()
     qtbot.addWidget(panel)

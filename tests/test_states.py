@@ -1,16 +1,16 @@
-"""States beside K/V (``core.states``): linear-attention, state-space and convolution layers keep fixed-size
+"""States beside K/V (``kvscope.core.model.states``): linear-attention, state-space and convolution layers keep fixed-size
 states that the predictor adds, in the model's dtype or their own, measured once per config on the meta device
-(``core.hf.probe_states``); the architecture matrix checks them in float32 against real caches, this file in
+(``kvscope.core.model.hf.probe_states``); the architecture matrix checks them in float32 against real caches, this file in
 bfloat16 (where a float32 recurrent state and a bfloat16 conv state differ) and the view's storage."""
 
 from __future__ import annotations
 
 import pytest
 
-from core import spec
-from core.caches import kv_layout
-from core.spec import NO_KV, ConfigView, ModelFacts
-from core.states import LayerState, state_bytes
+from kvscope.core.model import spec
+from kvscope.core.model.caches import kv_layout
+from kvscope.core.model.spec import NO_KV, ConfigView, ModelFacts
+from kvscope.core.model.states import LayerState, state_bytes
 
 torch = pytest.importorskip("torch")
 
@@ -46,9 +46,9 @@ def test_states_are_exact_in_bfloat16(model_type, tmp_path):
     """bfloat16 weights: conv states in bfloat16, recurrent states (Qwen3-Next, Mamba) kept in float32."""
     from transformers import DynamicCache
 
-    from core.measure import cache_bytes
-    from core.predict import kv_bytes
-    from core.settings import RunSettings
+    from kvscope.core.model.settings import RunSettings
+    from kvscope.core.prediction.predict import kv_bytes
+    from kvscope.core.runtimes.transformers.measure import cache_bytes
     from tests import archs
 
     folder = archs.build_tiny_folder(model_type, tmp_path)

@@ -4,7 +4,7 @@
 an Ollama store, an LM Studio folder or an added folder, holding two good models and one hostile entry of a
 category below (a FIFO, a link to /dev/zero or to a file outside the store, a cyclic link, folders 1,500 deep,
 bytes that are not UTF-8, a sparse file of gigabytes, a folder nobody may read, a manifest of absurd JSON...).
-Each store goes through ``core.installed.scan_installed`` on a thread of its own, guarded by ``GUARD_S``.
+Each store goes through ``kvscope.core.model.installed.scan_installed`` on a thread of its own, guarded by ``GUARD_S``.
 
 The outcome of each store is one of:
 
@@ -41,11 +41,10 @@ from typing import Callable
 
 import pytest
 
+from kvscope.core.base.safe_text import safe_text
+from kvscope.core.model import installed
+from kvscope.core.model.installed import InstalledModel, scan_installed
 from tests.fuzzing import category_table
-
-from core import installed
-from core.installed import InstalledModel, scan_installed
-from core.safe_text import safe_text
 
 SEED = int(os.environ.get("KVSCOPE_FUZZ_SEED", "29"))
 #: Wall-clock guard per store; a store past it hangs the scan.

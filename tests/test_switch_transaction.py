@@ -1,22 +1,21 @@
-"""A live switch is all or nothing (core/transaction.py, Engine.apply), and errors in a run are data."""
+"""A live switch is all or nothing (core/runtimes/transformers/transaction.py, Engine.apply), and errors in a run are data."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-
-from tests import helpers
 import torch
 
-from core import convert
-from core.attention import SettingsError
-from core.engine import Engine
-from core.run import RunHooks, run_generation
-from core.request import RunRequest
-from core.loading import load_model
-from core.measure import cache_bytes
-from core.settings import RunSettings
+from kvscope.core.live.run import RunHooks, run_generation
+from kvscope.core.model.attention import SettingsError
+from kvscope.core.model.request import RunRequest
+from kvscope.core.model.settings import RunSettings
+from kvscope.core.runtimes.transformers import convert
+from kvscope.core.runtimes.transformers.engine import Engine
+from kvscope.core.runtimes.transformers.loading import load_model
+from kvscope.core.runtimes.transformers.measure import cache_bytes
+from tests import helpers
 
 
 @pytest.fixture(scope="module")
@@ -135,8 +134,8 @@ def test_switches_travel_as_data_and_old_recordings_read_alike(tmp_path):
     """Issue 13: a switch, a refusal and a no-op carry key / before / after / tokens re-run as fields
     (the text is their prose); the window reads the fields, never the text. Recordings made before
     (the shipped demo) get the same fields from the reader."""
-    from core.recording import RecordingReader, sample_from_json
-    from ui.file_actions import demo_recording_path
+    from kvscope.core.records.recording import RecordingReader, sample_from_json
+    from kvscope.ui.file_actions import demo_recording_path
 
     record = tmp_path / "r.jsonl"
     request = RunRequest(max_new_tokens=12, record_path=str(record), settings=RunSettings(),

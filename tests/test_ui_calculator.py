@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from core.predict import kv_bytes, max_context_that_fits, predict
-from core.settings import RunSettings
-from core.spec import human_bytes, load_spec
-from core.settings import attention_choices
-from core.calc import kv_formula
-from ui.calculator import CalculatorTab
+from kvscope.core.cli.calc import kv_formula
+from kvscope.core.model.settings import RunSettings, attention_choices
+from kvscope.core.model.spec import human_bytes, load_spec
+from kvscope.core.prediction.predict import kv_bytes, max_context_that_fits, predict
+from kvscope.ui.calculator import CalculatorTab
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +91,8 @@ def test_one_list_of_choices_per_axis_for_engine_window_and_calculator():
     """The window before a model loads, the engine's ModelInfo and the calculator all read these."""
     from dataclasses import replace
 
-    from core.settings import CACHE_KEYS, cache_choices, selecting_cache_keys, window_choices
-    from core.spec import load_spec
+    from kvscope.core.model.settings import CACHE_KEYS, cache_choices, selecting_cache_keys, window_choices
+    from kvscope.core.model.spec import load_spec
 
     embedded, mistral = load_spec("embedded"), load_spec("mistral-7b")
     assert window_choices(embedded) == [256]  # 4,096-token context: a 4K window would be the whole of it
@@ -141,15 +140,15 @@ def test_context_slider_arrow_keys_step_between_powers_of_two(calc):
 
 
 def test_several_gpus_show_the_busiest_gpus_share_and_what_fits_on_every_one(calc):
-    from core.parallel import Parallelism, max_context_per_gpu, predict_parallel
-    from core.spec import load_spec
+    from kvscope.core.model.spec import load_spec
+    from kvscope.core.prediction.parallel import Parallelism, max_context_per_gpu, predict_parallel
 
     big = load_spec("llama-3-70b")
     calc.set_spec(big)
     calc.memory_combo.setCurrentText("80 GiB  A100 / H100")
     calc.set_context(32768)
     whole = calc.state.total
-    from ui.calculator import GPU_LAYOUTS
+    from kvscope.ui.calculator import GPU_LAYOUTS
 
     calc.gpus_combo.setCurrentIndex(GPU_LAYOUTS.index((4, 1)))
     settings = calc.current_settings()
@@ -167,8 +166,8 @@ def test_several_gpus_show_the_busiest_gpus_share_and_what_fits_on_every_one(cal
 def test_llamacpp_runtime_shows_the_allocation_at_load(calc, llama, tmp_path):
     """Runtime llama.cpp: the KV is what llama.cpp allocates for the context (padded to 256 cells), the same
     whatever is generated; a GGUF model's weights are its tensor bytes; the Cache list holds llama.cpp's types."""
-    from core.gguf import read_gguf
-    from core.llamacpp import LlamaCppOptions, max_context_llamacpp, plan
+    from kvscope.core.model.gguf import read_gguf
+    from kvscope.core.prediction.llamacpp import LlamaCppOptions, max_context_llamacpp, plan
     from tests import gguf_models
 
     calc.set_context(4096)
@@ -176,7 +175,7 @@ def test_llamacpp_runtime_shows_the_allocation_at_load(calc, llama, tmp_path):
     assert [calc.cache_combo.itemText(i) for i in range(3)] == ["f32", "f16", "bf16"]
     assert calc.cache_combo.currentText() == "f16" and not calc.batch.isEnabled()
     assert calc.state.kv == 536_870_912
-    # the compute buffer llama.cpp reserves (core.llamacpp_compute), shown in place of transformers' activations
+    # the compute buffer llama.cpp reserves (kvscope.core.prediction.llamacpp_compute), shown in place of transformers' activations
     compute = plan(llama, LlamaCppOptions(n_ctx=4096)).compute_bytes
     assert compute and calc.numbers["activations"].text() == human_bytes(compute)
     assert calc.number_names["activations"].text() == "Compute buffer"

@@ -10,20 +10,20 @@ import threading
 import pytest
 from PySide6.QtCore import QSettings
 
-from core.request import RunRequest
-from core.probes import MemoryProbe, MemoryReading
-from core.recording import RecordingReader
-from core.sample import PHASE_EVENT
-from core.settings import RunSettings
-from core.spikes import CAUSE_SWITCH
+from kvscope.core.base.sample import PHASE_EVENT
+from kvscope.core.live.spikes import CAUSE_SWITCH
+from kvscope.core.model.request import RunRequest
+from kvscope.core.model.settings import RunSettings
+from kvscope.core.prediction.forecast import format_duration
+from kvscope.core.records.recording import RecordingReader
+from kvscope.core.runtimes.probes import MemoryProbe, MemoryReading
+from kvscope.ui.diagnose import GpuProcessesPanel
+from kvscope.ui.main_window import MainWindow
+from kvscope.ui.theme import theme
+from kvscope.workers.gpu_poller import GpuProcessPoller
 from tests.fake_pynvml import NVML_ERROR_DRIVER_NOT_LOADED, FakeGpu, FakeNvml
-from core.forecast import format_duration
-from ui.diagnose import GpuProcessesPanel
-from workers.gpu_poller import GpuProcessPoller
-from ui.main_window import MainWindow
-from tests.synthetic import synthetic_samples
-from ui.theme import theme
 from tests.helpers import run_in_window
+from tests.synthetic import synthetic_samples
 
 MiB = 1 << 20
 
@@ -269,7 +269,7 @@ def test_closing_the_window_stops_every_thread(qtbot, settings):
 
 def test_engine_host_shutdown_ends_process_and_reader(qtbot):
     """What the application's quit does to the engine: the process exits, its reader thread ends."""
-    from workers.engine_link import EngineHost
+    from kvscope.workers.engine_link import EngineHost
 
     host = EngineHost()
     with qtbot.waitSignal(host.message, timeout=120_000, check_params_cb=lambda kind, *_: kind == "ready"):
@@ -293,8 +293,8 @@ def test_durations_read_well():
 def test_an_engine_that_cannot_start_fails_the_run_once_and_is_not_restarted_in_a_loop(qtbot):
     """The engine dies before it is ready: the run ends with one line naming the exit code, and the
     host does not respawn it by itself (a broken install must not become a process storm)."""
+    from kvscope.workers.engine_link import EngineHost, HostedGenerationController
     from tests.helpers import engine_that_cannot_start
-    from workers.engine_link import EngineHost, HostedGenerationController
 
     host = EngineHost(target=engine_that_cannot_start)
     controller = HostedGenerationController(host=host)
@@ -312,9 +312,9 @@ def test_an_engine_that_cannot_start_fails_the_run_once_and_is_not_restarted_in_
 def test_repeated_growth_spikes_are_one_row_that_counts_them(qtbot):
     """Issue 12, item 5: one row per dynamic-cache growth step flooded the table; a run of spikes of one
     cause is one row with a count and the total rise, and anything in between starts a new row."""
-    from core.spikes import Spike
+    from kvscope.core.live.spikes import Spike
+    from kvscope.ui.diagnose import EventsTable
     from tests.synthetic import synthetic_samples as samples
-    from ui.diagnose import EventsTable
 
     table = EventsTable(theme("dark"))
     qtbot.addWidget(table)
@@ -335,8 +335,8 @@ def test_repeated_growth_spikes_are_one_row_that_counts_them(qtbot):
 def test_the_context_end_is_named_when_it_comes_before_the_memory(qtbot):
     """Issue 12, item 6: "Out of memory: token 2.6M (about 3 days)" on a 4,096-token model; the
     context's end is the limit that comes first, and it says so (and no warning for the far one)."""
-    from core.forecast import oom_forecast
-    from ui.stats import StatsPanel
+    from kvscope.core.prediction.forecast import oom_forecast
+    from kvscope.ui.stats import StatsPanel
 
     # As the engine counts: token = generated so far, context_tokens = the 16-token prompt + those.
     samples = [s.replace(context_tokens=s.token + 16) for s in synthetic_samples(40, prompt_tokens=16)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from core.sample import Sample
-from core.compare import error_percent
-from ui.axes import BytesAxis, format_count, format_slope
-from ui.plots import LivePlots
-from ui.ringbuffer import RingBuffer
+from kvscope.core.base.sample import Sample
+from kvscope.core.live.compare import error_percent
+from kvscope.ui.axes import BytesAxis, format_count, format_slope
+from kvscope.ui.plots import LivePlots
+from kvscope.ui.ringbuffer import RingBuffer
 from tests.synthetic import synthetic_samples
 
 
@@ -141,7 +141,7 @@ def test_device_curve_draws_what_pyqtgraph_draws(qtbot, style):
     from PySide6.QtCore import Qt
     from PySide6.QtGui import QImage
 
-    from ui.curves import DeviceCurve
+    from kvscope.ui.curves import DeviceCurve
 
     rng = np.random.default_rng(3)
     x = np.arange(600.0) * 200.0  # plot-like scales: tokens and bytes, far from pixels

@@ -10,11 +10,11 @@ import pytest
 from PySide6.QtCore import QSettings, Qt
 from PySide6.QtWidgets import QFileDialog
 
-from core.recording import RecordingReader
-from ui.app import run_replay
-from ui.file_actions import demo_recording_path
-from ui.main_window import MainWindow
-from ui.screenshot import image_stats
+from kvscope.core.records.recording import RecordingReader
+from kvscope.ui.app import run_replay
+from kvscope.ui.file_actions import demo_recording_path
+from kvscope.ui.main_window import MainWindow
+from kvscope.ui.screenshot import image_stats
 
 DEMO = demo_recording_path()
 

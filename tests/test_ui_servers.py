@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from core.metrics import MetricsExporter, RunCollector
-from core.sample import Sample
+from kvscope.core.base.sample import Sample
+from kvscope.core.live.metrics import MetricsExporter, RunCollector
 from tests.test_watch import FIXTURES, Handler
 
 pytest.importorskip("pytestqt")
@@ -40,7 +40,7 @@ def servers():
 
 
 def test_servers_tab_shows_each_server(qtbot, servers):
-    from ui.servers import ServersTab
+    from kvscope.ui.servers import ServersTab
 
     base, kvscope_url, down = servers
     tab = ServersTab()
@@ -62,7 +62,7 @@ def test_servers_tab_shows_each_server(qtbot, servers):
 
 
 def test_refuses_a_bad_url(qtbot):
-    from ui.servers import ServersTab
+    from kvscope.ui.servers import ServersTab
 
     tab = ServersTab()
     qtbot.addWidget(tab)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from core.predict import kv_bytes
-from core.settings import RunSettings
-from core.spec import load_spec
+from kvscope.core.model.settings import RunSettings
+from kvscope.core.model.spec import load_spec
+from kvscope.core.prediction.predict import kv_bytes
+from kvscope.ui.stats import StatsPanel, compute_stats, kv_at_max_context
 from tests.synthetic import synthetic_samples
-from ui.stats import StatsPanel, compute_stats, kv_at_max_context
 
 
 def test_kv_at_max_context_is_the_predictors_and_is_computed_once_per_settings():

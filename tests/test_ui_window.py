@@ -8,13 +8,13 @@ import time
 import pytest
 from PySide6.QtCore import Qt
 
-from core.caches import parse_cache
-from core.request import RunRequest
-from core.settings import RunSettings
+from kvscope.core.model.caches import parse_cache
+from kvscope.core.model.request import RunRequest
+from kvscope.core.model.settings import RunSettings
+from kvscope.ui.app import has_display, run_window
+from kvscope.ui.main_window import MainWindow
+from kvscope.ui.screenshot import image_stats
 from tests.helpers import run_in_window
-from ui.app import has_display, run_window
-from ui.main_window import MainWindow
-from ui.screenshot import image_stats
 from tests.stall import StallMeter
 from tests.synthetic import synthetic_samples
 
@@ -73,7 +73,7 @@ def test_stop_leaves_no_thread_running(qtbot, thread_window):
 def test_stop_ends_the_run_in_the_engine_process(qtbot, window):
     """The default: the model runs in the engine process. Stop ends the run between two tokens; the
     process stays up, idle, and the next run starts there at once (no second torch import)."""
-    from workers.engine_link import HostedGenerationController
+    from kvscope.workers.engine_link import HostedGenerationController
 
     assert isinstance(window.controller, HostedGenerationController)
     host = window.controller.host
@@ -216,8 +216,8 @@ def test_presenter_mode_round_trip_gives_the_window_back_as_it_was(qtbot, settin
 def test_a_launch_without_tokens_runs_the_remembered_new_tokens(qtbot, settings):
     """Issue 12, item 7: the launch's run used to be 128 tokens (over before anyone looked) and reset
     New tokens every time; now it is the window's own setting, 3,000 at first start."""
-    from ui.app import startup_request
-    from ui.controls import FIRST_START_TOKENS
+    from kvscope.ui.app import startup_request
+    from kvscope.ui.controls import FIRST_START_TOKENS
 
     w = MainWindow(settings=settings)
     qtbot.addWidget(w)
@@ -275,8 +275,8 @@ def test_missing_x11_libraries_are_named_with_their_packages(monkeypatch, capsys
     The library lookup is real (ctypes): one that exists here, one that exists nowhere."""
     import sys
 
-    import main
-    from ui import app
+    from kvscope import main
+    from kvscope.ui import app
 
     if not sys.platform.startswith("linux"):
         pytest.skip("X11 libraries are a Linux matter")

@@ -1,4 +1,4 @@
-"""`kvscope watch` (core.scrape): inference servers' /metrics pages read with prometheus_client's parser,
+"""`kvscope watch` (kvscope.core.records.scrape): inference servers' /metrics pages read with prometheus_client's parser,
 usage turned into bytes with the predictor, and servers that are down, slow, drop the connection or serve
 garbage shown as such, within the timeout. Every server here is a test server on 127.0.0.1."""
 
@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from core.metrics import MetricsExporter, RunCollector
-from core.predict import kv_bytes
-from core.sample import Sample
-from core.scrape import (DOWN, DROPPED, GARBAGE, HTTP_ERROR, OK, SLOW, ScrapeError, Watcher, metrics_url, preset_for,
-                         render_reading, watch)
-from core.settings import RunSettings
-from core.spec import load_spec
+from kvscope.core.base.sample import Sample
+from kvscope.core.live.metrics import MetricsExporter, RunCollector
+from kvscope.core.model.settings import RunSettings
+from kvscope.core.model.spec import load_spec
+from kvscope.core.prediction.predict import kv_bytes
+from kvscope.core.records.scrape import (DOWN, DROPPED, GARBAGE, HTTP_ERROR, OK, SLOW, ScrapeError, Watcher,
+                                         metrics_url, preset_for, render_reading, watch)
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "servers"
@@ -145,7 +145,7 @@ def test_sglang_llamacpp_tgi_pages(server):
 def test_warns_before_preemption():
     from dataclasses import replace
 
-    from core.scrape import ServerReading, _with_warning
+    from kvscope.core.records.scrape import ServerReading, _with_warning
 
     base = ServerReading("u", 100.0, OK, engine="vllm", kv_usage=0.5, preemptions=0, waiting=0)
     assert _with_warning(base, None, 0.9).warning is None
@@ -193,7 +193,7 @@ def test_kvscope_own_exporter():
 def test_urls_and_presets():
     assert metrics_url("127.0.0.1:8000") == "http://127.0.0.1:8000/metrics"
     assert metrics_url("http://127.0.0.1:8000/custom") == "http://127.0.0.1:8000/custom"
-    from core.scrape import models_url
+    from kvscope.core.records.scrape import models_url
 
     assert models_url("http://127.0.0.1:8000/metrics") == "http://127.0.0.1:8000/v1/models"
     assert models_url("http://127.0.0.1:8000/custom") == "http://127.0.0.1:8000/v1/models"

@@ -1,12 +1,12 @@
 """A tiny runtime written in the tests: the proof that a runtime is one module and one registry entry.
 
-Its "model" is the embedded model's config (``core.spec.load_spec``: no weights, no torch) and its cache a fake
+Its "model" is the embedded model's config (``kvscope.core.model.spec.load_spec``: no weights, no torch) and its cache a fake
 that allocates in fixed chunks of N tokens, as a paged cache does: ``kv_bytes_reserved`` is the whole chunks,
 ``kv_bytes_held`` the tokens in them. Its switch is the chunk size (``cache=chunk:N``: the cache is
 allocated again and keeps its tokens); an attention switch is refused, as one kind of answer. Pure Python.
 
-``register_tiny()`` adds it through ``core.runtimes.register`` (the public function) and returns its entry;
-``core.runtimes.unregister(NAME)`` removes it. Nothing else in the project names it.
+``register_tiny()`` adds it through ``kvscope.core.runtimes.register`` (the public function) and returns its entry;
+``kvscope.core.runtimes.unregister(NAME)`` removes it. Nothing else in the project names it.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import re
 import time
 from typing import Any, Callable
 
-from core import runtimes
-from core.attention import SettingsError, native_attention
-from core.request import ModelInfo, RunRequest
-from core.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
-from core.spec import ModelSpec, load_spec
+from kvscope.core import runtimes
+from kvscope.core.base.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
+from kvscope.core.model.attention import SettingsError, native_attention
+from kvscope.core.model.request import ModelInfo, RunRequest
+from kvscope.core.model.spec import ModelSpec, load_spec
 
 NAME = "tiny-chunks"
 CHUNK = 16  # tokens per chunk at the start
@@ -60,7 +60,7 @@ class ChunkedCache:
 
 
 class TinyRuntime:
-    """A ``core.runtimes.base.Runtime`` over a ChunkedCache."""
+    """A ``kvscope.core.runtimes.base.Runtime`` over a ChunkedCache."""
 
     name = NAME
 

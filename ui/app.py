@@ -10,7 +10,7 @@ import threading
 import time
 from dataclasses import replace
 
-from ui.selftest import self_test  # noqa: F401 - main.py --self-test calls ui.app.self_test
+from kvscope.ui.selftest import self_test  # noqa: F401 - main.py --self-test calls kvscope.ui.app.self_test
 
 #: How long a --screenshot run may take before it gives up (loading included).
 SCREENSHOT_TIMEOUT_S = 600.0
@@ -78,7 +78,7 @@ def _app_icon():
     """The app icon at every size we ship (assets/icons/kvscope-N.png, made from kvscope.svg)."""
     from PySide6.QtGui import QIcon
 
-    from core.spec import ASSETS
+    from kvscope.core.model.spec import ASSETS
 
     icon = QIcon()
     for png in sorted((ASSETS / "icons").glob("kvscope-*.png")):
@@ -114,7 +114,7 @@ def run_window(request=None, screenshot: str | None = None, tokens: int | None =
     app = _application()
     from PySide6.QtCore import QEventLoop, QTimer
 
-    from ui.main_window import MainWindow
+    from kvscope.ui.main_window import MainWindow
 
     throwaway = None
     if screenshot is not None and settings is None:
@@ -137,7 +137,7 @@ def run_window(request=None, screenshot: str | None = None, tokens: int | None =
             window.start_run(request)
         return app.exec()
 
-    from core.request import RunRequest
+    from kvscope.core.model.request import RunRequest
 
     request = request or RunRequest()
     if tokens is not None:
@@ -170,11 +170,11 @@ def _finish_screenshot(app, window, screenshot, code: int, timed_out: bool, extr
                        throwaway=None) -> int:
     """Stop the window's work, draw everything, save the PNG and say so. Returns the exit status.
 
-    ``screenshot``: a path, or a ``core.outputs.Output`` main.py checked (``-``: the PNG goes to
+    ``screenshot``: a path, or a ``kvscope.core.records.outputs.Output`` main.py checked (``-``: the PNG goes to
     standard output and the "saved" line to stderr). ``throwaway``: the QSettings of
     ``_screenshot_settings``, deleted once the window is closed.
     """
-    from core.outputs import display_path
+    from kvscope.core.records.outputs import display_path
 
     window.shutdown()
     # Drain the queued samples and the finished signal, then draw every curve and number.
@@ -283,7 +283,7 @@ def run_replay(path: str, speed: float = 1.0, screenshot: str | None = None, *, 
     ``SCREENSHOT_TIMEOUT_S`` is stopped, says so and returns 2; should the window stop answering
     (so that no timer can fire), a watchdog thread ends the process with status 2 shortly after.
     """
-    from core.recording import RecordingError, read_header, spec_from_header
+    from kvscope.core.records.recording import RecordingError, read_header, spec_from_header
 
     if not speed or speed <= 0:
         print("kvscope: the replay speed must be positive", file=sys.stderr)
@@ -297,7 +297,7 @@ def run_replay(path: str, speed: float = 1.0, screenshot: str | None = None, *, 
     app = _application()
     from PySide6.QtCore import QEventLoop, QTimer
 
-    from ui.main_window import MainWindow
+    from kvscope.ui.main_window import MainWindow
 
     throwaway = None
     if screenshot is not None and settings is None:

@@ -8,7 +8,7 @@ import math
 import pyqtgraph as pg
 from PySide6.QtGui import QFont, QFontMetrics
 
-from core.spec import human_bytes
+from kvscope.core.model.spec import human_bytes
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 

@@ -9,8 +9,8 @@ from PySide6.QtCore import QSize, Qt
 from PySide6.QtGui import QFont, QFontMetrics
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QProgressBar, QSizePolicy, QWidget
 
-from core.safe_text import NAME_LIMIT, safe_text
-from core.sample import Sample
+from kvscope.core.base.safe_text import NAME_LIMIT, safe_text
+from kvscope.core.base.sample import Sample
 
 #: The narrowest a settings badge gets on a small screen (text px; its padding comes on top).
 BADGE_FLOOR = 44

@@ -1,6 +1,6 @@
 """Where the memory went: one stacked bar of the observed total, and a legend of its parts.
 
-It renders ``core.breakdown.Breakdown`` (the arithmetic lives there, without Qt): each part a segment of the
+It renders ``kvscope.core.live.breakdown.Breakdown`` (the arithmetic lives there, without Qt): each part a segment of the
 bar in its own colour, with its bytes and where the figure comes from (measured, predicted, a measured
 remainder); a part the device does not say is listed as "n/a" and draws nothing; what the known parts leave
 of the total is a hatched segment "not attributed". Refreshed by the window's slow (about 1 Hz) timer.
@@ -12,9 +12,9 @@ from PySide6.QtCore import QRectF, Qt
 from PySide6.QtGui import QBrush, QColor, QPainter, QPen
 from PySide6.QtWidgets import QGridLayout, QGroupBox, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
-from core.breakdown import LABELS, NA, PARTS, Breakdown
-from core.spec import human_bytes
-from ui.theme import Theme
+from kvscope.core.live.breakdown import LABELS, NA, PARTS, Breakdown
+from kvscope.core.model.spec import human_bytes
+from kvscope.ui.theme import Theme
 
 #: Okabe-Ito colours, bottom of the stack first: apart for the common colour-vision deficiencies.
 PART_COLORS = {

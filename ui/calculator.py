@@ -1,13 +1,13 @@
 """The calculator tab: what a context costs for any model, from the predictor alone (no weights).
 
 A spec is loaded in a pool thread (the first one imports transformers, which takes seconds);
-after that every slider move recomputes in well under a frame: ``core.predict.predict`` is about
+after that every slider move recomputes in well under a frame: ``kvscope.core.prediction.predict.predict`` is about
 0.1 ms, the chart is 72 of those and "the largest context that fits" is a binary search.
 
 About 800 lines, one tab: its inputs (a model, sliders), its outputs (the numbers, the formula from
-``core.calc.kv_formula``, the stacked chart) and the background spec loads are one widget's parts;
+``kvscope.core.cli.calc.kv_formula``, the stacked chart) and the background spec loads are one widget's parts;
 the arithmetic is all in ``core`` (predict, calc). The models on this machine come from the controls'
-scan (``ui.controls.InstalledModels``, shared through the window's settings).
+scan (``kvscope.ui.controls.InstalledModels``, shared through the window's settings).
 """
 
 from __future__ import annotations
@@ -21,34 +21,23 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QObject, QRunnable, QSettings, Qt, QThreadPool, Signal
 from PySide6.QtGui import QColor, QFont
-from PySide6.QtWidgets import (
-    QComboBox,
-    QFileDialog,
-    QGridLayout,
-    QGroupBox,
-    QHBoxLayout,
-    QLabel,
-    QPushButton,
-    QSizePolicy,
-    QSlider,
-    QVBoxLayout,
-    QWidget,
-)
+from PySide6.QtWidgets import (QComboBox, QFileDialog, QGridLayout, QGroupBox, QHBoxLayout, QLabel, QPushButton,
+                               QSizePolicy, QSlider, QVBoxLayout, QWidget)
 
-from core.attention import native_attention, parse_attention
-from core.caches import parse_cache
-from core.predict import kv_bytes, max_context_that_fits, predict
-from core.safe_text import NAME_LIMIT, safe_text
-from core.settings import RunSettings, attention_choices, cache_choices
-from core.longlived import freeze_long_lived
-from core.spec import ModelSpec, SpecError, human_bytes, load_spec, parse_size, preset_names
-from core.calc import SEARCH_LIMIT, kv_formula
-from core.parallel import Parallelism, max_context_per_gpu, predict_parallel
-from core.llamacpp import CACHE_TYPES, formula_llamacpp, max_context_llamacpp, predict_llamacpp
-from ui.controls import IMPORT_LOCK, FollowsInstalled, InstalledModels
-from ui.forms import form_box
-from ui.axes import BytesAxis, format_count, format_tokens
-from ui.theme import Theme, theme as make_theme
+from kvscope.core.base.longlived import freeze_long_lived
+from kvscope.core.base.safe_text import NAME_LIMIT, safe_text
+from kvscope.core.cli.calc import SEARCH_LIMIT, kv_formula
+from kvscope.core.model.attention import native_attention, parse_attention
+from kvscope.core.model.caches import parse_cache
+from kvscope.core.model.settings import RunSettings, attention_choices, cache_choices
+from kvscope.core.model.spec import ModelSpec, SpecError, human_bytes, load_spec, parse_size, preset_names
+from kvscope.core.prediction.llamacpp import CACHE_TYPES, formula_llamacpp, max_context_llamacpp, predict_llamacpp
+from kvscope.core.prediction.parallel import Parallelism, max_context_per_gpu, predict_parallel
+from kvscope.core.prediction.predict import kv_bytes, max_context_that_fits, predict
+from kvscope.ui.axes import BytesAxis, format_count, format_tokens
+from kvscope.ui.controls import IMPORT_LOCK, FollowsInstalled, InstalledModels
+from kvscope.ui.forms import form_box
+from kvscope.ui.theme import Theme, theme as make_theme
 
 log = logging.getLogger(__name__)
 
@@ -294,7 +283,7 @@ class CalculatorTab(FollowsInstalled, QWidget):
         self.memory_combo.setToolTip("GPU memory to fit into: detected from the loaded model's device, picked, "
                                      "or typed (e.g. 24GiB, 80 GB).")
         self.memory_combo.currentTextChanged.connect(lambda _t: self.recompute())
-        # Tensor x pipeline parallel, as vLLM splits a model (core.parallel): the numbers are then one GPU's.
+        # Tensor x pipeline parallel, as vLLM splits a model (kvscope.core.prediction.parallel): the numbers are then one GPU's.
         self.gpus_combo = QComboBox()
         for tp, pp in GPU_LAYOUTS:
             self.gpus_combo.addItem(_gpus_text(tp, pp))
@@ -304,7 +293,7 @@ class CalculatorTab(FollowsInstalled, QWidget):
                                    "GPU memory is per GPU.")
         self.gpus_combo.currentIndexChanged.connect(lambda _i: self._settings_changed())
         # The runtime: transformers' caches grow per token; llama.cpp allocates the whole context at load
-        # (core.llamacpp, its rules). Under llama.cpp the Cache list holds its cache types (K = V).
+        # (kvscope.core.prediction.llamacpp, its rules). Under llama.cpp the Cache list holds its cache types (K = V).
         self.runtime_combo = QComboBox()
         self.runtime_combo.addItem("transformers (grows per token)", "transformers")
         self.runtime_combo.addItem("llama.cpp (allocated at load)", "llama.cpp")
@@ -334,7 +323,7 @@ class CalculatorTab(FollowsInstalled, QWidget):
         self.headline.setWordWrap(True)
         self.fits_label = QLabel("")
         self.fits_label.setToolTip("The largest context whose predicted total (weights + KV + activation peak) "
-                                   "fits in the GPU memory above (core.predict.max_context_that_fits).")
+                                   "fits in the GPU memory above (kvscope.core.prediction.predict.max_context_that_fits).")
         self.fits_label.setObjectName("headline")
         self.fits_label.setWordWrap(True)  # never wider than the column: at 1024x768 its one line cut the numbers off
         self.numbers = {}
@@ -647,7 +636,7 @@ class CalculatorTab(FollowsInstalled, QWidget):
 
     def _predict(self, spec: ModelSpec, settings: RunSettings, context: int):
         """The prediction the numbers show: the model's, or with several GPUs the busiest GPU's share; under
-        llama.cpp what it allocates at load for this context (core.llamacpp)."""
+        llama.cpp what it allocates at load for this context (kvscope.core.prediction.llamacpp)."""
         if self.runtime == "llama.cpp":
             return predict_llamacpp(spec, context, self.cache_combo.currentText() or "f16")
         parallel = self.parallelism()
@@ -682,7 +671,7 @@ class CalculatorTab(FollowsInstalled, QWidget):
                     self._fit = None
                 elif llama:
                     self._fit = max_context_llamacpp(spec, memory, self.cache_combo.currentText() or "f16", ceiling)
-                elif parallel.single:  # calc's search (core.calc.calculate): not capped at the slider's end
+                elif parallel.single:  # calc's search (kvscope.core.cli.calc.calculate): not capped at the slider's end
                     self._fit = max_context_that_fits(spec, settings.with_(max_context=None), memory, limit=SEARCH_LIMIT)
                 else:
                     self._fit = max_context_per_gpu(spec, settings.with_(max_context=None), parallel, memory, SEARCH_LIMIT)
@@ -700,7 +689,7 @@ class CalculatorTab(FollowsInstalled, QWidget):
         n["weights"].setText(human_bytes(b.weights))
         n["kv"].setText(human_bytes(b.kv_cache))
         n["activations"].setText("not predicted" if b.activations is None else human_bytes(b.activations))
-        # llama.cpp's activations are its compute buffer (core.llamacpp_compute: the CPU backend's, byte for byte)
+        # llama.cpp's activations are its compute buffer (kvscope.core.prediction.llamacpp_compute: the CPU backend's, byte for byte)
         self.number_names["activations"].setText("Compute buffer" if llama else "Activations (peak)")
         for w in (self.number_names["activations"], n["activations"]):
             w.setToolTip("llama.cpp's compute buffer (sched_reserve: the largest of its reserved graphs through its "

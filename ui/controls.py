@@ -5,7 +5,7 @@ running engine's settings (``apply_request``, ``show_settings``). It decides not
 the window forwards a combo the user changed (``switch_asked``) and the buttons; the combos then
 follow what the engine reports, never what was asked for.
 
-"Installed model" lists what ``core.installed`` finds on this machine; ``InstalledModels`` looks off the
+"Installed model" lists what ``kvscope.core.model.installed`` finds on this machine; ``InstalledModels`` looks off the
 GUI thread, once for the window's settings, and the calculator's picker shows the same list.
 """
 
@@ -21,20 +21,21 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QFileDialog, QGroupBox, QHB
                                QPlainTextEdit, QPushButton, QScrollArea, QSpinBox, QStackedWidget, QToolButton,
                                QVBoxLayout, QWidget)
 
-from core.gguf import is_gguf_source
-from core import runtimes
-from core.attention import parse_attention
-from core.caches import parse_cache
-from core.installed import ORIGINS, InstalledModel, scan_installed
-from core.llamacpp import CACHE_TYPES as LLAMACPP_CACHE_TYPES, LlamaCppOptions
-from core.request import DEFAULT_PROMPT, RunRequest, llamacpp_missing
-from core.runtimes.mlx.predict import parse_cache as parse_mlx_cache
-from core.runtimes.mlx.switches import MlxOptions, mlx_missing
-from core.safe_text import safe_text
-from core.sample import Sample
-from core.settings import ATTN_IMPLS, RunSettings, attention_choices, cache_choices, parse_attn_impl, switch_problem
-from core.spec import SpecError, human_bytes, load_spec, parse_size
-from ui.forms import form_box
+from kvscope.core import runtimes
+from kvscope.core.base.safe_text import safe_text
+from kvscope.core.base.sample import Sample
+from kvscope.core.model.attention import parse_attention
+from kvscope.core.model.caches import parse_cache
+from kvscope.core.model.gguf import is_gguf_source
+from kvscope.core.model.installed import ORIGINS, InstalledModel, scan_installed
+from kvscope.core.model.request import DEFAULT_PROMPT, RunRequest, llamacpp_missing
+from kvscope.core.model.settings import (ATTN_IMPLS, RunSettings, attention_choices, cache_choices, parse_attn_impl,
+                                         switch_problem)
+from kvscope.core.model.spec import SpecError, human_bytes, load_spec, parse_size
+from kvscope.core.prediction.llamacpp import CACHE_TYPES as LLAMACPP_CACHE_TYPES, LlamaCppOptions
+from kvscope.core.runtimes.mlx.predict import parse_cache as parse_mlx_cache
+from kvscope.core.runtimes.mlx.switches import MlxOptions, mlx_missing
+from kvscope.ui.forms import form_box
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ class _ScanJob:
 
 
 class InstalledModels(QObject):
-    """The models already on this machine (``core.installed.scan_installed``), looked for off the GUI thread.
+    """The models already on this machine (``kvscope.core.model.installed.scan_installed``), looked for off the GUI thread.
 
     ``for_settings(s)`` gives the one of a settings file: the window's Source list and the calculator's
     picker share it, so a folder added in one is listed in both. ``changed``: ``models`` (and ``notes``, one
@@ -583,7 +584,7 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
 
     def problem(self, key: str, value: str, now: dict[str, str] | None = None) -> str | None:
         """Why ``key=value`` cannot run from ``now`` (default: the settings ahead), or None: a refusal the
-        engine gave from that state, else ``core.settings.switch_problem``'s rules. Only a transformers
+        engine gave from that state, else ``kvscope.core.model.settings.switch_problem``'s rules. Only a transformers
         run with a known model is judged (llama.cpp's own choices say what it reloads)."""
         now = self.settings_ahead() if now is None else now
         if self.model_spec is None or self.runtime != "transformers" or len(now) < 3:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ui.ringbuffer import RingBuffer
+from kvscope.ui.ringbuffer import RingBuffer
 
 
 def _peaks(x: np.ndarray, y: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

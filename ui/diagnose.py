@@ -1,9 +1,9 @@
 """Diagnosing memory, as widgets: the events table and the GPU processes panel.
 
-The session model (``core.session``) turns the run's samples and the sampler's readings into rows:
+The session model (``kvscope.core.live.session``) turns the run's samples and the sampler's readings into rows:
 what the run did (load, prefill, every switch, refused, forecast, budget, oom) and which spikes
 the ``SpikeMonitor`` found, with their cause; this module shows them. The GPU process list comes
-from ``workers.gpu_poller`` (NVML on its own thread).
+from ``kvscope.workers.gpu_poller`` (NVML on its own thread).
 """
 
 from __future__ import annotations
@@ -14,13 +14,14 @@ from dataclasses import dataclass
 
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QBrush, QColor, QFont
-from PySide6.QtWidgets import QAbstractItemView, QHeaderView, QLabel, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget
+from PySide6.QtWidgets import (QAbstractItemView, QHeaderView, QLabel, QTableWidget, QTableWidgetItem, QVBoxLayout,
+                               QWidget)
 
-from core.safe_text import safe_lines, safe_text
-from core.sample import PHASE_PREFILL, Sample
-from core.spec import human_bytes
-from core.spikes import Spike
-from ui.theme import Theme
+from kvscope.core.base.safe_text import safe_lines, safe_text
+from kvscope.core.base.sample import PHASE_PREFILL, Sample
+from kvscope.core.live.spikes import Spike
+from kvscope.core.model.spec import human_bytes
+from kvscope.ui.theme import Theme
 
 log = logging.getLogger(__name__)
 

@@ -2,26 +2,26 @@
 the allocator snapshot's file. A mixin of ``MainWindow`` (it uses the window's plots, stats panel,
 status bar and session), kept apart so the window's file reads as the window.
 
-Every file written goes through ``core.outputs`` (never the file being read, no silent overwrite);
+Every file written goes through ``kvscope.core.records.outputs`` (never the file being read, no silent overwrite);
 every dialog is ``ask_save_path``.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 from PySide6.QtWidgets import QFileDialog, QWidget
 
-from ui.screenshot import ScreenshotError, default_path, save_widget
-from ui.theme import theme as make_theme
+from kvscope.ui.screenshot import ScreenshotError, default_path, save_widget
+from kvscope.ui.theme import theme as make_theme
 
 
 def demo_recording_path() -> Path:
-    """The demo recording shipped in assets/ (next to the sources, or inside a PyInstaller bundle)."""
-    base = Path(getattr(sys, "_MEIPASS", Path(__file__).resolve().parent.parent))
-    return base / "assets" / "demo" / "demo.jsonl"
+    """The demo recording shipped in assets/ (a checkout, a wheel's kvscope/assets, a PyInstaller bundle)."""
+    from kvscope.core.model.spec import ASSETS
+
+    return ASSETS / "demo" / "demo.jsonl"
 
 
 def ask_save_path(parent: QWidget, title: str, default: str | Path, filter_: str) -> str | None:
@@ -57,9 +57,9 @@ class FileActions:
         self.set_record_path(chosen if chosen.endswith(".jsonl") else chosen + ".jsonl")
 
     def export_csv(self, path: str | None = None, ask: bool = False) -> int | None:
-        """The current/last recording's samples as CSV (core.export). Returns the rows written."""
-        from core.export import export_csv
-        from core.recording import RecordingError
+        """The current/last recording's samples as CSV (kvscope.core.records.export). Returns the rows written."""
+        from kvscope.core.records.export import export_csv
+        from kvscope.core.records.recording import RecordingError
 
         if not self.last_recording:
             self._show_error("nothing to export yet: record a run (File \u203a Record) or open a recording")
@@ -103,7 +103,7 @@ class FileActions:
 
     def export_summary(self, path: str | None = None, ask: bool = False) -> Path | None:
         """One 1920x1080 PNG for a slide: the three plots and the key numbers."""
-        from ui.summary import render_summary
+        from kvscope.ui.summary import render_summary
 
         if ask:
             path = ask_save_path(self, "Export summary image", Path.home() / "kvscope-summary.png", "PNG (*.png)")

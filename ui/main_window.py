@@ -1,17 +1,17 @@
-"""The main window: the shell that shows a run. Controls on the left (``ui.controls``), badges, the
+"""The main window: the shell that shows a run. Controls on the left (``kvscope.ui.controls``), badges, the
 three live plots and the events table in the centre, numbers and the streamed text on the right,
 the calculator in its own tab.
 
-The run itself is the session model (``core.session.Session``, no Qt): the window forwards what
+The run itself is the session model (``kvscope.core.live.session.Session``, no Qt): the window forwards what
 the controllers deliver (samples, readings, progress, errors, the end) and what the user does
 (keys, combos, buttons) to it, and renders what it announces. Everything heavy happens elsewhere:
 the model loads and generates in the engine process; samples arrive in small batches and are only
 appended to ring buffers here. Two timers draw: a fast one (~30 Hz) for curves and text, a slow one
 (1 Hz) for numbers.
 
-Its parts live in their own files: the session (``core.session``), the controls (``ui.controls``),
-the badge row (``ui.badges``), the streamed text (``ui.text_view``), the menus (``ui.menus``), the
-File actions and replays (``ui.file_actions``). What stays here (about 750 lines) is the shell:
+Its parts live in their own files: the session (``kvscope.core.live.session``), the controls (``kvscope.ui.controls``),
+the badge row (``kvscope.ui.badges``), the streamed text (``kvscope.ui.text_view``), the menus (``kvscope.ui.menus``), the
+File actions and replays (``kvscope.ui.file_actions``). What stays here (about 750 lines) is the shell:
 the layout, the wiring between controllers, session and widgets, the run's buttons and keys,
 presenter mode, themes, the window's settings and shutdown — one job, the window's own.
 """
@@ -23,29 +23,30 @@ from dataclasses import replace
 
 from PySide6.QtCore import QEvent, QSettings, Qt, QTimer, Signal
 from PySide6.QtGui import QGuiApplication, QKeySequence, QShortcut
-from PySide6.QtWidgets import (QFrame, QGroupBox, QHBoxLayout, QLabel, QMainWindow, QPushButton, QScrollArea, QSizePolicy, QSplitter, QTabWidget, QVBoxLayout,
-                               QWidget)
+from PySide6.QtWidgets import (QFrame, QGroupBox, QHBoxLayout, QLabel, QMainWindow, QPushButton, QScrollArea,
+                               QSizePolicy, QSplitter, QTabWidget, QVBoxLayout, QWidget)
 
-from core.breakdown import memory_breakdown
-from core.safe_text import NAME_LIMIT, safe_text
-from core.sample import Sample
-from core.session import Session
-from core.settings import ATTN_IMPLS, attention_choices, cache_choices
-from core.spec import SpecError, human_bytes
-from ui.calculator import CalculatorTab
-from ui.servers import ServersTab
-from ui.controls import FIRST_START_TOKENS, KEYS_HELP, ControlsPanel  # noqa: F401 - FIRST_START_TOKENS: tests, docs
-from ui.diagnose import EventsTable, GpuProcessesPanel
-from ui.badges import STATE_TEXT, BadgeRow, ElidedLabel
-from ui.file_actions import FileActions
-from ui.menus import ATTENTION_KEYS, KEY_MAP, SAMPLER_RATES, build_menus  # noqa: F401 - the names the keys use
-from ui.plots import LivePlots
-from ui.breakdown_view import BreakdownView
-from ui.stats import StatsPanel, compute_stats
-from ui.text_view import TEXT_BLOCK_CHARS, StreamView  # noqa: F401 - TEXT_BLOCK_CHARS: tests
-from ui.theme import Theme, stylesheet, theme as make_theme
-from workers.gpu_poller import GpuProcessPoller
-from workers.sampler import SamplerControl
+from kvscope.core.base.safe_text import NAME_LIMIT, safe_text
+from kvscope.core.base.sample import Sample
+from kvscope.core.live.breakdown import memory_breakdown
+from kvscope.core.live.session import Session
+from kvscope.core.model.settings import ATTN_IMPLS, attention_choices, cache_choices
+from kvscope.core.model.spec import SpecError, human_bytes
+from kvscope.ui.badges import STATE_TEXT, BadgeRow, ElidedLabel
+from kvscope.ui.breakdown_view import BreakdownView
+from kvscope.ui.calculator import CalculatorTab
+from kvscope.ui.controls import (FIRST_START_TOKENS, KEYS_HELP,  # noqa: F401 - FIRST_START_TOKENS: tests, docs
+                                 ControlsPanel)
+from kvscope.ui.diagnose import EventsTable, GpuProcessesPanel
+from kvscope.ui.file_actions import FileActions
+from kvscope.ui.menus import ATTENTION_KEYS, KEY_MAP, SAMPLER_RATES, build_menus  # noqa: F401 - the names the keys use
+from kvscope.ui.plots import LivePlots
+from kvscope.ui.servers import ServersTab
+from kvscope.ui.stats import StatsPanel, compute_stats
+from kvscope.ui.text_view import TEXT_BLOCK_CHARS, StreamView  # noqa: F401 - TEXT_BLOCK_CHARS: tests
+from kvscope.ui.theme import Theme, stylesheet, theme as make_theme
+from kvscope.workers.gpu_poller import GpuProcessPoller
+from kvscope.workers.sampler import SamplerControl
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ def _make_controller(parent: QWidget, warm: bool):
     """The generation controller: the engine host process by default (started now when ``warm``,
     else at the first run), a thread of this process with KVSCOPE_ENGINE=thread (imports torch:
     done once, when the window is built)."""
-    from workers.engine_link import HostedGenerationController, controller_class
+    from kvscope.workers.engine_link import HostedGenerationController, controller_class
 
     cls = controller_class()
     return cls(parent, warm=warm) if cls is HostedGenerationController else cls(parent)
@@ -89,7 +90,7 @@ class MainWindow(FileActions, QMainWindow):
         self.presenter = False
         self.theme: Theme = make_theme("dark")
         self.session = Session()
-        self.sample_observers: list = []  # e.g. the --metrics-port exporter (core.metrics): each gets every Sample
+        self.sample_observers: list = []  # e.g. the --metrics-port exporter (kvscope.core.live.metrics): each gets every Sample
         self._engine_device = "auto"  # what 'auto' is in the engine process, once it has said
         self._cuda: bool | None = None
         self._replay_args: tuple[str, float] | None = None
@@ -104,7 +105,7 @@ class MainWindow(FileActions, QMainWindow):
             self._connect_controller(self.controller)
         self.replay = None
         try:
-            from workers.replay import ReplayController
+            from kvscope.workers.replay import ReplayController
 
             self.replay = ReplayController(self)
             self._connect_controller(self.replay)
@@ -258,7 +259,7 @@ class MainWindow(FileActions, QMainWindow):
         self.stats_scroll.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Maximum)
         text_box.setMinimumHeight(120)
         rv.addWidget(self.stats_scroll)
-        self.breakdown_view = BreakdownView()  # where the memory went (core.breakdown), each slow tick
+        self.breakdown_view = BreakdownView()  # where the memory went (kvscope.core.live.breakdown), each slow tick
         rv.addWidget(self.breakdown_view)
         rv.addWidget(text_box, 1)
         right.setMinimumWidth(RIGHT_MIN_W)
@@ -466,11 +467,11 @@ class MainWindow(FileActions, QMainWindow):
     def _auto_device(self) -> str:
         """'cuda' where torch sees a GPU, else 'mps' or 'cpu'. With the engine process, the engine
         says which ('auto' until it has: this process never imports torch); in thread mode
-        core.loading decides here."""
+        kvscope.core.runtimes.transformers.loading decides here."""
         if getattr(self.controller, "host", None) is not None:
             return self._engine_device
         try:
-            from core.loading import resolve_device
+            from kvscope.core.runtimes.transformers.loading import resolve_device
 
             return resolve_device("auto")
         except Exception:  # noqa: BLE001 - a UI-only build: host memory is what there is
@@ -571,7 +572,7 @@ class MainWindow(FileActions, QMainWindow):
         """The attention and cache badges as wide as the longest choice they may show."""
         self.badge_row.reserve("attention", [c.upper() for c in self.controls.attention_choices], self.theme.title_pt)
         self.badge_row.reserve("cache", [k for k, _ in self.controls.cache_choices], self.theme.title_pt)
-        # The kernels a CPU or GPU run names most (core/kernels.py measures them); every run state, whole.
+        # The kernels a CPU or GPU run names most (core/runtimes/transformers/kernels.py measures them); every run state, whole.
         self.badge_row.reserve("kernel", ["sdpa-flash-cpu", "sdpa-math", "sdpa-flash", "eager"], self.theme.title_pt)
         self.badge_row.reserve("state", list(STATE_TEXT.values()), self.theme.title_pt, most=400)
 

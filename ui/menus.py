@@ -98,7 +98,7 @@ def legal_file(name: str):
     import importlib.metadata
     from pathlib import Path
 
-    from core.spec import ASSETS
+    from kvscope.core.model.spec import ASSETS
 
     candidates = [ASSETS.parent / name]
     try:
@@ -111,7 +111,7 @@ def legal_file(name: str):
 
 def about_box(self: QMainWindow) -> QMessageBox:
     """Help > About: what KV Scope is, its licence, and buttons for the licence and the third-party notices."""
-    from core import __version__
+    from kvscope.core import __version__
 
     box = QMessageBox(self)
     box.setWindowTitle("About KV Scope")

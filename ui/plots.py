@@ -2,13 +2,13 @@
 
 Samples are appended to preallocated ring buffers as they arrive (cheap, any rate); a fixed-rate
 timer in the window calls ``LivePlots.redraw`` (about 30 Hz), which hands each changed curve its
-column decimated to one min/max pair per pixel column (``ui.decimate``, incremental: a frame costs
+column decimated to one min/max pair per pixel column (``kvscope.ui.decimate``, incremental: a frame costs
 the new points, not the whole column), so a 100,000-point curve is as cheap to draw as the plot is
 wide. The view ranges always hold all the data, so there is nothing to clip.
 
-Its helpers have their own files: axes and number formats (``ui.axes``), the device-pixel curve
-(``ui.curves``), the decimator (``ui.decimate``), the ring buffers (``ui.ringbuffer``), and the
-observed-vs-predicted arithmetic (``core.compare``). What stays (about 850 lines) is one widget:
+Its helpers have their own files: axes and number formats (``kvscope.ui.axes``), the device-pixel curve
+(``kvscope.ui.curves``), the decimator (``kvscope.ui.decimate``), the ring buffers (``kvscope.ui.ringbuffer``), and the
+observed-vs-predicted arithmetic (``kvscope.core.live.compare``). What stays (about 850 lines) is one widget:
 the three plots, their curves, markers, spike marks and stepped ranges, which share one frame
 budget (``redraw``) and so one class.
 """
@@ -25,15 +25,15 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QColor, QFont
 from PySide6.QtWidgets import QGraphicsItem, QSplitter, QVBoxLayout, QWidget
 
-from core.sample import PHASE_EVENT, Sample
-from core.breakdown import comparable_totals, forward_peak_totals
-from core.compare import error_percent
-from core.session import MARK_LABEL_CHARS, marker_label
-from ui.axes import BytesAxis, SparseAxis, format_bytes, format_slope
-from ui.curves import DeviceCurve
-from ui.decimate import PeakDecimator
-from ui.ringbuffer import RingBuffer
-from ui.theme import Theme, theme as make_theme
+from kvscope.core.base.sample import PHASE_EVENT, Sample
+from kvscope.core.live.breakdown import comparable_totals, forward_peak_totals
+from kvscope.core.live.compare import error_percent
+from kvscope.core.live.session import MARK_LABEL_CHARS, marker_label
+from kvscope.ui.axes import BytesAxis, SparseAxis, format_bytes, format_slope
+from kvscope.ui.curves import DeviceCurve
+from kvscope.ui.decimate import PeakDecimator
+from kvscope.ui.ringbuffer import RingBuffer
+from kvscope.ui.theme import Theme, theme as make_theme
 
 log = logging.getLogger(__name__)
 
@@ -535,7 +535,7 @@ class LivePlots(QWidget):
         self.times.extend(time_rows)
 
     def add_memory_readings(self, readings, origin: float | None = None) -> int:
-        """Append the memory sampler's readings (``core.probes.MemoryReading``, any number).
+        """Append the memory sampler's readings (``kvscope.core.runtimes.probes.MemoryReading``, any number).
 
         Their ``time_s`` is ``time.monotonic()``; ``origin`` (default ``time_origin``) is the monotonic
         second that is 0 on the plot's time axis, the same axis the token samples' ``time_s`` use.

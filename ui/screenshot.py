@@ -10,8 +10,8 @@ from PySide6.QtCore import QBuffer, QByteArray, QIODevice, QStandardPaths
 from PySide6.QtGui import QImage
 from PySide6.QtWidgets import QWidget
 
-from core.errors import UNAVAILABLE, KVScopeError
-from core.outputs import STDOUT, Output, OutputError, check_output_path, write_output
+from kvscope.core.base.errors import UNAVAILABLE, KVScopeError
+from kvscope.core.records.outputs import STDOUT, Output, OutputError, check_output_path, write_output
 
 
 class ScreenshotError(KVScopeError, RuntimeError):
@@ -33,7 +33,7 @@ def png_bytes(pixmap) -> bytes:
 
 
 def write_png(pixmap, path: str | Path | Output) -> Path:
-    """Save ``pixmap`` as a PNG at ``path`` by the rule of ``core.outputs`` and return the file written.
+    """Save ``pixmap`` as a PNG at ``path`` by the rule of ``kvscope.core.records.outputs`` and return the file written.
 
     ``path`` is an ``Output`` the caller checked (the command line, with its ``--force``) or a path
     the user chose in a file dialog (which asked before replacing): a folder, a device or a

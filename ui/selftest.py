@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-from core.errors import INTERNAL, KVScopeError
+from kvscope.core.base.errors import INTERNAL, KVScopeError
 
 #: Tokens the self-test decodes; each one must have observed KV bytes == predicted KV bytes.
 SELF_TEST_TOKENS = 8
@@ -91,7 +91,7 @@ def llamacpp_missing() -> str | None:
     """Why llama.cpp cannot run here (llama-cpp-python not installed), else None. Never imports llama_cpp
     (the window's process must not): the runtime registry's answer, else whether the module is there."""
     try:
-        from core.runtimes import missing
+        from kvscope.core.runtimes import missing
 
         return missing("llama.cpp")
     except ImportError:
@@ -103,8 +103,8 @@ def llamacpp_missing() -> str | None:
 def _run(timeout_s: float, tokens: int) -> str:
     from PySide6.QtWidgets import QApplication
 
-    from core.request import RunRequest
-    from core.spec import ASSETS
+    from kvscope.core.model.request import RunRequest
+    from kvscope.core.model.spec import ASSETS
 
     if not ASSETS.is_dir():
         # In a bundle this means the spec did not place assets/ next to core/.
@@ -121,8 +121,8 @@ def _llamacpp_part(app, timeout_s: float) -> str:
     why = llamacpp_missing()
     if why:
         return f"llama.cpp skipped: {why}"
-    from core.llamacpp import LlamaCppOptions
-    from core.request import RunRequest
+    from kvscope.core.model.request import RunRequest
+    from kvscope.core.prediction.llamacpp import LlamaCppOptions
 
     request = RunRequest(source="embedded", runtime="llama.cpp", llamacpp=LlamaCppOptions(n_ctx=512),
                          max_new_tokens=LLAMACPP_TOKENS, device="cpu")
@@ -146,8 +146,8 @@ def _generate(app, request, timeout_s: float, tokens: int, what: str) -> tuple[l
     KVSCOPE_ENGINE=thread) until it ends; its decoded samples, the controller and where it ran."""
     from PySide6.QtCore import QEvent, QEventLoop, QTimer
 
-    from core.sample import PHASE_DECODE
-    from workers.engine_link import HostedGenerationController, controller_class
+    from kvscope.core.base.sample import PHASE_DECODE
+    from kvscope.workers.engine_link import HostedGenerationController, controller_class
 
     controller = controller_class()()
     samples: list = []

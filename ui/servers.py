@@ -1,10 +1,10 @@
-"""The Servers tab: inference servers' KV cache over time, from their /metrics (``core.scrape``).
+"""The Servers tab: inference servers' KV cache over time, from their /metrics (``kvscope.core.records.scrape``).
 
-The scraping runs on its own thread (``workers.server_watch``); this tab only draws what arrives: one
+The scraping runs on its own thread (``kvscope.workers.server_watch``); this tab only draws what arrives: one
 solid curve per server (KV bytes in use, the predictor's bytes for the tokens the server reports, or
 KV Scope's own observed bytes), its capacity dashed, and a table with each server's latest reading.
 A server that is down, slow or serves garbage says so in its row; nothing here ever waits on one. What
-a server names (its model, its words) is shown with control characters escaped (``core.safe_text``), and
+a server names (its model, its words) is shown with control characters escaped (``kvscope.core.base.safe_text``), and
 figures it served that no server can have are flagged in its row ("absurd: ..."), never plotted.
 """
 
@@ -19,11 +19,11 @@ from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QHeaderView, QLabel, QLineEdit, QPushButton,
                                QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
-from core.safe_text import safe_text
-from core.spec import human_bytes
-from ui.axes import BytesAxis
-from ui.theme import DARK, Theme
-from workers.server_watch import ServerWatchPoller
+from kvscope.core.base.safe_text import safe_text
+from kvscope.core.model.spec import human_bytes
+from kvscope.ui.axes import BytesAxis
+from kvscope.ui.theme import DARK, Theme
+from kvscope.workers.server_watch import ServerWatchPoller
 
 #: Readings kept per server for the plot (an hour at the 2 s default).
 HISTORY = 1800
@@ -100,8 +100,8 @@ class ServersTab(QWidget):
 
     def watch(self, urls: list[str], model: str | None = None, interval_s: float = 2.0, timeout_s: float = 2.0) -> bool:
         """Start watching ``urls``; False (and the reason in the note) when a URL or the model is refused."""
-        from core.scrape import ScrapeError, metrics_url
-        from core.spec import load_spec
+        from kvscope.core.model.spec import load_spec
+        from kvscope.core.records.scrape import ScrapeError, metrics_url
 
         try:
             checked = [metrics_url(u) for u in urls]
@@ -140,7 +140,7 @@ class ServersTab(QWidget):
             self._curves[url] = (used, capacity)
 
     def show_readings(self, readings: list) -> None:
-        """One round of readings (``core.scrape.ServerReading``): the table, and a point per server."""
+        """One round of readings (``kvscope.core.records.scrape.ServerReading``): the table, and a point per server."""
         self.latest = list(readings)
         for r in readings:
             hist = self._history.get(r.url)
@@ -158,7 +158,7 @@ class ServersTab(QWidget):
         self._fill_table(readings)
 
     def _fill_table(self, readings: list) -> None:
-        from core.scrape import OK
+        from kvscope.core.records.scrape import OK
 
         self.table.setRowCount(len(readings))
         warn = QColor(self.theme.warning)

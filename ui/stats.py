@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QFrame, QGridLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
-from core.sample import Sample
-from core.spec import ModelSpec, SpecError, human_bytes
-from ui.axes import format_tokens
+from kvscope.core.base.sample import Sample
+from kvscope.core.model.spec import ModelSpec, SpecError, human_bytes
+from kvscope.ui.axes import format_tokens
 
 
 @dataclass(frozen=True)
@@ -45,10 +45,10 @@ def kv_at_max_context(spec: ModelSpec, attention: str, cache: str, attn_impl: st
     """The predictor's KV bytes at ``max_context`` for the settings a sample carries (its own
     spellings), or None for a spelling the predictor does not know (a newer recording's).
     Memoised: the settings change at a switch, not at every refresh."""
-    from core.attention import parse_attention
-    from core.caches import parse_cache
-    from core.predict import kv_bytes
-    from core.settings import RunSettings, parse_attn_impl
+    from kvscope.core.model.attention import parse_attention
+    from kvscope.core.model.caches import parse_cache
+    from kvscope.core.model.settings import RunSettings, parse_attn_impl
+    from kvscope.core.prediction.predict import kv_bytes
 
     try:
         settings = RunSettings(batch=batch, weight_dtype=dtype, kv_dtype=kv_dtype,
@@ -194,7 +194,7 @@ class StatsPanel(QWidget):
                        "comes first. A forecast for the KV cache alone."),
         "speed": ("Speed", "Generated tokens per second (wall clock, the model's forward and the measuring)."),
         "total": ("Observed total",
-                  "Where the memory went (core.breakdown): the observed total (GPU: NVML device used; CPU: process "
+                  "Where the memory went (kvscope.core.live.breakdown): the observed total (GPU: NVML device used; CPU: process "
                   "RSS) and its parts,\neach measured (m), predicted (p) or n/a where the device does not say; the "
                   "stacked view below draws them."),
         "oom": ("Out of memory",
@@ -249,7 +249,7 @@ class StatsPanel(QWidget):
         t["speed"].set(speed, f"token {s.tokens:,}" if s.tokens is not None else "")
 
     def show_breakdown(self, b) -> None:
-        """The observed-total tile from a ``core.breakdown.Breakdown`` (None: nothing observed yet)."""
+        """The observed-total tile from a ``kvscope.core.live.breakdown.Breakdown`` (None: nothing observed yet)."""
         if b is None or b.total is None:
             self.tiles["total"].set("n/a", "" if b is None else "the device does not say")
             return
@@ -260,13 +260,13 @@ class StatsPanel(QWidget):
         self.tiles["total"].note.setWordWrap(True)
 
     def show_forecast(self, forecast, warning_color: str | None = None) -> None:
-        """The OOM forecast tile (``core.forecast.OomForecast`` or None); ``warning_color`` when it is near."""
+        """The OOM forecast tile (``kvscope.core.prediction.forecast.OomForecast`` or None); ``warning_color`` when it is near."""
         tile = self.tiles["oom"]
         self.forecast = forecast
         if forecast is None:
             tile.set("n/a", "memory not growing" if self.stats.kv_now is not None else "")
         else:
-            from core.forecast import format_duration
+            from kvscope.core.prediction.forecast import format_duration
 
             when = f"about {format_duration(forecast.seconds)} · " if forecast.seconds is not None else ""
             if forecast.context_first is not None:  # the context ends first: that is the limit to show

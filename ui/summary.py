@@ -7,8 +7,8 @@ from pathlib import Path
 from PySide6.QtCore import QRect, QRectF, Qt
 from PySide6.QtGui import QColor, QFont, QImage, QPainter, QPen
 
-from ui.screenshot import ScreenshotError, write_png
-from ui.theme import Theme
+from kvscope.ui.screenshot import ScreenshotError, write_png
+from kvscope.ui.theme import Theme
 
 
 def render_summary(path: str | Path, theme: Theme, title: str, subtitle: str, numbers: list[tuple[str, str, str]],
@@ -92,5 +92,5 @@ def render_summary(path: str | Path, theme: Theme, title: str, subtitle: str, nu
     finally:
         painter.end()
     # The file dialog asked before replacing; the rest of the rule (no folders created, no devices,
-    # atomic) is core.outputs'.
+    # atomic) is kvscope.core.records.outputs'.
     return write_png(image, Path(path).expanduser())

@@ -10,7 +10,7 @@ from __future__ import annotations
 from PySide6.QtGui import QColor, QTextCharFormat, QTextCursor
 from PySide6.QtWidgets import QPlainTextEdit, QWidget
 
-from ui.theme import Theme
+from kvscope.ui.theme import Theme
 
 #: The longest paragraph the text view is given (characters); longer streams are cut into paragraphs.
 TEXT_BLOCK_CHARS = 2048

@@ -1,4 +1,4 @@
-"""The window's side of the engine host process (``core.engine_process.serve``): one child, shared, talked to over a pipe.
+"""The window's side of the engine host process (``kvscope.core.live.engine_process.serve``): one child, shared, talked to over a pipe.
 
 ``EngineHost`` spawns the child (the ``spawn`` start method everywhere: forking a process that runs
 Qt and torch threads is unsafe) and reads its messages on a named QThread that only waits on the
@@ -6,7 +6,7 @@ pipe, so unpickling a batch is all it ever asks of the GIL. Messages are re-emit
 signal ``message(kind, payload, run)``, delivered on the GUI thread.
 
 ``HostedGenerationController`` and ``HostedSampler`` have the signals and methods of
-``workers.generation.GenerationController`` and ``workers.sampler.MemorySampler``: the window
+``kvscope.workers.generation.GenerationController`` and ``kvscope.workers.sampler.MemorySampler``: the window
 uses either pair the same way. A child that dies (killed, a crash in a kernel) ends the run with a
 one-line error; the next command starts a new child.
 """
@@ -22,8 +22,8 @@ from typing import Any
 
 from PySide6.QtCore import QCoreApplication, QObject, Signal, Slot
 
-from core.engine_process import serve
-from workers.threaded import RUN_MESSAGES, SAMPLER_MESSAGES, RunSignals, WorkerThread, relay
+from kvscope.core.live.engine_process import serve
+from kvscope.workers.threaded import RUN_MESSAGES, SAMPLER_MESSAGES, RunSignals, WorkerThread, relay
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def controller_class() -> type:
     a thread of this process with KVSCOPE_ENGINE=thread."""
     if engine_mode() == "process":
         return HostedGenerationController
-    from workers.generation import GenerationController
+    from kvscope.workers.generation import GenerationController
 
     return GenerationController
 
@@ -53,7 +53,7 @@ def controller_class() -> type:
 class _Reader(QObject):
     """Waits on the pipe; every message becomes ``message``; EOF (the child is gone) becomes ``done``.
 
-    Runs on the window's one worker lifecycle (``workers.threaded.WorkerThread``); it is stopped by
+    Runs on the window's one worker lifecycle (``kvscope.workers.threaded.WorkerThread``); it is stopped by
     closing its end of the pipe (``EngineHost._forget``), which ends ``recv`` with an error."""
 
     message = Signal(str, object, object)
@@ -89,12 +89,12 @@ class _Reader(QObject):
 class EngineHost(QObject):
     """The engine process and its pipe. ``send`` starts the process when it is not running."""
 
-    message = Signal(str, object, object)  # (kind, payload, run id or None) from core.engine_process
+    message = Signal(str, object, object)  # (kind, payload, run id or None) from kvscope.core.live.engine_process
     exited = Signal(int)  # the process ended; its exit code (negative: killed by that signal)
 
     def __init__(self, parent: QObject | None = None, target: Any = serve) -> None:
         super().__init__(parent)
-        self._target = target  # the child's main (core.engine_process.serve; a test gives one that fails)
+        self._target = target  # the child's main (kvscope.core.live.engine_process.serve; a test gives one that fails)
         self._process: Any = None
         self._conn: Any = None
         # The pipe's reader thread; a new engine's reader parks the old one until it has finished.
@@ -124,7 +124,7 @@ class EngineHost(QObject):
         self._reader.launch(_Reader(ours, self.run_done), {"message": self._on_message}, done=self._on_exited)
 
     def send(self, *command: Any) -> None:
-        """Send a command (see core.engine_process); starts the engine first when it is not running."""
+        """Send a command (see kvscope.core.live.engine_process); starts the engine first when it is not running."""
         if not self.is_alive():
             self.start()
         if command[0] == "run":
@@ -297,7 +297,7 @@ class HostedSampler(QObject):
     def __init__(self, device: str = "cpu", rate_hz: float = 20.0, parent: QObject | None = None,
                  host: EngineHost | None = None) -> None:
         super().__init__(parent)
-        from workers.sampler import MemorySampler
+        from kvscope.workers.sampler import MemorySampler
 
         MemorySampler._check_rate(rate_hz)
         self.device = device
@@ -311,7 +311,7 @@ class HostedSampler(QObject):
         return self._rate_hz
 
     def set_rate(self, rate_hz: float) -> None:
-        from workers.sampler import MemorySampler
+        from kvscope.workers.sampler import MemorySampler
 
         MemorySampler._check_rate(rate_hz)
         self._rate_hz = float(rate_hz)

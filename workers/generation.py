@@ -1,6 +1,6 @@
-"""The generation worker in the window's own process (thread mode): core.engine_process.RunDriver on a QThread.
+"""The generation worker in the window's own process (thread mode): kvscope.core.live.engine_process.RunDriver on a QThread.
 
-The window normally runs generation in the engine host process (``workers.engine_link``); this is the
+The window normally runs generation in the engine host process (``kvscope.workers.engine_link``); this is the
 same driver on a thread of the window's process, for ``KVSCOPE_ENGINE=thread`` and for tests that
 patch the model in this process. Shape from superqt's ``_qthreading``: a parentless QObject moved
 to a named QThread; ``thread.started -> worker.work``; the worker's ``done`` quits the thread.
@@ -12,15 +12,15 @@ from __future__ import annotations
 
 from PySide6.QtCore import QObject, Signal, Slot
 
-from core.kernels import start_profiler_threads
-from core.runtimes.transformers import limit_cpu_threads
-from core.request import ModelInfo, RunRequest
-from core.engine_process import RunDriver
-from workers.threaded import RUN_MESSAGES, RunSignals, WorkerThread, relay
+from kvscope.core.live.engine_process import RunDriver
+from kvscope.core.model.request import ModelInfo, RunRequest
+from kvscope.core.runtimes.transformers.kernels import start_profiler_threads
+from kvscope.core.runtimes.transformers.runtime import limit_cpu_threads
+from kvscope.workers.threaded import RUN_MESSAGES, RunSignals, WorkerThread, relay
 
 
 class _Worker(QObject):
-    """core.engine_process.RunDriver on a QThread: its messages become these signals."""
+    """kvscope.core.live.engine_process.RunDriver on a QThread: its messages become these signals."""
 
     samples = Signal(list)
     loaded = Signal(object)

@@ -1,7 +1,7 @@
 """The GPU processes list, polled from NVML once a second on its own thread.
 
 An NVML call can block for a long time on a busy driver, so the window never makes one: this poller
-does, on the window's one worker lifecycle (``workers.threaded.WorkerThread``), and delivers
+does, on the window's one worker lifecycle (``kvscope.workers.threaded.WorkerThread``), and delivers
 ``updated(rows, note)`` on the GUI thread.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from PySide6.QtCore import QObject, Signal, Slot
 
-from workers.threaded import WorkerThread
+from kvscope.workers.threaded import WorkerThread
 
 
 class _PollLoop(QObject):
@@ -77,6 +77,6 @@ class GpuProcessPoller(QObject):
 
 
 def _default_probe():
-    from core.probes import MemoryProbe
+    from kvscope.core.runtimes.probes import MemoryProbe
 
     return MemoryProbe("cpu")

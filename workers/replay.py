@@ -5,7 +5,7 @@ finished, paused_changed), so the window consumes either. Samples are paced by t
 ``time_s`` divided by ``speed``; the file is streamed, never loaded whole.
 
 Every sample costs the window a bounded amount, whatever the file holds: the reader checks each
-field (``core.recording``) and cuts each text to ``MAX_TEXT_CHARS``; a gap between two samples is
+field (``kvscope.core.records.recording``) and cuts each text to ``MAX_TEXT_CHARS``; a gap between two samples is
 waited at most ``MAX_GAP_S`` recorded seconds (a time that jumps by hours, or back, does not stall
 the replay); ``speed=math.inf`` plays without waiting (a ``--screenshot`` shows the end); and at
 most ``MAX_IN_FLIGHT`` batches wait for the window, so a fast reader never queues a whole file's
@@ -20,9 +20,9 @@ import time
 
 from PySide6.QtCore import QObject, Signal, Slot
 
-from core.request import ModelInfo
-from core.recording import MAX_TEXT_CHARS, RecordingError, RecordingReader, spec_from_header
-from workers.threaded import RunSignals, WorkerThread
+from kvscope.core.model.request import ModelInfo
+from kvscope.core.records.recording import MAX_TEXT_CHARS, RecordingError, RecordingReader, spec_from_header
+from kvscope.workers.threaded import RunSignals, WorkerThread
 
 BATCH_MAX = 32
 FLUSH_S = 0.05

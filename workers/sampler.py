@@ -4,7 +4,7 @@ GPU monitors sample once a second and know nothing of tokens; the generation loo
 per token and sees nothing between them. This sampler fills the gap: 20 readings a second by
 default, on a named QThread, delivered to the GUI thread in small batches.
 
-Threading is the window's one worker lifecycle (``workers.threaded.WorkerThread``): the loop checks
+Threading is the window's one worker lifecycle (``kvscope.workers.threaded.WorkerThread``): the loop checks
 an abort flag between readings and sleeps on a ``threading.Event`` so that ``stop()`` wakes it at
 once, then ``wait()``s with a timeout. An exception in the loop becomes ``errored``, never a silent
 dead thread.
@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 from PySide6.QtCore import QObject, Signal, Slot
 
-from core.engine_process import sample_memory
-from core.probes import MemoryProbe
-from workers.threaded import SAMPLER_MESSAGES, WorkerThread, relay
+from kvscope.core.live.engine_process import sample_memory
+from kvscope.core.runtimes.probes import MemoryProbe
+from kvscope.workers.threaded import SAMPLER_MESSAGES, WorkerThread, relay
 
 THREAD_NAME = "kvscope-memory-sampler"
 DEFAULT_RATE_HZ = 20.0
@@ -160,7 +160,7 @@ class SamplerControl(QObject):
         self.notes = []
         self.achieved_hz = None
         if self.host is not None:
-            from workers.engine_link import HostedSampler
+            from kvscope.workers.engine_link import HostedSampler
 
             sampler = HostedSampler(device, self.rate_hz, parent=self, host=self.host)
         else:

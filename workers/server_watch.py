@@ -1,8 +1,8 @@
 """The Servers tab's scraper: inference servers' /metrics every few seconds, on its own thread.
 
 A scrape can take up to its timeout (a slow or silent server), so the window never makes one: this
-poller does, on the window's one worker lifecycle (``workers.threaded.WorkerThread``), and delivers
-``readings(list[core.scrape.ServerReading])`` on the GUI thread after each round.
+poller does, on the window's one worker lifecycle (``kvscope.workers.threaded.WorkerThread``), and delivers
+``readings(list[kvscope.core.records.scrape.ServerReading])`` on the GUI thread after each round.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from PySide6.QtCore import QObject, Signal, Slot
 
-from workers.threaded import WorkerThread
+from kvscope.workers.threaded import WorkerThread
 
 
 class _WatchLoop(QObject):
@@ -28,7 +28,7 @@ class _WatchLoop(QObject):
 
     @Slot()
     def work(self) -> None:
-        from core.scrape import Watcher
+        from kvscope.core.records.scrape import Watcher
 
         try:
             watchers = [Watcher(u, spec=self.spec, timeout=self.timeout_s) for u in self.urls]

@@ -19,12 +19,11 @@ from collections.abc import Callable
 
 from PySide6.QtCore import QCoreApplication, QObject, Qt, QThread, Signal
 
-
-#: The engine's messages (``core.engine_process``: kind, payload) and the signal each one becomes, for
+#: The engine's messages (``kvscope.core.live.engine_process``: kind, payload) and the signal each one becomes, for
 #: every run controller and worker (their signals have these names): one table, not one per relay.
 RUN_MESSAGES = {"samples": "samples", "loaded": "loaded", "progress": "progress", "errored": "errored",
                 "paused": "paused_changed"}
-#: Likewise for the memory sampler's messages (``core.engine_process.sample_memory``).
+#: Likewise for the memory sampler's messages (``kvscope.core.live.engine_process.sample_memory``).
 SAMPLER_MESSAGES = {"readings": "readings", "rate": "rate_measured", "note": "note", "sampler_errored": "errored"}
 
 

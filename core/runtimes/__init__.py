@@ -1,11 +1,11 @@
 """The runtimes KV Scope can drive, by name: the one place that lists them.
 
-Each entry is a ``RuntimeInfo`` (``core.runtimes.base``): the name, where its ``open`` lives (imported only
+Each entry is a ``RuntimeInfo`` (``kvscope.core.runtimes.base``): the name, where its ``open`` lives (imported only
 when a run starts, so the window's process never imports torch, llama_cpp or mlx) and what it can do.
 Nothing outside a runtime's own module compares a runtime's name: the command line, the engine process and
 the window ask this registry (``get``, ``runtime_for_source``, ``check_switch``) and read the answers.
 
-Adding a runtime is one module (or package) implementing ``core.runtimes.base.Runtime`` and one
+Adding a runtime is one module (or package) implementing ``kvscope.core.runtimes.base.Runtime`` and one
 ``register(RuntimeInfo(...))`` line below (a test registers its own the same way, at run time).
 """
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from core.attention import SettingsError
-from core.runtimes.base import OPTIONS, Runtime, RuntimeInfo, resolve
+from kvscope.core.model.attention import SettingsError
+from kvscope.core.runtimes.base import OPTIONS, Runtime, RuntimeInfo, resolve
 
 __all__ = ["OPTIONS", "Runtime", "RuntimeInfo", "DEFAULT", "register", "unregister", "get", "find", "names",
            "reloads_cache", "open_runtime",
@@ -51,7 +51,7 @@ def get(name: str | None) -> RuntimeInfo:
     """The runtime called ``name`` (None: the default); SettingsError names the choices."""
     info = _REGISTRY.get(name or DEFAULT)
     if info is None:
-        from core.attention import SettingsError
+        from kvscope.core.model.attention import SettingsError
 
         raise SettingsError(f"unknown runtime {name!r}; choose one of {', '.join(_REGISTRY)}")
     return info
@@ -73,7 +73,7 @@ def open_runtime(request: Any, progress: Any = lambda text: None) -> Runtime:
     info = get(getattr(request, "runtime", None))
     problem = missing(info.name)
     if problem:
-        from core.attention import SettingsError
+        from kvscope.core.model.attention import SettingsError
 
         raise SettingsError(problem)
     return info.hook("open")(request, progress)
@@ -120,17 +120,17 @@ def parse_switch(text: str, runtime: str = DEFAULT) -> tuple[int, str, str]:
 # ------------------------------------------------------------------------------------------------ the entries
 
 register(RuntimeInfo(
-    name="transformers", open="core.runtimes.transformers:open_runtime",
-    label="transformers (the model in torch)", parse_switch="core.settings:parse_switch_value",
+    name="transformers", open="kvscope.core.runtimes.transformers.runtime:open_runtime",
+    label="transformers (the model in torch)", parse_switch="kvscope.core.model.settings:parse_switch_value",
     supports=frozenset(OPTIONS)))
 register(RuntimeInfo(
-    name="llama.cpp", open="core.runtimes.llamacpp:open_runtime",
+    name="llama.cpp", open="kvscope.core.runtimes.llamacpp.runtime:open_runtime",
     label="llama.cpp (a GGUF in the real llama.cpp, in its own process)",
-    parse_switch="core.request:parse_llamacpp_switch_value", claims="core.gguf:is_gguf_source",
-    missing="core.request:llamacpp_missing", cli_options="core.runtimes.llamacpp:cli_options",
+    parse_switch="kvscope.core.runtimes.llamacpp.switches:parse_llamacpp_switch_value", claims="kvscope.core.model.gguf:is_gguf_source",
+    missing="kvscope.core.model.request:llamacpp_missing", cli_options="kvscope.core.runtimes.llamacpp.runtime:cli_options",
     cache_switch_reloads=True, reserves_at_load=True))
 register(RuntimeInfo(
-    name="mlx", open="core.runtimes.mlx.runtime:open_runtime",
+    name="mlx", open="kvscope.core.runtimes.mlx.runtime:open_runtime",
     label="MLX (mlx-lm: Metal on a Mac, the CPU elsewhere)",
-    parse_switch="core.runtimes.mlx.switches:parse_switch", missing="core.runtimes.mlx.switches:mlx_missing",
-    cli_options="core.runtimes.mlx.switches:cli_options", reserves_at_load=False))
+    parse_switch="kvscope.core.runtimes.mlx.switches:parse_switch", missing="kvscope.core.runtimes.mlx.switches:mlx_missing",
+    cli_options="kvscope.core.runtimes.mlx.switches:cli_options", reserves_at_load=False))

@@ -1,8 +1,8 @@
 """The seam every runtime implements: ``Runtime`` (the live model) and ``RuntimeInfo`` (what is known without it).
 
 A runtime is something that generates tokens and can say what its KV cache costs: transformers (the model in
-torch, ``core.runtimes.transformers``), llama.cpp (a GGUF in the real llama.cpp, ``core.runtimes.llamacpp``),
-MLX, or a tiny one written in the tests. One run loop (``core.run.run_generation``) drives every runtime:
+torch, ``kvscope.core.runtimes.transformers.runtime``), llama.cpp (a GGUF in the real llama.cpp, ``kvscope.core.runtimes.llamacpp.runtime``),
+MLX, or a tiny one written in the tests. One run loop (``kvscope.core.live.run.run_generation``) drives every runtime:
 the recording, the events, scripted and live switches, pause/stop, the memory budget, the end of the run.
 A runtime only answers the loop's questions; it never opens a recording, polls a command or formats an error.
 
@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # plain types only: this module is imported by the window's process
-    from core.request import ModelInfo, RunRequest
-    from core.sample import Sample
-    from core.spec import ModelSpec
+    from kvscope.core.base.sample import Sample
+    from kvscope.core.model.request import ModelInfo, RunRequest
+    from kvscope.core.model.spec import ModelSpec
 
 #: Request options beyond the common ones (model, prompt, tokens, switches, record, seed) that a runtime may take.
 OPTIONS = ("memory_budget", "snapshot", "quality_probe", "max_context")
@@ -43,7 +43,7 @@ OPTIONS = ("memory_budget", "snapshot", "quality_probe", "max_context")
 
 @runtime_checkable
 class Runtime(Protocol):
-    """A loaded (or loading) model in one runtime, driven by ``core.run.run_generation`` on one thread."""
+    """A loaded (or loading) model in one runtime, driven by ``kvscope.core.live.run.run_generation`` on one thread."""
 
     #: The registry name, also every Sample's ``runtime``.
     name: str
@@ -85,7 +85,7 @@ class Runtime(Protocol):
 
     def budget_need(self, ahead: int) -> int | None:
         """Bytes the memory budget counts once ``ahead`` more tokens are in the context (1: the next token),
-        by ``core.forecast.budget_used`` (weights + KV + activations); None where it takes no budget."""
+        by ``kvscope.core.prediction.forecast.budget_used`` (weights + KV + activations); None where it takes no budget."""
 
     def out_of_memory(self, exc: BaseException, where: str) -> str | None:
         """If ``exc`` is running out of memory: free the cache and return the ``oom`` event's text; else None."""

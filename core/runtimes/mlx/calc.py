@@ -1,6 +1,6 @@
 """``calc --runtime mlx``: the bytes of mlx-lm's caches per context, from the predictor alone (no MLX import).
 
-The numbers are ``core.runtimes.mlx.predict``'s, the same the live MLX engine puts in every Sample: a context of
+The numbers are ``kvscope.core.runtimes.mlx.predict``'s, the same the live MLX engine puts in every Sample: a context of
 n tokens is a prompt of ``prompt_tokens`` fed the way ``mlx_lm.generate_step`` feeds it, then one token at a time.
 A KVCache's or QuantizedKVCache's capacity depends on n alone (``ceil(n / 256) * 256`` slots); a rotating cache's
 also on the prompt (a prompt longer than the window is concatenated whole before it is trimmed).
@@ -12,9 +12,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from core.runtimes.mlx.predict import (KV, QUANTIZED, ROTATING, STEP, MlxCache, history, layers_of, parse_cache,
-                                       quantize_problem, slot_bytes, layer_cache)
-from core.spec import ModelSpec, dtype_bytes, human_bytes
+from kvscope.core.model.spec import ModelSpec, dtype_bytes, human_bytes
+from kvscope.core.runtimes.mlx.predict import (KV, QUANTIZED, ROTATING, STEP, MlxCache, history, layer_cache, layers_of,
+                                               parse_cache, quantize_problem, slot_bytes)
 
 MLX_LM_VERSION = "mlx-lm 0.32.2"
 #: The caches a table shows when --cache names none for MLX.
@@ -94,8 +94,8 @@ def render_mlx_json(r: MlxCalc) -> str:
 
 
 def render_mlx_table(r: MlxCalc) -> str:
-    from core.calc import aligned, bytes_cell
-    from core.safe_text import NAME_LIMIT, safe_text
+    from kvscope.core.base.safe_text import NAME_LIMIT, safe_text
+    from kvscope.core.prediction.table import aligned, bytes_cell
 
     lines = [f"{safe_text(r.model, limit=NAME_LIMIT)}: MLX runtime ({MLX_LM_VERSION}), KV of mlx-lm's caches",
              f"a context of n tokens: a {r.prompt_tokens:,}-token prompt fed as generate_step feeds it, then one token "

@@ -4,7 +4,7 @@ What the figures mean on an MLX run:
 
 - ``kv_bytes_reserved``: ``sum(c.nbytes for c in cache)`` over mlx-lm's cache objects (their K/V arrays, or the
   quantized caches' codes, scales and biases): what the arrays hold, zeros of the step included.
-- ``kv_bytes_predicted``: ``core.runtimes.mlx.predict``'s ModelTrack for the same history of updates, from the
+- ``kv_bytes_predicted``: ``kvscope.core.runtimes.mlx.predict``'s ModelTrack for the same history of updates, from the
   model's config and mlx-lm's rules alone (never from the arrays).
 - ``kv_bytes_held``: the slots that hold tokens (the rest of the arrays is the prepaid 256-token step).
 - ``allocator_allocated`` / ``allocator_peak``: ``mx.get_active_memory()`` / ``mx.get_peak_memory()``;
@@ -15,7 +15,7 @@ What the figures mean on an MLX run:
 Switches between two tokens: ``cache`` (kv, rotating:MAX[:KEEP], quantized:BITS[:GROUP]) converts the cache
 objects (``KVCache.to_quantized`` as mlx-lm does for ``--kv-bits``; a rotating cache filled with the tokens it
 would keep; a quantized one dequantized back), ``attention`` (mha, gqa:N, mqa) regroups the K/V projections and
-the cached heads as ``core.convert.regroup_heads`` does in torch. What MLX cannot do is refused with the reason.
+the cached heads as ``kvscope.core.runtimes.transformers.convert.regroup_heads`` does in torch. What MLX cannot do is refused with the reason.
 
 This module imports mlx and mlx_lm: only the engine's side (a run) imports it.
 """
@@ -28,12 +28,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
-from core.attention import SettingsError, native_attention, parse_attention
-from core.request import ModelInfo
-from core.runtimes.mlx.predict import (KV, PREFILL_STEP, QUANTIZED, ROTATING, MlxCache, ModelTrack, layer_cache,
-                                       layers_of, parse_cache, prefill_peak, prompt_chunks, quantize_problem)
-from core.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
-from core.spec import ModelSpec, human_bytes
+from kvscope.core.base.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
+from kvscope.core.model.attention import SettingsError, native_attention, parse_attention
+from kvscope.core.model.request import ModelInfo
+from kvscope.core.model.spec import ModelSpec, human_bytes
+from kvscope.core.runtimes.mlx.predict import (KV, PREFILL_STEP, QUANTIZED, ROTATING, MlxCache, ModelTrack, layer_cache,
+                                               layers_of, parse_cache, prefill_peak, prompt_chunks, quantize_problem)
 
 RUNTIME = "mlx"
 #: The sampler: mlx-lm's own (``make_sampler``), top-k 40 at temperature 0.8, seeded.
@@ -91,7 +91,7 @@ def cache_used_bytes(cache: list[Any]) -> int:
 
 
 def regroup(x: Any, old: int, new: int, axis: int) -> Any:
-    """``x`` with ``old`` heads along ``axis`` made ``new`` (``core.convert.regroup_heads``' rules in MLX): up by
+    """``x`` with ``old`` heads along ``axis`` made ``new`` (``kvscope.core.runtimes.transformers.convert.regroup_heads``' rules in MLX): up by
     repeating each head in place, down by averaging consecutive heads in float32, otherwise through their lcm."""
     import mlx.core as mx
 
@@ -109,7 +109,7 @@ def regroup(x: Any, old: int, new: int, axis: int) -> Any:
 
 class MlxEngine:
     """One model in mlx-lm with one cache per layer, generating for one sequence; ``step`` returns a Sample per
-    token. The same shape as ``core.llamacpp_engine.LlamaCppEngine``: ``prefill``, ``step``, ``apply``,
+    token. The same shape as ``kvscope.core.runtimes.llamacpp.engine.LlamaCppEngine``: ``prefill``, ``step``, ``apply``,
     ``close``, ``model_info``."""
 
     def __init__(self, folder: str | Path, cache: MlxCache | str = "kv", seed: int = 0,
@@ -119,7 +119,7 @@ class MlxEngine:
         from mlx_lm.sample_utils import make_sampler
         from mlx_lm.utils import load_model, load_tokenizer
 
-        from core.spec import SpecError, read_config_json, spec_from_config
+        from kvscope.core.model.spec import SpecError, read_config_json, spec_from_config
 
         self.mx = mx
         self.folder = Path(folder)

@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Sequence
 
-from core.attention import SettingsError
+from kvscope.core.model.attention import SettingsError
 
 #: ``KVCache.step`` (also QuantizedKVCache's and RotatingKVCache's) in mlx-lm 0.32.2.
 STEP = 256
@@ -327,7 +327,7 @@ class ModelTrack:
         return self.tracks[0].offset if self.tracks else 0
 
     def switched(self, cache: MlxCache) -> "ModelTrack":
-        """The tracks after the engine's switch to ``cache`` (``core.runtimes.mlx.engine``): a quantized cache
+        """The tracks after the engine's switch to ``cache`` (``kvscope.core.runtimes.mlx.engine``): a quantized cache
         from a KVCache is ``KVCache.to_quantized`` (same capacity); a rotating one is filled with the tokens it
         would keep (the first ``keep`` and the last ``max_size - keep``: as many slots as tokens); a KVCache from
         a quantized one is the dequantized arrays (same capacity)."""
@@ -346,11 +346,11 @@ class ModelTrack:
 
 
 def layers_of(spec, itemsize: int | None = None) -> tuple[LayerShape, ...]:
-    """The K/V layers of a ``core.spec.ModelSpec`` as mlx-lm's attention hands them to the cache.
+    """The K/V layers of a ``kvscope.core.model.spec.ModelSpec`` as mlx-lm's attention hands them to the cache.
 
     ``itemsize``: bytes per value of the arrays the model computes in (default: the spec's dtype)."""
-    from core.caches import kv_layout
-    from core.spec import dtype_bytes
+    from kvscope.core.model.caches import kv_layout
+    from kvscope.core.model.spec import dtype_bytes
 
     size = int(itemsize if itemsize is not None else dtype_bytes(spec.dtype))
     return tuple(LayerShape(heads=l.heads, k_dim=l.k_dim, v_dim=l.v_dim, itemsize=size, window=l.window)

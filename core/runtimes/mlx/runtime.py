@@ -1,4 +1,4 @@
-"""The MLX runtime behind the seam (``core.runtimes.base.Runtime``): ``MlxEngine`` in this process.
+"""The MLX runtime behind the seam (``kvscope.core.runtimes.base.Runtime``): ``MlxEngine`` in this process.
 
 ``open_runtime`` checks what it can without MLX (the folder, its config, the cache against the head dim) and
 returns a runtime whose ``load`` imports mlx and mlx-lm and loads the weights.
@@ -9,19 +9,19 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from core.attention import SettingsError, native_attention
-from core.request import ModelInfo, RunRequest
-from core.runtimes.mlx.load import resolve_model
-from core.runtimes.mlx.predict import STEP, layers_of, quantize_problem
-from core.runtimes.mlx.switches import MlxOptions, check_options
-from core.sample import PHASE_EVENT, Sample
-from core.spec import SpecError, human_bytes, read_config_json, spec_from_config
+from kvscope.core.base.sample import PHASE_EVENT, Sample
+from kvscope.core.model.attention import SettingsError, native_attention
+from kvscope.core.model.request import ModelInfo, RunRequest
+from kvscope.core.model.spec import SpecError, human_bytes, read_config_json, spec_from_config
+from kvscope.core.runtimes.mlx.load import resolve_model
+from kvscope.core.runtimes.mlx.predict import STEP, layers_of, quantize_problem
+from kvscope.core.runtimes.mlx.switches import MlxOptions, check_options
 
 NAME = "mlx"
 
 
 class MlxRuntime:
-    """A model folder in mlx-lm, one sequence, in this process; a ``core.runtimes.base.Runtime``."""
+    """A model folder in mlx-lm, one sequence, in this process; a ``kvscope.core.runtimes.base.Runtime``."""
 
     name = NAME
 
@@ -44,7 +44,7 @@ class MlxRuntime:
         self.t0 = time.perf_counter()
 
     def load(self) -> None:
-        from core.runtimes.mlx.engine import MlxEngine
+        from kvscope.core.runtimes.mlx.engine import MlxEngine
 
         device = str(self.request.device or "auto").lower()
         if device != "auto":
@@ -62,7 +62,7 @@ class MlxRuntime:
 
     def settings(self, request: RunRequest) -> dict[str, Any]:
         e = self.engine
-        from core.runtimes.mlx.calc import MLX_LM_VERSION
+        from kvscope.core.runtimes.mlx.calc import MLX_LM_VERSION
 
         return {"runtime": NAME, "attention": e.attention, "attn_impl": "mlx-sdpa", "cache": e.cache_key, "batch": 1,
                 "max_new_tokens": request.max_new_tokens, "max_context": e.spec.max_position_embeddings,

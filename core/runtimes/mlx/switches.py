@@ -1,5 +1,5 @@
 """The MLX runtime's light half: its options, its command-line flags and its switches, checked without importing
-MLX (the command line and the window's process use them; ``core.runtimes``' registry points here)."""
+MLX (the command line and the window's process use them; ``kvscope.core.runtimes``' registry points here)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.attention import SettingsError, parse_attention
-from core.runtimes.mlx.predict import PREFILL_STEP, QUANTIZED, MlxCache, parse_cache
+from kvscope.core.model.attention import SettingsError, parse_attention
+from kvscope.core.runtimes.mlx.predict import PREFILL_STEP, QUANTIZED, MlxCache, parse_cache
 
 #: Hugging Face organisations whose repos are MLX conversions (``mlx_lm.convert`` output).
 MLX_ORGS = ("mlx-community", "lmstudio-community-mlx")

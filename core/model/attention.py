@@ -1,0 +1,246 @@
+"""Attention modes: MHA, GQA(n), MQA, MLA and sliding window, as rewrites of a ModelSpec.
+
+Each mode's ``apply`` returns the spec whose KV cache that mode holds (the predictor reads its
+head counts, widths and windows); the engine converts a running model to the same shape.
+Adding a mode is one class here plus one entry in ``ATTENTION_MODES``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+from kvscope.core.base.errors import REFUSED
+from kvscope.core.model.spec import (FULL_ATTENTION, MAX_COUNT, NO_KV, SLIDING_ATTENTION, ModelSpec, SpecError,
+                                     model_facts)
+
+
+class SettingsError(SpecError):
+    """A setting that is misspelled or does not fit the model. The message is for the user."""
+
+    category = REFUSED
+
+
+def int_arg(arg: str | None, what: str, spelled: str) -> int:
+    """Parse the numeric part of a spelling like ``gqa:2``; raise SettingsError naming the spelling."""
+    if arg is None or not arg.strip():
+        raise SettingsError(f"{spelled!r} needs a number, e.g. {what}")
+    try:
+        value = int(arg)
+    except ValueError as exc:
+        raise SettingsError(f"{spelled!r}: {arg!r} is not a whole number (e.g. {what})") from exc
+    if value <= 0:
+        raise SettingsError(f"{spelled!r}: the number must be positive")
+    if value > MAX_COUNT:  # window:10**30 overflowed torch's int64 in the attention mask
+        raise SettingsError(f"{spelled[:40]!r}: the number must be at most {MAX_COUNT:,}")
+    return value
+
+
+# ------------------------------------------------------------------------------------------------
+# Attention modes: each rewrites the part of a ModelSpec that decides what the cache holds.
+
+
+@dataclass(frozen=True)
+class AttentionMode:
+    """Base of attention modes. ``apply`` returns the spec the cache of this mode corresponds to."""
+
+    name: ClassVar[str] = ""
+    help: ClassVar[str] = ""
+
+    @property
+    def key(self) -> str:
+        """Canonical spelling, as on the command line."""
+        return self.name
+
+    @classmethod
+    def parse(cls, arg: str | None, spelled: str) -> "AttentionMode":
+        if arg:
+            raise SettingsError(f"{spelled!r}: {cls.name} takes no argument")
+        return cls()
+
+    def check(self, spec: ModelSpec) -> None:
+        """Raise SettingsError when this mode cannot apply to ``spec``."""
+
+    def apply(self, spec: ModelSpec) -> ModelSpec:
+        raise NotImplementedError
+
+    def __str__(self) -> str:
+        return self.key
+
+
+def _with_kv_heads(spec: ModelSpec, kv_heads: int) -> ModelSpec:
+    """The spec with ``kv_heads`` K/V heads; k_proj/v_proj parameters change with it (one
+    ``hidden x head_dim`` matrix, plus a bias row when the model has one, per head per layer).
+
+    The layer pattern: a model that mixes sliding and full layers (Gemma 3, Qwen2 with
+    max_window_layers) keeps its own pattern, as the engine keeps it; a model whose every layer
+    slides (Mistral) is in the ``window`` mode when built, and a head mode means full attention.
+    """
+    if spec.is_mla:
+        # Expanding MLA to per-head K/V: K is nope+rope wide, V is v_head_dim wide (DeepSeek's layout).
+        return replace(spec, num_kv_heads=kv_heads, head_dim=(spec.qk_nope_head_dim or 0) + (spec.qk_rope_head_dim or 0),
+                       kv_lora_rank=None, layer_kv=None)
+    bias = 1 if spec.kv_bias else 0
+    delta = 2 * spec.num_kv_layers * (kv_heads - spec.num_kv_heads) * spec.head_dim * (spec.hidden_size + bias)
+    # A head change makes every layer compute kv_heads heads of head_dim: the model's own per-layer shapes are gone.
+    layer_kv = spec.layer_kv if kv_heads == spec.num_kv_heads else None
+    spec = replace(spec, num_kv_heads=kv_heads, num_parameters=spec.num_parameters + delta, layer_kv=layer_kv)
+    return full_attention(spec) if spec.num_full_layers == 0 else spec
+
+
+def full_attention(spec: ModelSpec) -> ModelSpec:
+    """``spec`` with every attention layer attending to (and caching) every token (a layer without K/V,
+    linear attention or a state-space mixer, stays as it is)."""
+    return _every_kv_layer(replace(spec, sliding_window=None), FULL_ATTENTION)
+
+
+def _every_kv_layer(spec: ModelSpec, kind: str) -> ModelSpec:
+    return replace(spec, layer_types=tuple(t if t == NO_KV else kind for t in spec.layer_types))
+
+
+@dataclass(frozen=True)
+class MHA(AttentionMode):
+    name: ClassVar[str] = "mha"
+    help: ClassVar[str] = "multi-head: one K/V head per query head"
+
+    def apply(self, spec: ModelSpec) -> ModelSpec:
+        return _with_kv_heads(spec, spec.num_query_heads)
+
+
+@dataclass(frozen=True)
+class GQA(AttentionMode):
+    name: ClassVar[str] = "gqa"
+    help: ClassVar[str] = "grouped-query: N K/V heads shared by groups of query heads (N divides the query heads)"
+    kv_heads: int = 1
+
+    @property
+    def key(self) -> str:
+        return f"gqa:{self.kv_heads}"
+
+    @classmethod
+    def parse(cls, arg: str | None, spelled: str) -> "GQA":
+        return cls(int_arg(arg, "gqa:2", spelled))
+
+    def check(self, spec: ModelSpec) -> None:
+        if spec.num_query_heads % self.kv_heads:
+            choices = ", ".join(f"gqa:{n}" for n in spec.gqa_group_counts())
+            raise SettingsError(
+                f"gqa:{self.kv_heads} does not divide {spec.num_query_heads} query heads of {spec.label}; "
+                f"choose one of {choices}"
+            )
+
+    def apply(self, spec: ModelSpec) -> ModelSpec:
+        self.check(spec)
+        return _with_kv_heads(spec, self.kv_heads)
+
+
+@dataclass(frozen=True)
+class MQA(AttentionMode):
+    name: ClassVar[str] = "mqa"
+    help: ClassVar[str] = "multi-query: a single K/V head for all query heads"
+
+    def apply(self, spec: ModelSpec) -> ModelSpec:
+        return _with_kv_heads(spec, 1)
+
+
+def mla_dims(spec: ModelSpec) -> tuple[int, int]:
+    """(kv_lora_rank, qk_rope_head_dim) of the latent cache. A model without MLA gets DeepSeek-V3's
+    proportions for its own head size: rank 4 x head_dim (512 = 4 x 128), rope part head_dim / 2 (64)."""
+    if spec.is_mla:
+        return int(spec.kv_lora_rank or 0), int(spec.qk_rope_head_dim or 0)
+    return 4 * spec.head_dim, max(1, spec.head_dim // 2)
+
+
+def mla_twin_config(spec: ModelSpec) -> dict:
+    """The sizes of the DeepseekV3 model that stands in for ``spec`` in MLA mode (``kvscope.core.runtimes.transformers.convert.build_mla_twin``
+    builds it; the predictor counts its parameters from the same dict, so both describe one model).
+
+    Same hidden size, layers, vocab, query heads and MLP width; a dense MLP in every layer (no MoE);
+    latent rank and rope part from ``mla_dims``; qk_nope_head_dim = v_head_dim = head_dim; no query
+    compression; full attention in every layer (DeepseekV3 has no sliding window).
+    """
+    rank, rope = mla_dims(spec)
+    inter = spec.intermediate_size
+    return dict(
+        model_type="deepseek_v3", vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+        intermediate_size=inter, moe_intermediate_size=inter, num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_query_heads, num_key_value_heads=spec.num_query_heads,
+        kv_lora_rank=rank, q_lora_rank=None, qk_rope_head_dim=rope, qk_nope_head_dim=spec.head_dim,
+        v_head_dim=spec.head_dim, first_k_dense_replace=spec.num_layers,
+        max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=spec.tie_word_embeddings,
+        # The model's own activation: some carry parameters (Apertus' xIELU: alpha_p, alpha_n per MLP).
+        hidden_act=str(spec.config.get("hidden_act") or "silu"),
+    )
+
+
+@dataclass(frozen=True)
+class MLA(AttentionMode):
+    name: ClassVar[str] = "mla"
+    help: ClassVar[str] = "multi-head latent (DeepSeek-V2/V3): caches one compressed latent plus a rope key per token"
+
+    def check(self, spec: ModelSpec) -> None:
+        if spec.num_kv_layers == 0:
+            raise SettingsError(f"{spec.label} has no attention layer (it caches no K/V, only fixed-size states): "
+                                "there are no keys and values to compress into a latent")
+
+    def apply(self, spec: ModelSpec) -> ModelSpec:
+        if spec.is_mla:
+            return spec
+        rank, rope = mla_dims(spec)
+        twin = mla_twin_config(spec)
+        try:
+            facts = model_facts(twin)
+        except SpecError:  # transformers' validation refuses the twin's config: the estimate, as for unknown types
+            facts = None
+        # The twin is a DeepseekV3 in every layer: full attention everywhere, no linear-attention states.
+        return replace(full_attention(spec), layer_types=(FULL_ATTENTION,) * spec.num_layers, layer_states=None,
+                       layer_kv=None, kv_lora_rank=rank, qk_rope_head_dim=rope,
+                       qk_nope_head_dim=spec.head_dim, v_head_dim=spec.head_dim,
+                       num_parameters=facts.parameters if facts else spec.num_parameters,
+                       buffer_bytes=facts.buffer_bytes if facts else spec.buffer_bytes, kv_bias=False)
+
+
+@dataclass(frozen=True)
+class Window(AttentionMode):
+    name: ClassVar[str] = "window"
+    help: ClassVar[str] = "sliding window: every layer attends to (and caches) only the last W tokens"
+    window: int = 4096
+
+    @property
+    def key(self) -> str:
+        return f"window:{self.window}"
+
+    @classmethod
+    def parse(cls, arg: str | None, spelled: str) -> "Window":
+        return cls(int_arg(arg, "window:4096", spelled))
+
+    def apply(self, spec: ModelSpec) -> ModelSpec:
+        return _every_kv_layer(replace(spec, sliding_window=self.window), SLIDING_ATTENTION)
+
+
+ATTENTION_MODES: list[type[AttentionMode]] = [MHA, GQA, MQA, MLA, Window]
+
+
+def parse_attention(text: str) -> AttentionMode:
+    """Parse ``mha``, ``gqa:N``, ``mqa``, ``mla`` or ``window:W``. Raises SettingsError."""
+    spelled = str(text).strip().lower()
+    name, _, arg = spelled.partition(":")
+    for mode in ATTENTION_MODES:
+        if mode.name == name:
+            return mode.parse(arg or None, spelled)
+    raise SettingsError(f"unknown attention mode {text!r}; use mha, gqa:N, mqa, mla or window:W")
+
+
+def native_attention(spec: ModelSpec) -> AttentionMode:
+    """The attention mode a model is built with (for Mistral-style all-sliding models: its window)."""
+    if spec.is_mla:
+        return MLA()
+    if spec.sliding_window and spec.num_full_layers == 0:
+        return Window(spec.sliding_window)
+    if spec.num_kv_heads == spec.num_query_heads:
+        return MHA()
+    if spec.num_kv_heads == 1:
+        return MQA()
+    return GQA(spec.num_kv_heads)
+
+

@@ -1,0 +1,36 @@
+"""The llama.cpp runtime's light half: the switches a llama.cpp run takes, parsed without importing llama.cpp
+(the command line and the window's process use them; the registry names ``parse_llamacpp_switch_value``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvscope.core.model.attention import SettingsError
+from kvscope.core.model.spec import parse_tokens
+from kvscope.core.prediction.llamacpp import cache_type
+
+#: What a llama.cpp run can switch: its cache types (each a reload of the context; ``context`` too), and the
+#: attention keys it takes here and refuses in the run (llama.cpp fixes the attention layout at load).
+LLAMACPP_CACHE_KEYS = ("cache", "cache-type", "cache-type-k", "cache-type-v")
+LLAMACPP_ATTENTION_KEYS = ("attention", "attn-impl", "attn", "impl", "flash")
+
+
+def parse_llamacpp_switch_value(key: str, value: str) -> tuple[str, Any]:
+    """A llama.cpp run's switch ``KEY=VALUE``: a cache type (``cache``/``cache-type``: K and V;
+    ``cache-type-k``/``-v``: one), ``context`` (tokens, e.g. 8192 or 8k), or an attention key (accepted here,
+    refused by the run: llama.cpp fixes the attention layout when the model loads)."""
+    k = key.strip().lower().replace("_", "-")
+    if k in LLAMACPP_CACHE_KEYS:
+        return k, cache_type(value)
+    if k == "context":
+        try:
+            n = parse_tokens(value)
+        except Exception as exc:  # noqa: BLE001 - SpecError or ValueError: said as one line
+            raise SettingsError(f"context={value!r}: give tokens, e.g. 8192 or 8k ({exc})") from None
+        if n <= 0:
+            raise SettingsError(f"context={value!r}: give a positive number of tokens")
+        return k, n
+    if k in LLAMACPP_ATTENTION_KEYS:
+        return k, value.strip().lower()
+    raise SettingsError(f"unknown setting {key!r} for a llama.cpp run; use cache-type (cache-type-k, cache-type-v) "
+                        "or context")

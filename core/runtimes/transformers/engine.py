@@ -1,0 +1,747 @@
+"""The measuring engine: a real model generating token by token, every byte measured and predicted.
+
+``Engine`` owns the model, the live cache and the token ids. ``prefill()`` and ``step()`` each
+produce one ``Sample``; ``apply(key, value)`` switches attention mode, attention implementation
+or cache strategy between two tokens and returns the event ``Sample`` that marks it.
+``kvscope.core.live.run.run_generation`` drives an Engine for a ``RunRequest``.
+
+Why one file of about 720 lines: the Engine is one object whose parts (prefill, step, the switch
+transaction's checks, the kernel, the quality twin) share its model, cache and settings; the run loop
+is core/live/run.py, the conversions core/runtimes/transformers/convert.py, the undo core/runtimes/transformers/transaction.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import time
+from typing import Any, Callable
+
+import torch
+
+from kvscope.core.base.errors import (  # noqa: F401 - its old home: `from kvscope.core.runtimes.transformers.engine import GenerationError`
+    GenerationError)
+from kvscope.core.base.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
+from kvscope.core.model.attention import MLA, AttentionMode, SettingsError, Window, native_attention
+from kvscope.core.model.caches import CacheStrategy, Quantized, Static, TokenSelecting
+from kvscope.core.model.settings import RunSettings, effective_spec, parse_attn_impl, parse_switch_value
+from kvscope.core.model.spec import INDEXED_ATTENTION, SLIDING_ATTENTION, ModelSpec, SpecError
+from kvscope.core.prediction.predict import kv_bytes, predict
+from kvscope.core.runtimes.transformers.measure import cache_bytes, model_weight_bytes
+
+TOP_K = 40
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(torch.device(device))
+    elif device == "mps":
+        torch.mps.synchronize()
+
+
+@functools.lru_cache(maxsize=None)
+def _backend_problem(backend: str) -> str | None:
+    """Why a quantized-cache backend cannot run in this process (None when it can), found by
+    quantizing one small tensor the way transformers' cache layer does. optimum-quanto builds a
+    C++ extension on first use, which fails where no compiler or torch headers exist (the desktop
+    bundle): better a clear refusal at the switch than an error halfway through a forward pass."""
+    from transformers.cache_utils import HQQQuantizedLayer, QuantoQuantizedLayer
+
+    try:
+        layer = (QuantoQuantizedLayer if backend == "quanto" else HQQQuantizedLayer)(nbits=4)
+        probe = torch.zeros(1, 1, 4, 64)
+        layer.update(probe, probe)  # the first update quantizes
+    except ImportError:
+        return f"it is not installed (pip install {'optimum-quanto' if backend == 'quanto' else 'hqq'})"
+    except Exception as exc:  # noqa: BLE001 - extension build errors come as RuntimeError, OSError...
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    return None
+
+
+def is_oom(exc: BaseException) -> bool:
+    """CUDA/MPS out-of-memory errors, and the CPU allocator's ("DefaultCPUAllocator: can't allocate memory")."""
+    text = str(exc).lower()
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in text \
+        or "can't allocate memory" in text
+
+
+class Engine:
+    """A loaded model, its live cache and the tokens so far. Not thread-safe: one thread drives it."""
+
+    def __init__(self, loaded: Any, settings: RunSettings, probe: Any = None, seed: int = 0,
+                 clock: Callable[[], float] = time.perf_counter, quality_probe: bool = False) -> None:
+        self.loaded = loaded
+        self.spec: ModelSpec = loaded.spec
+        self.device: str = loaded.device
+        self.base_model = loaded.model
+        self.model = loaded.model
+        self.mla_model = None
+        self.probe = probe
+        self.clock = clock
+        #: One line before work that takes long between two tokens (re-running every token so far).
+        self.progress: Callable[[str], None] = lambda text: None
+        self.t0 = clock()
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.settings = settings.with_(weight_dtype=loaded.dtype, kv_dtype=None)
+        #: One line each about a setting the engine adjusted; run_generation emits them as "note" events.
+        self.notes: list[str] = list(getattr(loaded, "notes", ()))  # the load's own (the embedded fallback)
+        limit = self.spec.max_position_embeddings
+        if settings.max_context is not None and settings.max_context > limit:
+            # Clamped, not refused: the window remembers its max-context across models, and a
+            # static cache beyond the trained positions would only hold memory no token can use.
+            self.notes.append(f"max context {settings.max_context:,} is beyond {self.spec.label}'s maximum of "
+                              f"{limit:,} tokens (max_position_embeddings): using {limit:,}")
+            self.settings = self.settings.with_(max_context=limit)
+        self.mode: AttentionMode = native_attention(self.spec)
+        self.kernel = "sdpa"
+        self.cache = None
+        self.cache_base_tokens = 0  # tokens pushed in the cache's first update (quantized residual bookkeeping)
+        self.ids: torch.Tensor | None = None
+        self.prompt_tokens = 0
+        self.generated = 0
+        self.tokens_per_s: float | None = None
+        self._next_logits: torch.Tensor | None = None
+        self._last_step_s: float | None = None
+        self._tokens_rerun: int | None = None  # set by a switch that runs the tokens through the model again
+        self._weights_observed = model_weight_bytes(self.model)
+        self._pending_ids: list[int] = []
+        #: The quality probe (off by default: it costs a second forward pass per token and a second cache):
+        #: the same tokens through the same model with a full dynamic cache, teacher-forced.
+        self.quality_probe = quality_probe
+        self._reference_cache = None
+        self._reference_logits: torch.Tensor | None = None
+        self._reference_stale = False
+        # The embedded demo model is tiny (and, as a fallback, random): left alone it can sample lone UTF-8
+        # continuation bytes and control characters, which print as U+FFFD or nothing; its text reads
+        # better without them (real models: untouched).
+        self._suppressed = self._broken_byte_tokens() if loaded.label.startswith("embedded demo model") else None
+        from kvscope.core.runtimes.transformers import convert
+
+        #: The model's own sliding/full layers, put back when a mode that changed them is left.
+        self._native_pattern = convert.layer_pattern(self.base_model)
+        # Apply the requested starting settings to the model before the prefill, checked as a whole
+        # (attention x cache x device x architecture) first.
+        target = settings.attention or self.mode
+        impl = parse_attn_impl(settings.attn_impl)
+        if impl != "eager" and not getattr(self.base_model, "_supports_sdpa", True):
+            self.notes.append(f"attn-impl {impl} is not available for {type(self.base_model).__name__} (transformers "
+                              "runs it with eager attention only): using eager")
+            settings = settings.with_(attn_impl="eager")
+            impl = "eager"
+        if settings.cache.needs_attention_weights and impl != "eager":
+            self.notes.append(f"the {settings.cache.key} cache scores tokens by the attention they receive, which only "
+                              f"eager attention returns: using attn-impl eager, not {impl}")
+            settings = settings.with_(attn_impl="eager")
+            impl = "eager"
+        self._check_target(target, impl, settings.cache)
+        if target.key != self.mode.key:
+            self._set_attention(target, live=False)
+        self.settings = self.settings.with_(attention=self.mode, cache=settings.cache)
+        self._set_attn_impl(settings.attn_impl)
+
+    # ---------------------------------------------------------------------------------- settings
+
+    @property
+    def seq_len(self) -> int:
+        return 0 if self.ids is None else int(self.ids.shape[1])
+
+    def _check_target(self, mode: AttentionMode, impl: str, strategy: CacheStrategy) -> None:
+        """Refuse, before anything changes, a combination of attention mode, kernel and cache this model
+        cannot run (SettingsError with the reason). What this does not foresee, the switch transaction
+        catches: it tries the new state on one forward pass and undoes everything if that fails."""
+        from kvscope.core.runtimes.transformers import convert
+
+        label = self.spec.label
+        target = self.settings.with_(attention=mode, cache=strategy, attn_impl=impl)
+        eff = effective_spec(self.spec, target)  # SettingsError for gqa:N that does not divide the heads
+        if impl != "eager" and not getattr(self.base_model, "_supports_sdpa", True):
+            raise SettingsError(f"transformers runs {type(self.base_model).__name__} with eager attention only "
+                                f"(it refuses sdpa for it, e.g. sdpa cannot softcap scores): {impl} is not available")
+        if strategy.needs_attention_weights and impl != "eager":
+            raise SettingsError(f"the {strategy.key} cache scores tokens by the attention weights they receive, which "
+                                f"only eager attention returns: attn-impl {impl} cannot run while it is active "
+                                "(switch the cache first)")
+        if isinstance(strategy, TokenSelecting) and INDEXED_ATTENTION in eff.layer_types:
+            raise SettingsError(f"a {strategy.name} cache cannot evict the sparse-attention indexer keys of "
+                                f"{label}'s DSA layers; use dynamic or static")
+        if strategy.needs_cuda and not self.device.startswith("cuda"):
+            raise SettingsError(f"the {strategy.key} cache needs CUDA (this run is on {self.device}): "
+                                "it moves layers between GPU and CPU memory")
+        if isinstance(mode, Window) and mode.window < 2:
+            raise SettingsError("a sliding window must be at least 2 tokens (transformers keeps the last W - 1)")
+        if self.spec.is_mla and not isinstance(mode, MLA):
+            raise SettingsError(f"{label} caches a compressed latent (MLA): it has no K/V heads to regroup and no "
+                                f"sliding-window layers, so {mode.key} is not available for it")
+        if not isinstance(mode, MLA) and eff.num_kv_heads != self.spec.num_kv_heads:
+            convert.kv_heads_of(self.base_model)  # SettingsError with the reason: fused QKV, MLA, MHA-only
+            # ... or projections shared by several layers, or wider than the hidden state (the prediction's premise).
+            convert.check_kv_projections(self.base_model, self.spec.num_kv_layers, self.spec.hidden_size)
+        if isinstance(strategy, Quantized):
+            sliding = eff.num_sliding_layers
+            if sliding:
+                which = f"slide under {mode.key}" if isinstance(mode, Window) else f"of {label} slide"
+                raise SettingsError(f"a quantized cache needs full-attention layers; transformers refuses it with a "
+                                    f"sliding window ({sliding} of {eff.num_layers} layers {which})")
+            if eff.num_state_layers:
+                raise SettingsError(f"a quantized cache needs full-attention layers; transformers refuses it with "
+                                    f"{eff.num_state_layers} of {eff.num_layers} layers of {label} keeping linear-attention, "
+                                    "state-space or convolution states (or sharing K/V)")
+            if strategy.backend in ("quanto", "hqq"):
+                problem = _backend_problem(strategy.backend)
+                if problem:
+                    raise SettingsError(f"the {strategy.backend} cache backend cannot run here: {problem}; "
+                                        "quantized:fp8 (and quantized:hqq:4 where installed) need nothing extra")
+            if self.cache is not None and self.seq_len:
+                # A cache switch quantizes everything held at once; an attention switch keeps the cache's own count.
+                base = self.cache_base_tokens if isinstance(self.settings.cache, Quantized) else self.seq_len
+                self._check_quantized_shapes(eff, target, strategy, base)
+
+    def _check_quantized_shapes(self, eff: ModelSpec, target: RunSettings, strategy: Quantized, base: int) -> None:
+        """A quantized cache quantizes everything it holds at its first update (``base`` tokens) and at each
+        residual flush after it; quanto and hqq refuse tensors that their groups do not divide. Try every
+        such moment up to the context limit with the predictor's formulas (they raise what the backends raise)."""
+        from kvscope.core.model.caches import kv_layout
+        from kvscope.core.prediction.predict import kv_elem_bytes
+
+        if strategy.backend == "fp8" or base <= 0:
+            return
+        layout = kv_layout(eff)
+        elem = kv_elem_bytes(self.spec, target)
+        for n in range(base, max(self.max_context(), base) + 1, strategy.residual_length):
+            try:
+                strategy.kv_bytes(layout, target.batch, n, elem, prompt_tokens=base)
+            except SettingsError as exc:
+                raise SettingsError(f"{strategy.key} with {target.attention.key} would fail when the cache is "
+                                    f"quantized at {n:,} tokens: {exc}") from None
+
+    def max_context(self) -> int:
+        """What a static cache preallocates: the setting, else the model's maximum."""
+        return int(self.settings.max_context or self.spec.max_position_embeddings)
+
+    def _new_cache(self, strategy: CacheStrategy | None = None):
+        return (strategy or self.settings.cache).build(self.model.config, self.max_context())
+
+    def _set_attn_impl(self, impl: str) -> None:
+        impl = parse_attn_impl(impl)
+        hf = "eager" if impl == "eager" else "sdpa"
+        kernel = "eager" if impl == "eager" else "sdpa"
+        if impl == "flash":
+            try:
+                import flash_attn  # noqa: F401
+
+                hf, kernel = "flash_attention_2", "flash_attention_2"
+            except ImportError:
+                # Static caches and sliding windows hand SDPA an explicit mask, which its flash
+                # kernel refuses; then the default SDPA dispatch runs, and the Sample says so.
+                needs_mask = isinstance(self.settings.cache, Static) or isinstance(self.mode, Window)
+                if self._flash_sdpa_works(needs_mask):
+                    kernel = "sdpa-flash"
+                else:
+                    kernel = "sdpa (flash refused: " + ("masked attention)" if needs_mask else "not on this device)")
+        for model in {id(m): m for m in (self.model, self.base_model, self.mla_model) if m is not None}.values():
+            model.set_attn_implementation(hf)
+        self.kernel = kernel
+        self.settings = self.settings.with_(attn_impl=impl)
+
+    def _flash_sdpa_works(self, with_mask: bool) -> bool:
+        """Whether SDPA's flash backend accepts this device/dtype (and a mask), tried on a small problem."""
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        dtype = next(self.model.parameters()).dtype
+        q = torch.zeros(1, 2, 4, self.spec.head_dim, device=self.device, dtype=dtype)
+        mask = torch.ones(1, 1, 4, 4, device=self.device, dtype=torch.bool).tril() if with_mask else None
+        try:
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask, is_causal=mask is None)
+            return True
+        except RuntimeError:
+            return False
+
+    def _kernel_context(self):
+        if self.kernel == "sdpa-flash":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
+        return contextlib.nullcontext()
+
+    def _forward_context(self) -> contextlib.ExitStack:
+        """What a forward pass of the current model on the live cache runs in: the kernel's context, and
+        the cache strategy's (the h2o cache's attention hooks)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self._kernel_context())
+        if self.cache is not None:
+            stack.enter_context(self.settings.cache.forward_context(self.model, self.cache))
+        return stack
+
+    def _layer_pattern_model(self, eff: ModelSpec):
+        """The base model with the sliding/full layers ``eff`` describes (a Llama gets a Mistral twin for a window)."""
+        from kvscope.core.runtimes.transformers import convert
+
+        if eff.layer_types == self.spec.layer_types and eff.sliding_window == self.spec.sliding_window:
+            convert.restore_layer_pattern(self.base_model, self._native_pattern)
+            return self.base_model
+        if eff.num_full_layers == 0:
+            return convert.with_window(self.base_model, eff.sliding_window)
+        if eff.num_sliding_layers == 0:
+            convert.restore_layer_pattern(self.base_model, self._native_pattern)
+            return convert.with_window(self.base_model, None)
+        raise SettingsError(f"{self.spec.label} cannot take the layer pattern of this mode")
+
+    def _set_attention(self, mode: AttentionMode, live: bool) -> str:
+        """Convert the model (and, when ``live``, the cache) to ``mode``. Returns what happened, for the event.
+
+        Not atomic by itself: ``apply`` runs it inside a transaction that undoes it on failure."""
+        from kvscope.core.runtimes.transformers import convert
+
+        previous = self.mode
+        before = effective_spec(self.spec, self.settings)
+        eff = effective_spec(self.spec, self.settings.with_(attention=mode))
+        if isinstance(mode, MLA) and not self.spec.is_mla:
+            if self.mla_model is None:
+                self.mla_model = convert.build_mla_twin(self.base_model.config, seed=0,
+                                                        dtype=next(self.base_model.parameters()).dtype,
+                                                        device=self.device, source_model=self.base_model,
+                                                        spec=self.spec)
+                self.mla_model.eval()
+            self.model = self.mla_model
+            self.mode = mode
+            self.settings = self.settings.with_(attention=mode)
+            self._set_attn_impl(self.settings.attn_impl)
+            self._weights_observed = model_weight_bytes(self.model)
+            if live and self.cache is not None:
+                return self._rerun("MLA is a different model (latent cache)")
+            return "mla"
+        target = eff.num_kv_heads
+        exact = True
+        try:
+            current = convert.kv_heads_of(self.base_model)
+        except SettingsError:
+            # No regroupable heads (fused QKV) or layers of different head counts (MiMo-V2-Flash): _check_target
+            # refuses head changes for such a model, so its projections are still its own, as the target needs.
+            current = None
+        if target != self.spec.num_kv_heads or current not in (None, target):
+            exact = convert.set_kv_heads(self.base_model, target)
+        self.model = self._layer_pattern_model(eff)
+        self.mode = mode
+        self.settings = self.settings.with_(attention=mode)
+        self._set_attn_impl(self.settings.attn_impl)
+        self._weights_observed = model_weight_bytes(self.model)
+        if not live or self.cache is None:
+            return mode.key
+        if previous.name == "mla" and not self.spec.is_mla:
+            return self._rerun("leaving MLA's latent cache")
+        pattern_changed = (before.layer_types, before.sliding_window) != (eff.layer_types, eff.sliding_window)
+        if pattern_changed and self._tokens_lost(before, eff):
+            return self._rerun(f"the {previous.key} cache no longer holds the earliest tokens")
+        strategy = self.settings.cache
+        if pattern_changed and self._tokens_dropped(before):
+            return self._rerun(f"the {strategy.key} cache no longer holds the tokens it dropped")
+        if strategy.needs_attention_weights:
+            # Each K/V head kept its own heavy hitters: slot i is a different token in each head, so heads
+            # cannot be repeated or pooled, and a refill would carry no scores.
+            return self._rerun(f"{strategy.name} keeps different tokens in each K/V head")
+        notes = []
+        old_heads = convert.cache_heads(self.cache)
+        if old_heads is not None and old_heads != target:
+            exact = convert.convert_cache_kv_heads(self.cache, old_heads, target) and exact
+            notes.append(f"{old_heads} -> {target} K/V heads, " + ("exact (heads repeated)" if exact
+                                                                   else "approximate (heads mean-pooled)"))
+        if pattern_changed and before.layer_states:
+            return self._rerun("the layers' states beside K/V are recomputed in the new cache")
+        if pattern_changed:
+            fresh = self._new_cache()
+            convert.refill_cache(fresh, convert.dense_kv(self.cache), seq_length=self.seq_len)
+            self.cache = fresh
+            if eff.num_full_layers == 0:
+                notes.append(f"every layer keeps the last {eff.sliding_window - 1} tokens")
+            elif eff.num_sliding_layers:
+                notes.append(f"the model's own window ({eff.sliding_window}) on {eff.num_sliding_layers} of "
+                             f"{eff.num_layers} layers")
+            else:
+                notes.append("full attention in every layer")
+        elif eff.num_sliding_layers and eff.num_full_layers:
+            notes.append(f"the model's own window ({eff.sliding_window}) stays on {eff.num_sliding_layers} of "
+                         f"{eff.num_layers} layers")
+        return "cache converted in place" + (f": {'; '.join(notes)}" if notes else "")
+
+    def _tokens_dropped(self, eff: ModelSpec | None = None) -> int:
+        """Tokens the live cache's full-attention layers (those of ``eff``, default the current settings')
+        no longer hold: a token-selecting cache past its capacity."""
+        strategy = self.settings.cache
+        if not isinstance(strategy, TokenSelecting) or self.cache is None:
+            return 0
+        if not (eff or effective_spec(self.spec, self.settings)).num_full_layers:
+            return 0
+        return max(0, self.seq_len - strategy.capacity)
+
+    def _tokens_lost(self, before: ModelSpec, after: ModelSpec) -> bool:
+        """Whether some layer would need tokens that its sliding window has already dropped."""
+        n = self.seq_len
+        for old, new in zip(before.layer_types, after.layer_types):
+            held = n if old != SLIDING_ATTENTION else min(n, (before.sliding_window or n + 1) - 1)
+            needed = n if new != SLIDING_ATTENTION else min(n, (after.sliding_window or n + 1) - 1)
+            if held < needed:
+                return True
+        return False
+
+    def _rerun(self, why: str) -> str:
+        """Rebuild the cache by running every token so far through the current model (no new token)."""
+        self.cache = self._new_cache()
+        self.cache_base_tokens = self.seq_len
+        if self.ids is not None and self.seq_len:
+            self.progress(f"re-running {self.seq_len:,} tokens ({why})\u2026")
+            with torch.inference_mode(), self._forward_context():
+                out = self._measured_forward()
+            self._next_logits = out.logits[:, -1, :].float()
+            self.cache = out.cache if getattr(out, "cache", None) is not None else self.cache
+        self._tokens_rerun = self.seq_len
+        return f"re-ran {self.seq_len} tokens: {why}"
+
+    #: Engine fields a switch may change; the transaction restores them on failure.
+    _SWITCH_STATE = ("model", "mla_model", "mode", "settings", "kernel", "cache", "cache_base_tokens",
+                     "_next_logits", "_weights_observed")
+
+    def apply(self, key: str, value: str | AttentionMode | CacheStrategy) -> Sample:
+        """Switch a setting between two tokens, all or nothing. Returns the event Sample.
+
+        The target (attention x kernel x cache x architecture) is checked first; then the model and the
+        cache are converted together and tried on one forward pass (which is then undone). Any failure
+        restores the previous model, cache and settings exactly and raises SettingsError with the
+        reason, so the run goes on as before. A switch to the current setting changes nothing and
+        returns a ``note`` event that says so.
+        """
+        from kvscope.core.runtimes.transformers.transaction import Snapshot
+
+        t = self.clock()
+        name, parsed, fields = self._asked(key, value)
+        label, was, wanted = fields["switch_key"], fields["switch_before"], fields["switch_after"]
+        if wanted == was:
+            return self._sample(PHASE_EVENT, f"{label}: {was} (no change: already {wanted})", event="note",
+                                step_s=self.clock() - t, **fields)
+        self._tokens_rerun = None
+        self._peak_fields = {}  # a re-run of this switch measures its own
+        self.progress(f"switching {label} to {wanted}\u2026")
+        mode = parsed if name == "attention" else self.mode
+        impl = parsed if name == "attn_impl" else self.settings.attn_impl
+        strategy = parsed if name == "cache" else self.settings.cache
+        eager_for = None
+        if name == "cache" and strategy.needs_attention_weights and impl != "eager":
+            eager_for, impl = impl, "eager"  # the switch takes the kernel along, and says so
+        self._check_target(mode, impl, strategy)
+        snapshot = Snapshot([self.base_model, self.model, self.mla_model], self.cache, self, self._SWITCH_STATE)
+        try:
+            with torch.inference_mode():
+                if name == "attention":
+                    detail = self._set_attention(parsed, live=True)
+                elif name == "attn_impl":
+                    self._set_attn_impl(parsed)
+                else:
+                    if eager_for is not None:
+                        self._set_attn_impl("eager")
+                    detail = self._switch_cache(parsed)
+                    if eager_for is not None:
+                        detail += (f"; attn-impl {eager_for} -> eager: {parsed.name} scores tokens by the attention "
+                                   "weights, which only eager attention returns")
+                self._trial_step()
+                if name == "attn_impl":
+                    detail = f"kernel {self.kernel}"  # as measured on the trial pass
+        except Exception as exc:  # noqa: BLE001 - every failure is undone and reported as a refusal
+            snapshot.restore()
+            del snapshot
+            gc.collect()
+            if isinstance(exc, (SettingsError, SpecError)):
+                raise
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            why = "not enough memory for the conversion" if is_oom(exc) else \
+                f"transformers could not run it ({type(exc).__name__}: {first})"
+            raise SettingsError(f"{why}; nothing was changed") from exc
+        del snapshot
+        gc.collect()
+        if name == "attention":
+            self._reference_stale = True  # the quality probe's twin cache was made by the model before
+        now = self._settings_now()[name]
+        text = f"{label}: {was} -> {now} ({detail})"
+        return self._sample(PHASE_EVENT, text, event="switch", step_s=self.clock() - t,
+                            **(fields | {"switch_after": now, "tokens_rerun": self._tokens_rerun}), **self._take_peak())
+
+    def _trial_step(self) -> None:
+        """Run one forward pass on the converted model and cache, then undo what it added to the cache:
+        a switch that transformers would refuse at the next token is refused now, with nothing changed.
+        The pass is profiled: ``self.kernel`` becomes the attention kernel PyTorch really dispatched."""
+        from kvscope.core.runtimes.transformers.kernels import measure_kernel
+        from kvscope.core.runtimes.transformers.transaction import CacheSnapshot
+
+        if self.cache is None or self.ids is None or not self.seq_len:
+            return
+
+        with torch.inference_mode():  # the cache's tensors are inference tensors: undo in the same mode
+            undo = CacheSnapshot(self.cache)
+            try:
+                with self._forward_context():
+                    measured = measure_kernel(lambda: self.model(input_ids=self.ids[:, -1:], cache=self.cache,
+                                                                 use_cache=True, logits_to_keep=1))
+            finally:
+                undo.restore()
+        if measured is not None:
+            self.kernel = measured
+
+    def _switch_cache(self, strategy: CacheStrategy) -> str:
+        from kvscope.core.runtimes.transformers import convert
+
+        if self.cache is None or self.seq_len == 0:
+            self.settings = self.settings.with_(cache=strategy)
+            return "takes effect at the prefill"
+        if isinstance(strategy, Static) and self.seq_len >= self.max_context():
+            raise SettingsError(f"a static cache of {self.max_context():,} tokens cannot hold the {self.seq_len:,} so far")
+        dropped = self._tokens_dropped()
+        old = self.settings.cache
+        self.settings = self.settings.with_(cache=strategy)
+        if INDEXED_ATTENTION in self.spec.layer_types:
+            # A DSA layer's indexer keys cannot be carried across (dense_kv reads K/V only): recompute them.
+            return self._rerun("the sparse-attention indexer keys are recomputed in the new cache")
+        if effective_spec(self.spec, self.settings).layer_states:
+            # Nor can the states layers keep beside K/V (convolution, recurrent, compressor): a fresh cache filled
+            # with K/V alone would start them from zero at the next token.
+            return self._rerun("the layers' states beside K/V are recomputed in the new cache")
+        if dropped:
+            return self._rerun(f"the {old.key} cache has dropped {dropped:,} of them")
+        if strategy.needs_attention_weights:
+            # Copied K/V carry no attention scores: the tokens so far go through the model to score them.
+            return self._rerun(f"{strategy.name} scores every token by the attention it receives")
+        fresh = self._new_cache(strategy)
+        try:
+            convert.refill_cache(fresh, convert.dense_kv(self.cache), seq_length=self.seq_len)
+        except (SettingsError, NotImplementedError, RuntimeError) as exc:
+            return self._rerun(f"the cache could not be moved across ({exc})")
+        self.cache = fresh
+        self.cache_base_tokens = self.seq_len
+        self._set_attn_impl(self.settings.attn_impl)  # the flash kernel may accept this cache's mask or not
+        return "cache moved across" + (" (quantized: lossy)" if isinstance(strategy, Quantized) else "")
+
+    # ---------------------------------------------------------------------------------- tokens
+
+    def prefill(self, prompt_ids: torch.Tensor, text: str) -> Sample:
+        """Run the prompt (ids [batch, n]) through the model; the cache is built here."""
+        if prompt_ids.ndim != 2 or prompt_ids.shape[1] == 0:
+            raise GenerationError("the prompt is empty: give at least one token of text")
+        if isinstance(self.settings.cache, Static) and prompt_ids.shape[1] >= self.max_context():
+            raise GenerationError(f"the prompt ({prompt_ids.shape[1]:,} tokens) does not fit a static cache of "
+                                  f"{self.max_context():,}; raise --max-context")
+        if isinstance(self.settings.cache, Quantized):
+            self._check_quantized_shapes(effective_spec(self.spec, self.settings), self.settings, self.settings.cache,
+                                         int(prompt_ids.shape[1]))
+        self.ids = prompt_ids.to(self.device)
+        self.prompt_tokens = int(prompt_ids.shape[1])
+        self.cache = self._new_cache()
+        self.cache_base_tokens = self.prompt_tokens
+        self._reset_peak()
+        t = self.clock()
+        with torch.inference_mode(), self._forward_context():
+            out = self._measured_forward()
+        _sync(self.device)
+        dt = self.clock() - t
+        self._next_logits = out.logits[:, -1, :].float()
+        self._trial_step()  # measures the attention kernel a decode step runs (untimed, undone)
+        if self.quality_probe:
+            self._reference_rebuild()
+        return self._sample(PHASE_PREFILL, text, step_s=dt, **self._quality_now(), **self._take_peak())
+
+    def _broken_byte_tokens(self) -> torch.Tensor:
+        tok = self.loaded.tokenizer
+        def broken(text: str) -> bool:
+            return any(ch == "\ufffd" or (not ch.isprintable() and ch not in "\n\t") for ch in text)
+
+        bad = [i for i in range(self.spec.vocab_size) if broken(tok.decode([i]))]
+        return torch.tensor(bad, dtype=torch.long)
+
+    def _sample_next(self) -> torch.Tensor:
+        logits = self._next_logits
+        if self._suppressed is not None and len(self._suppressed):
+            logits = logits.clone()
+            logits[:, self._suppressed.to(logits.device)] = float("-inf")
+        top = torch.topk(logits, k=min(TOP_K, logits.shape[-1]), dim=-1)
+        probs = torch.softmax(top.values.cpu(), dim=-1)
+        choice = torch.multinomial(probs, 1, generator=self.generator)
+        return top.indices.cpu().gather(-1, choice).to(self.device)
+
+    def step(self) -> Sample:
+        """Generate one token (for every sequence of the batch) and measure."""
+        if self._next_logits is None or self.ids is None:
+            raise GenerationError("prefill first")
+        if isinstance(self.settings.cache, Static) and self.seq_len >= self.max_context():
+            raise GenerationError(f"the static cache is full at {self.max_context():,} tokens (its preallocated size)")
+        token = self._sample_next()
+        self._reset_peak()
+        t = self.clock()
+        with torch.inference_mode(), self._forward_context():
+            out = self.model(input_ids=token, cache=self.cache, use_cache=True, logits_to_keep=1)
+        _sync(self.device)
+        dt = self.clock() - t
+        self.ids = torch.cat([self.ids, token], dim=1)
+        self._next_logits = out.logits[:, -1, :].float()
+        self.generated += 1
+        rate = 1.0 / dt if dt > 0 else None
+        if rate is not None:
+            self.tokens_per_s = rate if self.tokens_per_s is None else 0.8 * self.tokens_per_s + 0.2 * rate
+        if self.quality_probe:  # untimed: tokens/s is the cache's own
+            if self._reference_cache is None or self._reference_stale:
+                self._reference_rebuild()
+            else:
+                self._reference_logits = self._reference_forward(token)
+        return self._sample(PHASE_DECODE, self._text_piece(int(token[0, 0])), step_s=dt, **self._quality_now())
+
+    # ---------------------------------------------------------------------------------- quality probe
+
+    def _reference_forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids`` through the current model on the full-cache twin; its next-token logits [batch, vocab]."""
+        with torch.inference_mode(), self._kernel_context():
+            out = self.model(input_ids=ids, cache=self._reference_cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1, :].float()
+
+    def _reference_rebuild(self) -> None:
+        """A fresh full (dynamic) twin cache from every token so far, through the model as it is now (after the
+        prefill, and after an attention switch changed the model)."""
+        from kvscope.core.model.caches import Dynamic
+
+        self._reference_cache = None
+        gc.collect()
+        self._reference_cache = Dynamic().build(self.model.config, self.max_context())
+        self._reference_logits = self._reference_forward(self.ids)
+        self._reference_stale = False
+
+    def _quality_now(self) -> dict[str, Any]:
+        """The quality probe's figures for sequence 0 (empty when it is off): whether this cache's most likely next
+        token is the full-cache twin's (``quality_top1`` 1 or 0), and KL(twin || this cache) of the next-token
+        distributions over the whole vocabulary, in nats (``quality_kl``)."""
+        if not self.quality_probe or self._reference_logits is None or self._next_logits is None:
+            return {}
+        ours, ref = self._next_logits[0], self._reference_logits[0].to(self._next_logits.device)
+        log_ours, log_ref = torch.log_softmax(ours, dim=-1), torch.log_softmax(ref, dim=-1)
+        kl = float((log_ref.exp() * (log_ref - log_ours)).sum())
+        return {"quality_top1": int(int(ours.argmax()) == int(ref.argmax())), "quality_kl": max(0.0, kl)}
+
+    def _text_piece(self, token_id: int) -> str:
+        """Text of the newest token of sequence 0. Byte-level tokens can split a UTF-8 character, so
+        bytes that do not decode yet are held back (up to 8 tokens) and come out with the next token."""
+        self._pending_ids.append(token_id)
+        text = self.loaded.tokenizer.decode(self._pending_ids, skip_special_tokens=True)
+        if text.endswith("\ufffd") and len(self._pending_ids) < 8:
+            return ""
+        self._pending_ids = []
+        return text
+
+    def _measured_forward(self) -> Any:
+        """Every token so far through the model into the (empty) cache, as generate()'s prefill calls it, with the
+        allocator's peak above the start measured (kvscope.core.runtimes.transformers.peak) and predicted (kvscope.core.prediction.predict.prefill_peak) for the
+        next Sample (``_take_peak``)."""
+        from kvscope.core.prediction.predict import prefill_peak
+        from kvscope.core.runtimes.transformers.peak import measure_peak
+
+        out, reading = measure_peak(lambda: self.model(input_ids=self.ids, cache=self.cache, use_cache=True,
+                                                       logits_to_keep=1), self.device)
+        device = "cuda" if self.device.startswith("cuda") else self.device
+        try:
+            predicted = prefill_peak(self.spec, self._prediction_settings(), self.seq_len, device=device,
+                                     cpu_threads=torch.get_num_threads()).peak
+        except (SettingsError, SpecError, ValueError, ZeroDivisionError):
+            predicted = None  # a spec the replay cannot follow: the measurement still stands
+        self._peak_fields = {"peak_bytes_observed": reading.peak if reading else None,
+                             "peak_bytes_predicted": predicted}
+        return out
+
+    def _take_peak(self) -> dict[str, Any]:
+        """The last measured forward pass's peak fields, once (the prefill's or the switch's re-run)."""
+        fields, self._peak_fields = getattr(self, "_peak_fields", {}), {}
+        return fields
+
+    def _reset_peak(self) -> None:
+        if self.probe is not None and hasattr(self.probe, "reset_peak"):
+            self.probe.reset_peak()
+
+    def _prediction_settings(self) -> RunSettings:
+        """Settings as the predictor needs them: a static cache's preallocated length made explicit."""
+        if isinstance(self.settings.cache, Static):
+            return self.settings.with_(max_context=self.max_context())
+        return self.settings
+
+    def predicted_kv(self, tokens: int | None = None) -> int:
+        """Predicted KV bytes after ``tokens`` tokens (default: now) under the current settings."""
+        n = self.seq_len if tokens is None else tokens
+        return kv_bytes(self.spec, self._prediction_settings(), n, prompt_tokens=min(self.cache_base_tokens, n))
+
+    def _sample(self, phase: str, text: str, event: str | None = None, step_s: float | None = None,
+                **switch: Any) -> Sample:
+        observed = cache_bytes(self.cache) if self.cache is not None else None
+        reading = self.probe.read() if self.probe is not None else None
+        n = self.seq_len
+        pred = predict(self.spec, self._prediction_settings(), max(n, 1),
+                       prompt_tokens=min(self.cache_base_tokens, max(n, 1)) or None)
+        kv_pred = pred.breakdown.kv_cache if self.cache is not None and n > 0 else 0
+        act = pred.activations_prefill if phase == PHASE_PREFILL else pred.activations_decode
+        return Sample(
+            token=self.generated,
+            phase=phase,
+            time_s=self.clock() - self.t0,
+            text=text,
+            attention=self.mode.key,
+            attn_impl=self.settings.attn_impl,
+            cache=self.settings.cache.key,
+            kernel=self.kernel,
+            device=self.device,
+            dtype=self.loaded.dtype,
+            # transformers reserves nothing ahead of the tokens: the cache's tensors are both figures
+            kv_bytes_held=observed.logical if observed else (0 if self.cache is None else None),
+            kv_bytes_reserved=observed.logical if observed else (0 if self.cache is None else None),
+            kv_bytes_storage=observed.storage if observed else None,
+            weights_bytes=self._weights_observed,
+            allocator_allocated=getattr(reading, "allocator_allocated", None),
+            allocator_reserved=getattr(reading, "allocator_reserved", None),
+            allocator_peak=getattr(reading, "allocator_peak", None),
+            device_used=getattr(reading, "device_used", None),
+            device_total=getattr(reading, "device_total", None),
+            process_gpu=getattr(reading, "process_gpu", None),
+            process_rss=getattr(reading, "process_rss", None),
+            kv_bytes_predicted=kv_pred,
+            weights_predicted=pred.breakdown.weights,
+            activations_predicted=act,
+            total_predicted=(pred.breakdown.weights or 0) + kv_pred + act,
+            tokens_per_s=self.tokens_per_s,
+            event=event,
+            context_tokens=n,
+            **switch,
+        )
+
+    def event(self, kind: str, text: str, **switch: Any) -> Sample:
+        """An event Sample (load, error, oom, budget...) carrying the current measurements; a refused
+        switch passes ``switch_key``, ``switch_before`` and ``switch_after`` as well."""
+        return self._sample(PHASE_EVENT, text, event=kind, **switch)
+
+    def _settings_now(self) -> dict[str, str]:
+        """The three switchable settings, keyed as ``parse_switch_value`` names them."""
+        return {"attention": self.mode.key, "attn_impl": self.settings.attn_impl, "cache": self.settings.cache.key}
+
+    def _asked(self, key: str, value: Any) -> tuple[str, Any, dict[str, Any]]:
+        """A switch asked as ``key=value``: the setting's name, the parsed value, and its ``switch_key`` /
+        ``switch_before`` / ``switch_after`` fields in canonical spellings. SettingsError if it does not parse."""
+        name, parsed = parse_switch_value(key, value) if isinstance(value, str) else (
+            {"attention": "attention", "cache": "cache"}.get(key, "attn_impl"), value)
+        wanted = parsed if name == "attn_impl" else parsed.key
+        return name, parsed, {"switch_key": name.replace("_", "-"), "switch_before": self._settings_now()[name],
+                              "switch_after": wanted}
+
+    def switch_fields(self, key: str, value: Any) -> dict[str, Any]:
+        """The switch fields of ``key=value`` for a refusal event (a value that does not parse is kept as written)."""
+        try:
+            return self._asked(key, value)[2]
+        except (SettingsError, SpecError):
+            return {"switch_key": str(key).strip().lower().replace("_", "-"), "switch_after": str(value)}
+
+    def free_cache(self) -> None:
+        """Drop the cache (after an out-of-memory error) and return its memory to the device."""
+        self.cache = None
+        self._next_logits = None
+        self._reference_cache = self._reference_logits = None
+        gc.collect()
+        if self.device.startswith("cuda"):
+            torch.cuda.empty_cache()

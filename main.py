@@ -102,16 +102,14 @@ def _add_llamacpp_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-kv-offload", action="store_true", help="keep the KV cache in system memory")
 
 
+#: ``calc --runtime vllm``: not a runtime KV Scope drives, but the transformers prediction sized by vLLM's rules.
+CALC_VLLM = "vllm"
+
+
 def _runtime_names() -> tuple[str, ...]:
     from kvscope.core import runtimes
 
     return runtimes.names()
-
-
-def _llamacpp_options(args: argparse.Namespace, n_ctx: int):
-    from kvscope.core.runtimes.llamacpp.runtime import options_from_args
-
-    return options_from_args(args, n_ctx)
 
 
 def _add_metrics_options(p: argparse.ArgumentParser) -> None:
@@ -183,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     calc.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                       help="split each layer over N GPUs, vLLM's way (KV heads split, replicated past their count)")
     calc.add_argument("--pipeline-parallel", type=int, default=1, metavar="M", help="split the layers over M GPU stages")
-    calc.add_argument("--runtime", default="transformers", choices=("transformers", "vllm", "llama.cpp", "mlx"),
+    calc.add_argument("--runtime", default="transformers", choices=(*_runtime_names(), CALC_VLLM),
                       help="vllm: also the KV blocks, tokens and concurrency vLLM 0.33.0 would have (needs --gpu-memory); "
                            "llama.cpp: what llama.cpp allocates at load for each --context (a .gguf --model gives "
                            "its exact weights)")
@@ -304,28 +302,20 @@ def cmd_calc(args: argparse.Namespace) -> int:
     if not contexts:
         raise CliError("--context needs at least one token count, e.g. 4k,32k")
     spec = load_spec(args.model)
-    if args.runtime == "mlx":  # mlx-lm's caches, from its own flags (--cache is transformers')
-        from kvscope.core.runtimes.mlx.calc import calculate_mlx, render_mlx_json, render_mlx_table
-
-        mlx = ["kv"] + ([f"rotating:{args.max_kv_size}"] if args.max_kv_size is not None else []) + (
-            [f"quantized:{args.kv_bits}:{args.kv_group_size or 64}"] if args.kv_bits is not None else [])
-        result = calculate_mlx(spec, contexts, ",".join(mlx) if len(mlx) > 1 else None, args.prompt_tokens)
-        print(render_mlx_json(result) if args.json else render_mlx_table(result))
-        return 0
-    settings = _settings_from(args)
     gpu = parse_size(args.gpu_memory) if args.gpu_memory else None
-    if args.runtime == "llama.cpp":
-        from kvscope.core.prediction.llamacpp import calculate_llamacpp, render_llamacpp_json, render_llamacpp_table
+    settings = _settings_from(args)  # transformers' flags, checked whatever the runtime (a typo is said, not ignored)
+    if args.runtime != CALC_VLLM:  # a runtime of the registry with its own calc (llama.cpp's, mlx-lm's flags)
+        from kvscope.core import runtimes
 
-        result = calculate_llamacpp(args.model, spec, contexts, lambda n: _llamacpp_options(args, n), gpu,
-                                    fit_target=max(0, args.fit_target) << 20)
-        print(render_llamacpp_json(result) if args.json else render_llamacpp_table(result))
-        return 0
+        own_calc = runtimes.get(args.runtime).hook("calc")
+        if own_calc is not None:
+            print(own_calc(args, spec, contexts, gpu))
+            return 0
     from kvscope.core.prediction.parallel import Parallelism
 
     parallelism = Parallelism(args.tensor_parallel, args.pipeline_parallel)
     result = calculate(spec, settings, contexts, gpu, parallelism)
-    if args.runtime == "vllm":
+    if args.runtime == CALC_VLLM:
         from dataclasses import replace
 
         from kvscope.core.prediction.serving import VllmOptions, vllm_capacity

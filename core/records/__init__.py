@@ -1,2 +1,2 @@
-"""What a run leaves behind and who reads it: the ``Sample``, recordings, CSV export, the files the
-user names, the Prometheus exporter, and the scraper that reads other servers' metrics."""
+"""What a run leaves behind and what other servers publish: recordings, CSV export, the files the user names,
+and the scraper that reads inference servers' metrics."""

@@ -128,9 +128,10 @@ register(RuntimeInfo(
     label="llama.cpp (a GGUF in the real llama.cpp, in its own process)",
     parse_switch="kvscope.core.runtimes.llamacpp.switches:parse_llamacpp_switch_value", claims="kvscope.core.model.gguf:is_gguf_source",
     missing="kvscope.core.model.request:llamacpp_missing", cli_options="kvscope.core.runtimes.llamacpp.runtime:cli_options",
-    cache_switch_reloads=True, reserves_at_load=True))
+    calc="kvscope.core.runtimes.llamacpp.runtime:calc_text", cache_switch_reloads=True, reserves_at_load=True))
 register(RuntimeInfo(
     name="mlx", open="kvscope.core.runtimes.mlx.runtime:open_runtime",
     label="MLX (mlx-lm: Metal on a Mac, the CPU elsewhere)",
     parse_switch="kvscope.core.runtimes.mlx.switches:parse_switch", missing="kvscope.core.runtimes.mlx.switches:mlx_missing",
-    cli_options="kvscope.core.runtimes.mlx.switches:cli_options", reserves_at_load=False))
+    cli_options="kvscope.core.runtimes.mlx.switches:cli_options", calc="kvscope.core.runtimes.mlx.calc:calc_text",
+    reserves_at_load=False))

@@ -123,6 +123,9 @@ class RuntimeInfo:
     #: ``cli_options(args) -> dict``: the ``RunRequest`` fields its own command-line flags give (llama.cpp's
     #: llama-server flags -> ``llamacpp``); SettingsError to refuse. None: it has no flags of its own.
     cli_options: "str | Callable[[Any], dict[str, Any]] | None" = None
+    #: ``calc(args, spec, contexts, gpu_memory) -> str``: ``calc --runtime NAME``'s answer (a table, or JSON with
+    #: ``args.json``) from the predictor alone, with the runtime's own flags. None: calc answers for transformers.
+    calc: "str | Callable[[Any, Any, list[int], int | None], str] | None" = None
     #: The request options (``OPTIONS``) it takes; the command line refuses the others in one line.
     supports: frozenset[str] = field(default_factory=frozenset)
     #: The cache switch reloads the whole context (llama.cpp): the window says "reload with q8_0 KV".
@@ -131,7 +134,8 @@ class RuntimeInfo:
     reserves_at_load: bool = False
 
     def hook(self, name: str) -> Any:
-        """The hook ``name`` (``open``, ``parse_switch``, ``claims``, ``missing``, ``cli_options``) resolved, or None."""
+        """The hook ``name`` (``open``, ``parse_switch``, ``claims``, ``missing``, ``cli_options``, ``calc``) resolved,
+        or None."""
         return resolve(getattr(self, name))
 
 

@@ -127,3 +127,12 @@ def render_mlx_table(r: MlxCalc) -> str:
     lines.append("other caches: --max-kv-size N (RotatingKVCache, keep 4; it also depends on --prompt-tokens), "
                  "--kv-bits B [--kv-group-size G] (QuantizedKVCache)")
     return "\n".join(lines)
+
+
+def calc_text(args: Any, spec: ModelSpec, contexts: list[int], gpu_memory: int | None = None) -> str:
+    """``calc --runtime mlx``: mlx-lm's caches for each context, from its own flags (``--max-kv-size``,
+    ``--kv-bits``, ``--kv-group-size``, ``--prompt-tokens``; ``--cache`` is transformers')."""
+    spelled = ["kv"] + ([f"rotating:{args.max_kv_size}"] if args.max_kv_size is not None else []) + (
+        [f"quantized:{args.kv_bits}:{args.kv_group_size or 64}"] if args.kv_bits is not None else [])
+    result = calculate_mlx(spec, contexts, ",".join(spelled) if len(spelled) > 1 else None, args.prompt_tokens)
+    return render_mlx_json(result) if args.json else render_mlx_table(result)

@@ -28,7 +28,7 @@ def _error_classes() -> list[type]:
         names = [node.name for node in tree.body if isinstance(node, ast.ClassDef) and node.bases]
         if not names:
             continue
-        module_name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        module_name = ".".join(("kvscope", *path.relative_to(ROOT).with_suffix("").parts)).removesuffix(".__init__")
         if any(part in module_name for part in ("mlx",)):  # a runtime whose package may need its own extra
             continue
         text = path.read_text(encoding="utf-8")

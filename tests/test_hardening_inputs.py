@@ -610,7 +610,7 @@ def test_prompt_longer_than_model_maximum_refused_before_loading(tmp_path, capsy
 def test_prompt_longer_than_model_maximum_refused_after_loading(tmp_path, capsys, monkeypatch):
     """Where the config comes only with the weights (a hub model: no check before loading), the run refuses
     the same prompt once loaded, before the prefill."""
-    from kvscope.core.runtimes import transformers as transformers_runtime  # the transformers runtime's own check
+    from kvscope.core.runtimes.transformers import runtime as transformers_runtime  # the transformers runtime's own check
 
     monkeypatch.setattr(transformers_runtime, "_check_prompt_before_loading", lambda request, spec: None)
     path, n = _long_prompt(tmp_path)

@@ -182,7 +182,9 @@ def test_llamacpp_runtime_shows_the_allocation_at_load(calc, llama, tmp_path):
     assert calc.number_names["activations"].text() == "Compute buffer"
     calc.cache_combo.setCurrentText("q8_0")
     assert calc.state.kv == plan(llama, LlamaCppOptions(n_ctx=4096, type_k="q8_0", type_v="q8_0")).kv_bytes
-    assert calc.state.max_fit == max_context_llamacpp(llama, 24 * 1024**3, "q8_0", calc._context_values[-1])
+    # calc's search (to llama.cpp's MAX_CONTEXT), not stopped at the slider's 131,072 (issue 25: "131,072+")
+    assert calc.state.max_fit == max_context_llamacpp(llama, 24 * 1024**3, "q8_0") == 135_168
+    assert "135,168 tokens" in calc.fits_label.text()
     assert "cells" in calc.formula_label.text() and "allocated at load" in calc.formula_label.text()
     path = gguf_models.gemma3(tmp_path / "g.gguf")
     spec = load_spec(str(path))

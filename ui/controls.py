@@ -5,18 +5,19 @@ running engine's settings (``apply_request``, ``show_settings``). It decides not
 the window forwards a combo the user changed (``switch_asked``) and the buttons; the combos then
 follow what the engine reports, never what was asked for.
 
-"Installed model" lists what ``core.installed`` finds on this machine; ``InstalledModels`` looks off the
-GUI thread, once for the window's settings, and the calculator's picker shows the same list.
+"Installed model" lists what ``core.installed`` finds on this machine; ``workers.installed_models.InstalledModels``
+looks off the GUI thread, once for the window's settings, and the calculator's picker shows the same list.
+Which runtime a request names, and whether its switches are judged ahead, is the registry's answer
+(``core.runtimes``): the panel never compares a runtime's name.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 from pathlib import Path
 
-from PySide6.QtCore import QObject, QSettings, Qt, Signal
+from PySide6.QtCore import QSettings, Qt, Signal
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QFileDialog, QGroupBox, QHBoxLayout, QLabel, QLineEdit,
                                QPlainTextEdit, QPushButton, QScrollArea, QSpinBox, QStackedWidget, QToolButton,
                                QVBoxLayout, QWidget)
@@ -25,26 +26,21 @@ from core.gguf import is_gguf_source
 from core import runtimes
 from core.attention import parse_attention
 from core.caches import parse_cache
-from core.installed import ORIGINS, InstalledModel, scan_installed
 from core.llamacpp import CACHE_TYPES as LLAMACPP_CACHE_TYPES, LlamaCppOptions
 from core.request import DEFAULT_PROMPT, RunRequest, llamacpp_missing
 from core.runtimes.mlx.predict import parse_cache as parse_mlx_cache
 from core.runtimes.mlx.switches import MlxOptions, mlx_missing
 from core.safe_text import safe_text
 from core.sample import Sample
-from core.settings import ATTN_IMPLS, RunSettings, attention_choices, cache_choices, parse_attn_impl, switch_problem
+from core.settings import ATTN_IMPLS, RunSettings, attention_choices, cache_choices, parse_attn_impl
 from core.spec import SpecError, human_bytes, load_spec, parse_size
 from ui.forms import form_box
+from workers.imports import IMPORT_LOCK  # noqa: F401 - where it lived: ui.calculator's callers, tests
+from workers.installed_models import FOLDERS_KEY, FollowsInstalled, InstalledModels, saved_folders  # noqa: F401
 
 log = logging.getLogger(__name__)
 
 SOURCES = ("embedded", "installed", "folder", "hub", "llamacpp", "mlx")
-#: The QSettings key (top level: the calculator reads it too) of the folders the user added to look for models in.
-FOLDERS_KEY = "model_folders"
-#: One pool thread at a time imports huggingface_hub / transformers: the calculator's warm-up (transformers)
-#: and the installed-model scan (huggingface_hub, which transformers imports too) must not initialise the
-#: same packages from two threads at once.
-IMPORT_LOCK = threading.Lock()
 #: New tokens at first start: a run long enough to watch and to press every key in (the embedded model's
 #: context is 4,096 tokens); the window remembers the user's own choice after that.
 FIRST_START_TOKENS = 3000
@@ -54,155 +50,6 @@ KEYS_HELP = "1\u20135 attention \u00b7 F flash \u00b7 C cache \u00b7 Space pause
 INSTALLED_TIP = "The models found on this machine: name \u00b7 where \u00b7 size"
 #: The axes a live switch changes, in the command line's spelling.
 SWITCH_KEYS = ("attention", "attn-impl", "cache")
-
-
-def saved_folders(s: QSettings) -> list[str]:
-    """The model folders the user added (QSettings ``model_folders``), whatever form the file holds them in."""
-    value = s.value(FOLDERS_KEY, [])
-    if isinstance(value, str):
-        value = [value]
-    elif not isinstance(value, (list, tuple)):
-        return []
-    return list(dict.fromkeys(str(v) for v in value if v))
-
-
-class _ScanJob:
-    """``scan_installed`` off the GUI thread: the stores that need no import first, then all of them.
-
-    It runs on a daemon thread of its own, not a QThreadPool's: a pool waits for its threads when it is
-    destroyed, and the window must never wait on a store (the scan is bounded and cancellable anyway)."""
-
-    def __init__(self, serial: int, home: Path, folders: tuple[str, ...], found) -> None:
-        self.serial, self.home, self.folders, self.found = serial, home, folders, found
-        self.cancel = threading.Event()
-
-    def run(self) -> None:
-        scan = None
-        try:
-            quick = [o for o in ORIGINS if o != "hf-cache"]
-            self._emit(scan_installed(self.home, self.folders, origins=quick, cancelled=self.cancel.is_set), False)
-            # huggingface_hub's constants say where its cache is: imported by one pool thread at a time.
-            while not IMPORT_LOCK.acquire(timeout=0.1):
-                if self.cancel.is_set():
-                    return
-            try:
-                import huggingface_hub.constants  # noqa: F401
-            finally:
-                IMPORT_LOCK.release()
-            scan = scan_installed(self.home, self.folders, cancelled=self.cancel.is_set)
-        except Exception:  # scan_installed never raises; a dead scan must still say it ended
-            log.exception("looking for installed models")
-        if not self.cancel.is_set():
-            self._emit(scan, True)
-
-    def _emit(self, scan, complete: bool) -> None:
-        try:
-            self.found.emit(self.serial, scan, complete)
-        except RuntimeError:  # its window has closed meanwhile
-            pass
-
-
-class InstalledModels(QObject):
-    """The models already on this machine (``core.installed.scan_installed``), looked for off the GUI thread.
-
-    ``for_settings(s)`` gives the one of a settings file: the window's Source list and the calculator's
-    picker share it, so a folder added in one is listed in both. ``changed``: ``models`` (and ``notes``, one
-    line per entry the scan skipped) is new."""
-
-    changed = Signal()
-    _found = Signal(int, object, bool)  # scan serial, InstalledScan (None: failed), whether complete
-
-    NAME = "kvscope-installed-models"
-
-    def __init__(self, settings: QSettings | None = None, parent: QObject | None = None) -> None:
-        super().__init__(parent if parent is not None else settings)
-        self.setObjectName(self.NAME)
-        self.settings = settings
-        self.folders: tuple[str, ...] = tuple(saved_folders(settings)) if settings is not None else ()
-        self.models: list[InstalledModel] = []
-        self.notes: list[str] = []
-        self.scanned = False  # a complete scan has come back
-        self._serial = 0
-        self._done = 0
-        self._key: tuple | None = None
-        self._job: _ScanJob | None = None
-        self._thread: threading.Thread | None = None
-        self._found.connect(self._on_found)
-
-    @classmethod
-    def for_settings(cls, s: QSettings) -> "InstalledModels":
-        found = s.findChild(QObject, cls.NAME)
-        return found if isinstance(found, cls) else cls(s)
-
-    @property
-    def busy(self) -> bool:
-        """A scan is under way."""
-        return self._done != self._serial
-
-    def refresh(self) -> None:
-        """Look again (off the GUI thread); the same look already under way is not started twice."""
-        home = Path.home()
-        key = (self.folders, str(home), os.environ.get("OLLAMA_MODELS"), os.environ.get("HF_HUB_CACHE"),
-               os.environ.get("HF_HOME"))
-        if self.busy and key == self._key:
-            return
-        if self._job is not None:
-            self._job.cancel.set()  # a newer look replaces it
-        self._serial += 1
-        self._key = key
-        self._job = _ScanJob(self._serial, home, self.folders, self._found)
-        self._thread = threading.Thread(target=self._job.run, name="kvscope-installed-models", daemon=True)
-        self._thread.start()
-
-    def add_folder(self, folder: str) -> None:
-        """Look in ``folder`` too, from now on (saved in the settings) and at once."""
-        folder = str(folder)
-        if folder not in self.folders:
-            self.folders = (*self.folders, folder)
-            if self.settings is not None:
-                self.settings.setValue(FOLDERS_KEY, list(self.folders))
-        self.refresh()
-
-    def wait(self, timeout_ms: int = 3000) -> bool:
-        """Stop a scan in flight, for the window's shutdown: it ends at its next entry (milliseconds); its
-        daemon thread is waited for ``timeout_ms`` at most, and never holds the process after that."""
-        if self._job is not None:
-            self._job.cancel.set()
-        if self._thread is not None:
-            self._thread.join(max(timeout_ms, 0) / 1000)
-            return not self._thread.is_alive()
-        return True
-
-    def _on_found(self, serial: int, scan, complete: bool) -> None:
-        if serial != self._serial:
-            return  # a newer look was asked for meanwhile
-        if scan is not None:
-            self.models = list(scan.models)
-            self.notes = list(scan.notes)
-        if complete:
-            self._done = serial
-            self.scanned = True
-        self.changed.emit()
-
-
-class FollowsInstalled:
-    """A widget listing the installed models (the Source list, the calculator's picker): ``use_installed`` makes it
-    follow one shared ``InstalledModels`` scan; the widget has ``installed`` and refills in ``_fill_installed``."""
-
-    installed: InstalledModels | None = None
-
-    def use_installed(self, installed: InstalledModels) -> None:
-        """List ``installed``'s models (and follow it as it finds more)."""
-        if self.installed is installed:
-            return
-        if self.installed is not None:
-            self.installed.changed.disconnect(self._fill_installed)
-        self.installed = installed
-        installed.changed.connect(self._fill_installed)
-        self._fill_installed()
-
-    def _fill_installed(self) -> None:
-        raise NotImplementedError
 
 
 def _prompt_text(text: str) -> str:
@@ -240,7 +87,7 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
         # switches the engine refused from a state (never proposed again from it) and the last reason a key had none.
         self.model_spec = None
         self.model_device: str | None = None
-        self.runtime = "transformers"
+        self.runtime = runtimes.DEFAULT
         self.running: dict[str, str] = {}
         self.refusals: dict[tuple[str, str, tuple[str, str, str]], str] = {}
         self.last_problem = ""
@@ -308,6 +155,8 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
         self.source_stack.addWidget(self.hub_edit)
         self.source_stack.addWidget(gguf_row)
         self.source_stack.addWidget(QWidget())  # MLX: the embedded model (an installed MLX folder: "Installed model")
+        #: The Source entries with a file field of their own: a request of their runtime shows its model there.
+        self._entry_files = {"llamacpp": self.gguf_edit}
         #: Why the llama.cpp source cannot be chosen (llama-cpp-python missing), or None.
         self.llamacpp_missing = llamacpp_missing()
         if self.llamacpp_missing:
@@ -583,17 +432,20 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
 
     def problem(self, key: str, value: str, now: dict[str, str] | None = None) -> str | None:
         """Why ``key=value`` cannot run from ``now`` (default: the settings ahead), or None: a refusal the
-        engine gave from that state, else ``core.settings.switch_problem``'s rules. Only a transformers
-        run with a known model is judged (llama.cpp's own choices say what it reloads)."""
+        engine gave from that state, else the runtime's own rules (its registry ``switch_problem``:
+        ``core.settings.switch_problem`` for transformers). Only a run with a known model is judged, and only
+        where its runtime judges ahead (llama.cpp's own choices say what it reloads)."""
         now = self.settings_ahead() if now is None else now
-        if self.model_spec is None or self.runtime != "transformers" or len(now) < 3:
+        info = runtimes.find(self.runtime)
+        if self.model_spec is None or len(now) < 3 or info is None or info.switch_problem is None:
             return None
         if now.get(key) == value:
             return None  # what runs: no switch
         learned = self.refusals.get((key, value, self._state(now)))
         if learned:
             return learned
-        return switch_problem(self.model_spec, self.model_device, now, key, value, tokens=self.context_tokens())
+        return runtimes.switch_problem(self.runtime, self.model_spec, self.model_device, now, key, value,
+                                       tokens=self.context_tokens())
 
     def grey_what_cannot_run(self) -> None:
         """Grey out, with the reason, each combo entry the engine cannot apply from the settings ahead;
@@ -680,21 +532,22 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
     def build_request(self) -> RunRequest:
         """The RunRequest the controls describe. Raises SpecError (SettingsError) with a user message."""
         kind = self.source_combo.currentData()
-        if kind == "llamacpp":
-            return self._llamacpp_request()
-        if kind == "mlx":
-            return self._mlx_request("embedded")
+        # A runtime's own Source entry (llama.cpp's file, MLX's embedded model) builds that runtime's request.
+        own = {"llamacpp": self._llamacpp_request, "mlx": lambda: self._mlx_request("embedded")}.get(kind)
+        if own is not None:
+            return own()
         if kind == "installed":
             source = self.installed_combo.currentData() or ""
             if not source:
                 raise SpecError("pick an installed model (or add a folder that holds models)")
             model = self._installed_model(source)
-            if (model.kind == "gguf") if model is not None else is_gguf_source(source):  # before the scan is back
-                # A GGUF (Ollama's, LM Studio's...) runs where it was made to run: llama.cpp, with the context
-                # Ollama's Modelfile sets (num_ctx) unless Max context says otherwise.
-                return self._llamacpp_request(source, default_ctx=model.num_ctx if model is not None else None)
-            if model is not None and model.kind == "mlx":  # an MLX conversion runs in MLX
-                return self._mlx_request(source)
+            found = model.kind if model is not None else ("gguf" if is_gguf_source(source) else "hf")  # before the scan
+            # A GGUF (Ollama's, LM Studio's...) runs where it was made to run: llama.cpp, with the context Ollama's
+            # Modelfile sets (num_ctx) unless Max context says otherwise; an MLX conversion runs in MLX.
+            runs_in = {"gguf": lambda: self._llamacpp_request(source, default_ctx=model.num_ctx if model else None),
+                       "mlx": lambda: self._mlx_request(source)}.get(found)
+            if runs_in is not None:
+                return runs_in()
         elif kind == "folder":
             source = self.folder_edit.text().strip()
             if not source:
@@ -765,13 +618,25 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
             kwargs["prompt"] = prompt
         return RunRequest(**kwargs)
 
+    def _runtime_entry(self, request: RunRequest) -> str | None:
+        """The Source list entry of the request's runtime where it has one of its own (the registry's
+        ``source_entry``) and that entry can show the request: one with a file field takes any model; one without
+        (MLX's) only the embedded model, and only where the runtime is installed."""
+        entry = runtimes.source_entry(request.runtime)
+        if entry not in SOURCES:
+            return None
+        if entry in self._entry_files:
+            return entry
+        item = self.source_combo.model().item(SOURCES.index(entry))
+        return entry if request.source == "embedded" and item is not None and item.isEnabled() else None
+
     def apply_request(self, request: RunRequest) -> None:
         """Show a RunRequest's choices in the controls (from the command line)."""
-        if request.runtime == "mlx" and request.source == "embedded" and not self.mlx_missing:
-            self.source_combo.setCurrentIndex(SOURCES.index("mlx"))
-        elif request.runtime == "llama.cpp":
-            self.source_combo.setCurrentIndex(SOURCES.index("llamacpp"))
-            self.gguf_edit.setText("" if request.source == "embedded" else request.source)
+        entry = self._runtime_entry(request)
+        if entry is not None:
+            self.source_combo.setCurrentIndex(SOURCES.index(entry))
+            if entry in self._entry_files:
+                self._entry_files[entry].setText("" if request.source == "embedded" else request.source)
         elif request.source == "embedded":
             self.source_combo.setCurrentIndex(SOURCES.index("embedded"))
         elif self.installed_combo.findData(request.source) >= 0:

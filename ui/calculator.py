@@ -287,10 +287,6 @@ class CalculatorTab(FollowsInstalled, QWidget):
     def warm(self) -> bool:
         return self.loader.warm
 
-    @property
-    def pool(self):
-        return self.loader.pool
-
     def warm_up(self) -> None:
         """Import transformers in the loader's thread (first job; spec loads queue behind it)."""
         self.loader.warm_up()

@@ -44,7 +44,7 @@ def main() -> int:
     def watch() -> None:
         """Grab the panel once the run is well into its -fa off half (the slow timer's refresh, forced)."""
         s = window.session.last_sample
-        if "panel" in before or s is None or s.runtime != "llama.cpp":
+        if "panel" in before or s is None or s.runtime != request.runtime:
             return
         if s.attn_impl == "fa-off" and s.phase == "decode" and s.token >= SWITCH_AT // 2:
             window.refresh_stats()

@@ -70,7 +70,7 @@ def test_window_process_loads_no_torch(tmp_path):
             window.controller.host.message.connect(lambda kind, *_: loop.quit() if kind == "device" else None)
             QTimer.singleShot(180_000, loop.quit)
             loop.exec()
-            device = window._engine_device
+            device = window.run.engine_device
             window.open_recording("assets/demo/demo.jsonl", speed=50.0)
             window.run_finished.connect(loop.quit)
             loop.exec()

@@ -179,10 +179,10 @@ def test_a_llamacpp_run_in_the_window_draws_reserved_and_used(qtbot, window):
 
 
 def test_without_llama_cpp_the_window_disables_the_choice(qtbot, settings, monkeypatch):
-    import kvscope.ui.controls
+    import kvscope.ui.source_picker
     from kvscope.ui.controls import ControlsPanel
 
-    monkeypatch.setattr(kvscope.ui.controls, "llamacpp_missing", lambda: "llama-cpp-python is not installed: pip install it")
+    monkeypatch.setattr(kvscope.ui.source_picker, "llamacpp_missing", lambda: "llama-cpp-python is not installed: pip install it")
     panel = ControlsPanel()
     qtbot.addWidget(panel)
     i = panel.source_combo.findData("llamacpp")

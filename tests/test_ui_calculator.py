@@ -181,7 +181,9 @@ def test_llamacpp_runtime_shows_the_allocation_at_load(calc, llama, tmp_path):
     assert calc.number_names["activations"].text() == "Compute buffer"
     calc.cache_combo.setCurrentText("q8_0")
     assert calc.state.kv == plan(llama, LlamaCppOptions(n_ctx=4096, type_k="q8_0", type_v="q8_0")).kv_bytes
-    assert calc.state.max_fit == max_context_llamacpp(llama, 24 * 1024**3, "q8_0", calc._context_values[-1])
+    # calc's search (to llama.cpp's MAX_CONTEXT), not stopped at the slider's 131,072 (issue 25: "131,072+")
+    assert calc.state.max_fit == max_context_llamacpp(llama, 24 * 1024**3, "q8_0") == 135_168
+    assert "135,168 tokens" in calc.fits_label.text()
     assert "cells" in calc.formula_label.text() and "allocated at load" in calc.formula_label.text()
     path = gguf_models.gemma3(tmp_path / "g.gguf")
     spec = load_spec(str(path))
@@ -194,3 +196,59 @@ def test_llamacpp_runtime_shows_the_allocation_at_load(calc, llama, tmp_path):
     calc.runtime_combo.setCurrentIndex(calc.runtime_combo.findData("transformers"))
     assert calc.cache_combo.currentText() == "dynamic" and calc.batch.isEnabled()
     assert calc.state.kv == kv_bytes(spec, calc.current_settings(), 1024)
+
+
+def test_a_runtime_registered_with_calculator_rules_is_offered_without_a_ui_edit(qtbot, llama):
+    """The tab lists what the registry gives rules (``RuntimeInfo.calculator``): a runtime written here, whose cache
+    allocates K/V in chunks of 256 tokens, shows its own rows and greys the inputs it does not read."""
+    from dataclasses import replace as with_
+
+    from kvscope.core import runtimes
+    from kvscope.core.prediction.calculator import CalcFigures, CalcRow
+    from kvscope.core.prediction.predict import kv_bytes
+
+    class ChunkRules:
+        label, tip, unused_note, default_cache = "chunks (tests)", "a cache in 256-token chunks", "(chunks: not used)", "chunk:256"
+        inputs = frozenset({"batch"})
+
+        def caches(self, spec):
+            return ["chunk:256", "chunk:1024"]
+
+        def settings(self, spec, inputs):
+            return RunSettings(batch=inputs.batch)
+
+        def _kv(self, spec, inputs):
+            size = int(inputs.cache.split(":")[1])
+            held = -(-inputs.context // size) * size  # whole chunks
+            return kv_bytes(spec, self.settings(spec, inputs), held)
+
+        def fit(self, spec, inputs):
+            return None, 1
+
+        def figures(self, spec, inputs, fit):
+            kv = self._kv(spec, inputs)
+            return CalcFigures(inputs, self.settings(spec, inputs), (CalcRow("kv", "KV in chunks", kv), CalcRow("total", "Total", kv)),
+                               kv, fit[0], fit[1], f"{inputs.cache}", 1, spec.max_position_embeddings, spec.label)
+
+        def stack(self, spec, inputs):
+            return 0, self._kv(spec, inputs), 0
+
+    runtimes.register(runtimes.RuntimeInfo(name="chunks-test", open=lambda r, p: None, calculator=ChunkRules()))
+    try:
+        tab = CalculatorTab()
+        qtbot.addWidget(tab)
+        tab.set_spec(llama)
+        names = [tab.runtime_combo.itemData(i) for i in range(tab.runtime_combo.count())]
+        assert names == list(runtimes.calculators()) and names[-1] == "chunks-test"
+        tab.set_context(1000)
+        tab.runtime_combo.setCurrentIndex(names.index("chunks-test"))
+        assert [tab.cache_combo.itemText(i) for i in range(tab.cache_combo.count())] == ["chunk:256", "chunk:1024"]
+        assert list(tab.numbers) == ["kv", "total"] and tab.number_names["kv"].text() == "KV in chunks"
+        assert tab.state.kv == kv_bytes(llama, RunSettings(), 1024)  # 1,000 tokens: four whole chunks of 256
+        assert tab.batch.isEnabled() and not tab.attention.isEnabled() and "(chunks: not used)" in tab.attention.toolTip()
+        tab.runtime_combo.setCurrentIndex(names.index(runtimes.DEFAULT))  # back: the default's rows again
+        assert list(tab.numbers) == ["weights", "kv", "activations", "total", "per_token"]
+        assert tab.attention.isEnabled() and "(chunks" not in tab.attention.toolTip()
+        assert with_(tab.state.inputs, runtime="x").runtime == "x"
+    finally:
+        runtimes.unregister("chunks-test")

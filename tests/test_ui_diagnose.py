@@ -71,7 +71,7 @@ def test_scripted_run_puts_the_prefill_and_every_switch_in_the_events_table(qtbo
     with RecordingReader(record) as reader:
         recorded = list(reader)
     assert sum(1 for s in recorded if s.event == "switch") == 2
-    assert window.last_recording == str(record)
+    assert window.files.last_recording == str(record)
     assert window.export_csv(str(tmp_path / "scripted.csv")) == len(recorded)
 
 
@@ -182,7 +182,7 @@ def test_sampling_rate_menu_changes_the_sampler_and_is_remembered(qtbot, window,
 
 
 def test_snapshot_button_is_disabled_without_cuda_and_says_why(window):
-    assert not window._cuda_available()  # this machine: CPU torch
+    assert not window.run.cuda_available()  # this machine: CPU torch
     assert not window.controls.snapshot_button.isEnabled()
     assert "no CUDA GPU" in window.controls.snapshot_button.toolTip()
 

@@ -376,7 +376,7 @@ def test_loading_shows_a_busy_bar_and_recording_a_lasting_badge(qtbot, settings,
     w.set_record_path(None)
     assert not rec.isVisible()
     # While a live run records: the filled badge, gone when the run ends.
-    w.recording_now = str(target)
+    w.files.recording_now = str(target)
     w.session.mode = "live"
     w.session.set_state("running")
     assert rec.isVisible() and rec.text() == "\u25cf REC" and str(target) in rec.toolTip()

@@ -5,205 +5,43 @@ running engine's settings (``apply_request``, ``show_settings``). It decides not
 the window forwards a combo the user changed (``switch_asked``) and the buttons; the combos then
 follow what the engine reports, never what was asked for.
 
-"Installed model" lists what ``kvscope.core.model.installed`` finds on this machine; ``InstalledModels`` looks off the
-GUI thread, once for the window's settings, and the calculator's picker shows the same list.
+Where the model comes from is the Source list's (``kvscope.ui.source_picker``: the installed models follow the shared
+scan, ``kvscope.workers.installed_models``); the panel builds the request around it. Which runtime a request names, and
+whether its switches are judged ahead, is the registry's answer (``kvscope.core.runtimes``): the panel never compares a
+runtime's name.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import threading
-from pathlib import Path
 
-from PySide6.QtCore import QObject, QSettings, Qt, Signal
-from PySide6.QtWidgets import (QCheckBox, QComboBox, QFileDialog, QGroupBox, QHBoxLayout, QLabel, QLineEdit,
-                               QPlainTextEdit, QPushButton, QScrollArea, QSpinBox, QStackedWidget, QToolButton,
-                               QVBoxLayout, QWidget)
+from PySide6.QtCore import QSettings, Qt, Signal
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QGroupBox, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit,
+                               QPushButton, QScrollArea, QSpinBox, QVBoxLayout, QWidget)
 
 from kvscope.core import runtimes
-from kvscope.core.base.safe_text import safe_text
 from kvscope.core.base.sample import Sample
 from kvscope.core.model.attention import parse_attention
 from kvscope.core.model.caches import parse_cache
-from kvscope.core.model.gguf import is_gguf_source
-from kvscope.core.model.installed import ORIGINS, InstalledModel, scan_installed
-from kvscope.core.model.request import DEFAULT_PROMPT, RunRequest, llamacpp_missing
-from kvscope.core.model.settings import (ATTN_IMPLS, RunSettings, attention_choices, cache_choices, parse_attn_impl,
-                                         switch_problem)
+from kvscope.core.model.request import DEFAULT_PROMPT, RunRequest
+from kvscope.core.model.settings import ATTN_IMPLS, RunSettings, attention_choices, cache_choices, parse_attn_impl
 from kvscope.core.model.spec import SpecError, human_bytes, load_spec, parse_size
 from kvscope.core.prediction.llamacpp import CACHE_TYPES as LLAMACPP_CACHE_TYPES, LlamaCppOptions
 from kvscope.core.runtimes.mlx.predict import parse_cache as parse_mlx_cache
-from kvscope.core.runtimes.mlx.switches import MlxOptions, mlx_missing
+from kvscope.core.runtimes.mlx.switches import MlxOptions
 from kvscope.ui.forms import form_box
+from kvscope.ui.source_picker import SOURCES, SourcePicker, disable_item  # noqa: F401 - SOURCES: tests import it here
+from kvscope.workers.installed_models import InstalledModels, saved_folders  # noqa: F401 - saved_folders: tests
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("embedded", "installed", "folder", "hub", "llamacpp", "mlx")
-#: The QSettings key (top level: the calculator reads it too) of the folders the user added to look for models in.
-FOLDERS_KEY = "model_folders"
-#: One pool thread at a time imports huggingface_hub / transformers: the calculator's warm-up (transformers)
-#: and the installed-model scan (huggingface_hub, which transformers imports too) must not initialise the
-#: same packages from two threads at once.
-IMPORT_LOCK = threading.Lock()
 #: New tokens at first start: a run long enough to watch and to press every key in (the embedded model's
 #: context is 4,096 tokens); the window remembers the user's own choice after that.
 FIRST_START_TOKENS = 3000
 CONTROLS_MIN_W = 300
 KEYS_HELP = "1\u20135 attention \u00b7 F flash \u00b7 C cache \u00b7 Space pause \u00b7 F11 presenter \u00b7 Ctrl+S screenshot"
-#: The installed-model list's tooltip (the entries the scan skipped follow it, one line each).
-INSTALLED_TIP = "The models found on this machine: name \u00b7 where \u00b7 size"
 #: The axes a live switch changes, in the command line's spelling.
 SWITCH_KEYS = ("attention", "attn-impl", "cache")
-
-
-def saved_folders(s: QSettings) -> list[str]:
-    """The model folders the user added (QSettings ``model_folders``), whatever form the file holds them in."""
-    value = s.value(FOLDERS_KEY, [])
-    if isinstance(value, str):
-        value = [value]
-    elif not isinstance(value, (list, tuple)):
-        return []
-    return list(dict.fromkeys(str(v) for v in value if v))
-
-
-class _ScanJob:
-    """``scan_installed`` off the GUI thread: the stores that need no import first, then all of them.
-
-    It runs on a daemon thread of its own, not a QThreadPool's: a pool waits for its threads when it is
-    destroyed, and the window must never wait on a store (the scan is bounded and cancellable anyway)."""
-
-    def __init__(self, serial: int, home: Path, folders: tuple[str, ...], found) -> None:
-        self.serial, self.home, self.folders, self.found = serial, home, folders, found
-        self.cancel = threading.Event()
-
-    def run(self) -> None:
-        scan = None
-        try:
-            quick = [o for o in ORIGINS if o != "hf-cache"]
-            self._emit(scan_installed(self.home, self.folders, origins=quick, cancelled=self.cancel.is_set), False)
-            # huggingface_hub's constants say where its cache is: imported by one pool thread at a time.
-            while not IMPORT_LOCK.acquire(timeout=0.1):
-                if self.cancel.is_set():
-                    return
-            try:
-                import huggingface_hub.constants  # noqa: F401
-            finally:
-                IMPORT_LOCK.release()
-            scan = scan_installed(self.home, self.folders, cancelled=self.cancel.is_set)
-        except Exception:  # scan_installed never raises; a dead scan must still say it ended
-            log.exception("looking for installed models")
-        if not self.cancel.is_set():
-            self._emit(scan, True)
-
-    def _emit(self, scan, complete: bool) -> None:
-        try:
-            self.found.emit(self.serial, scan, complete)
-        except RuntimeError:  # its window has closed meanwhile
-            pass
-
-
-class InstalledModels(QObject):
-    """The models already on this machine (``kvscope.core.model.installed.scan_installed``), looked for off the GUI thread.
-
-    ``for_settings(s)`` gives the one of a settings file: the window's Source list and the calculator's
-    picker share it, so a folder added in one is listed in both. ``changed``: ``models`` (and ``notes``, one
-    line per entry the scan skipped) is new."""
-
-    changed = Signal()
-    _found = Signal(int, object, bool)  # scan serial, InstalledScan (None: failed), whether complete
-
-    NAME = "kvscope-installed-models"
-
-    def __init__(self, settings: QSettings | None = None, parent: QObject | None = None) -> None:
-        super().__init__(parent if parent is not None else settings)
-        self.setObjectName(self.NAME)
-        self.settings = settings
-        self.folders: tuple[str, ...] = tuple(saved_folders(settings)) if settings is not None else ()
-        self.models: list[InstalledModel] = []
-        self.notes: list[str] = []
-        self.scanned = False  # a complete scan has come back
-        self._serial = 0
-        self._done = 0
-        self._key: tuple | None = None
-        self._job: _ScanJob | None = None
-        self._thread: threading.Thread | None = None
-        self._found.connect(self._on_found)
-
-    @classmethod
-    def for_settings(cls, s: QSettings) -> "InstalledModels":
-        found = s.findChild(QObject, cls.NAME)
-        return found if isinstance(found, cls) else cls(s)
-
-    @property
-    def busy(self) -> bool:
-        """A scan is under way."""
-        return self._done != self._serial
-
-    def refresh(self) -> None:
-        """Look again (off the GUI thread); the same look already under way is not started twice."""
-        home = Path.home()
-        key = (self.folders, str(home), os.environ.get("OLLAMA_MODELS"), os.environ.get("HF_HUB_CACHE"),
-               os.environ.get("HF_HOME"))
-        if self.busy and key == self._key:
-            return
-        if self._job is not None:
-            self._job.cancel.set()  # a newer look replaces it
-        self._serial += 1
-        self._key = key
-        self._job = _ScanJob(self._serial, home, self.folders, self._found)
-        self._thread = threading.Thread(target=self._job.run, name="kvscope-installed-models", daemon=True)
-        self._thread.start()
-
-    def add_folder(self, folder: str) -> None:
-        """Look in ``folder`` too, from now on (saved in the settings) and at once."""
-        folder = str(folder)
-        if folder not in self.folders:
-            self.folders = (*self.folders, folder)
-            if self.settings is not None:
-                self.settings.setValue(FOLDERS_KEY, list(self.folders))
-        self.refresh()
-
-    def wait(self, timeout_ms: int = 3000) -> bool:
-        """Stop a scan in flight, for the window's shutdown: it ends at its next entry (milliseconds); its
-        daemon thread is waited for ``timeout_ms`` at most, and never holds the process after that."""
-        if self._job is not None:
-            self._job.cancel.set()
-        if self._thread is not None:
-            self._thread.join(max(timeout_ms, 0) / 1000)
-            return not self._thread.is_alive()
-        return True
-
-    def _on_found(self, serial: int, scan, complete: bool) -> None:
-        if serial != self._serial:
-            return  # a newer look was asked for meanwhile
-        if scan is not None:
-            self.models = list(scan.models)
-            self.notes = list(scan.notes)
-        if complete:
-            self._done = serial
-            self.scanned = True
-        self.changed.emit()
-
-
-class FollowsInstalled:
-    """A widget listing the installed models (the Source list, the calculator's picker): ``use_installed`` makes it
-    follow one shared ``InstalledModels`` scan; the widget has ``installed`` and refills in ``_fill_installed``."""
-
-    installed: InstalledModels | None = None
-
-    def use_installed(self, installed: InstalledModels) -> None:
-        """List ``installed``'s models (and follow it as it finds more)."""
-        if self.installed is installed:
-            return
-        if self.installed is not None:
-            self.installed.changed.disconnect(self._fill_installed)
-        self.installed = installed
-        installed.changed.connect(self._fill_installed)
-        self._fill_installed()
-
-    def _fill_installed(self) -> None:
-        raise NotImplementedError
 
 
 def _prompt_text(text: str) -> str:
@@ -224,7 +62,7 @@ def _default_attention_choices() -> tuple[str, ...]:
         return ("mha", "mqa")
 
 
-class ControlsPanel(FollowsInstalled, QScrollArea):
+class ControlsPanel(QScrollArea):
     """The left column. ``switch_asked(key)``: the user picked another attention / kernel / cache."""
 
     switch_asked = Signal(str)
@@ -241,7 +79,7 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
         # switches the engine refused from a state (never proposed again from it) and the last reason a key had none.
         self.model_spec = None
         self.model_device: str | None = None
-        self.runtime = "transformers"
+        self.runtime = runtimes.DEFAULT
         self.running: dict[str, str] = {}
         self.refusals: dict[tuple[str, str, tuple[str, str, str]], str] = {}
         self.last_problem = ""
@@ -249,77 +87,13 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
         self._build()
 
     def _build(self) -> None:
-        self.source_combo = QComboBox()
-        self.source_combo.addItem("Embedded demo model", "embedded")
-        self.source_combo.addItem("Installed model", "installed")
-        self.source_combo.addItem("Local folder", "folder")
-        self.source_combo.addItem("Hugging Face hub id", "hub")
-        self.source_combo.addItem("llama.cpp (GGUF)", "llamacpp")
-        self.source_combo.addItem("MLX (mlx-lm)", "mlx")  # the embedded model in MLX; installed MLX folders too
-        self.source_combo.setToolTip("Embedded: a tiny Llama-shaped model built offline, always available.\n"
-                                     "Installed model: one already on this machine (the Hugging Face cache, Ollama, "
-                                     "LM Studio, folders you add).\nLocal folder: a saved transformers model, or a "
-                                     ".gguf file.\nHub id: org/name, downloaded (or from the local Hugging Face cache).\n"
-                                     "llama.cpp: the embedded model as a GGUF, or a .gguf file, in the real llama.cpp "
-                                     "(its KV cache is reserved whole at load).")
-        self.installed: InstalledModels | None = None  # bound to the window's settings in restore()
-        self._installed_wanted = ""  # the installed model to show once the scan has listed it
-        self.installed_combo = QComboBox()
-        self.installed_combo.setToolTip(INSTALLED_TIP)
-        self.installed_combo.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
-        self.installed_combo.setMinimumContentsLength(8)
-        self.installed_combo.activated.connect(self._installed_chosen)
-        # A narrow button: the panel is 300 px at 720p and the model's name needs the room.
-        self.add_folder_button = QToolButton()
-        self.add_folder_button.setText("+")
-        self.add_folder_button.setToolTip("Add folder\u2026: look for models (GGUF files, transformers model folders) "
-                                          "in a folder of yours too (remembered)")
-        self.add_folder_button.clicked.connect(self._ask_folder)
-        installed_row = QWidget()
-        ir = QHBoxLayout(installed_row)
-        ir.setContentsMargins(0, 0, 0, 0)
-        ir.addWidget(self.installed_combo, 1)
-        ir.addWidget(self.add_folder_button)
-        self.folder_edit = QLineEdit()
-        self.folder_edit.setPlaceholderText("/path/to/model folder")
-        browse = QPushButton("\u2026")
-        browse.setToolTip("Choose a model folder")
-        browse.clicked.connect(self._browse_folder)
-        folder_row = QWidget()
-        fr = QHBoxLayout(folder_row)
-        fr.setContentsMargins(0, 0, 0, 0)
-        fr.addWidget(self.folder_edit, 1)
-        fr.addWidget(browse)
-        self.hub_edit = QLineEdit()
-        self.hub_edit.setPlaceholderText("org/name, e.g. HuggingFaceTB/SmolLM2-135M")
-        self.gguf_edit = QLineEdit()
-        self.gguf_edit.setPlaceholderText("embedded model \u00b7 or /path/to/model.gguf")
-        gguf_browse = QPushButton("\u2026")
-        gguf_browse.setToolTip("Choose a .gguf file")
-        gguf_browse.clicked.connect(self._browse_gguf)
-        gguf_row = QWidget()
-        gr = QHBoxLayout(gguf_row)
-        gr.setContentsMargins(0, 0, 0, 0)
-        gr.addWidget(self.gguf_edit, 1)
-        gr.addWidget(gguf_browse)
-        self.source_stack = QStackedWidget()
-        self.source_stack.addWidget(QWidget())
-        self.source_stack.addWidget(installed_row)
-        self.source_stack.addWidget(folder_row)
-        self.source_stack.addWidget(self.hub_edit)
-        self.source_stack.addWidget(gguf_row)
-        self.source_stack.addWidget(QWidget())  # MLX: the embedded model (an installed MLX folder: "Installed model")
-        #: Why the llama.cpp source cannot be chosen (llama-cpp-python missing), or None.
-        self.llamacpp_missing = llamacpp_missing()
-        if self.llamacpp_missing:
-            self._disable_item(self.source_combo, "llamacpp", self.llamacpp_missing)
-        #: Why the MLX source cannot be chosen (mlx / mlx-lm missing), or None.
-        self.mlx_missing = mlx_missing()
-        if self.mlx_missing:
-            self._disable_item(self.source_combo, "mlx", self.mlx_missing)
-        self.source_combo.currentIndexChanged.connect(self.source_stack.setCurrentIndex)
-        self.source_combo.currentIndexChanged.connect(lambda i: self.source_stack.setVisible(i != 0))
-        self.source_stack.setFixedHeight(self.hub_edit.sizeHint().height())
+        self.source = SourcePicker(self)
+        src = self.source
+        # The Source list's widgets, by the names the window's users (tests, scripts) reach for.
+        self.source_combo, self.source_stack, self.installed_combo = src.combo, src.stack, src.installed_combo
+        self.folder_edit, self.hub_edit, self.gguf_edit = src.folder_edit, src.hub_edit, src.gguf_edit
+        self.add_folder_button = src.add_folder_button
+        self.llamacpp_missing, self.mlx_missing = src.llamacpp_missing, src.mlx_missing
 
         self.device_combo = QComboBox()
         self.device_combo.addItems(["auto", "cpu", "cuda", "mps"])
@@ -415,67 +189,20 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
         for key in SWITCH_KEYS:
             self.combo(key).activated.connect(lambda _i, k=key: self._activated(k))
         self.fill_choices()
-        self._fill_installed()
 
-    # ---- installed models (use_installed: FollowsInstalled)
+    # ---- the Source list (``kvscope.ui.source_picker``) and its installed models
 
-    def _installed_chosen(self, _index: int) -> None:
-        self._installed_wanted = self.installed_combo.currentData() or ""
+    @property
+    def installed(self) -> InstalledModels | None:
+        """The shared scan of the models on this machine (the Source list's)."""
+        return self.source.installed
 
-    def _fill_installed(self) -> None:
-        """Refill the installed-model combo from the scan, keeping the model chosen (if it is still there)."""
-        combo = self.installed_combo
-        wanted = self._installed_wanted or combo.currentData() or ""
-        models = self.installed.models if self.installed is not None else []
-        combo.blockSignals(True)
-        try:
-            combo.clear()
-            for m in models:
-                combo.addItem(m.describe(), m.source)
-                kind = {"gguf": "GGUF file", "mlx": "MLX model folder"}.get(m.kind, "transformers model folder")
-                combo.setItemData(combo.count() - 1, f"{m.describe()}\n{kind}: {safe_text(m.source)}",
-                                  Qt.ItemDataRole.ToolTipRole)
-            if wanted and combo.findData(wanted) < 0 and Path(wanted).exists():
-                combo.addItem(Path(wanted).name, wanted)  # chosen before; the scan has not (yet) listed it
-                combo.setItemData(combo.count() - 1, wanted, Qt.ItemDataRole.ToolTipRole)
-            if combo.count() == 0:
-                busy = self.installed is None or not self.installed.scanned
-                combo.addItem("Looking for models\u2026" if busy else "None found: add a folder", None)
-                combo.model().item(0).setEnabled(False)
-            i = combo.findData(wanted) if wanted else -1
-            combo.setCurrentIndex(max(i, 0))
-            notes = self.installed.notes if self.installed is not None else []
-            skipped = (f"\n\nSkipped ({len(notes)}):\n" + "\n".join(notes[:12]) + ("\n\u2026" if len(notes) > 12 else "")
-                       if notes else "")
-            combo.setToolTip(INSTALLED_TIP + skipped)
-        finally:
-            combo.blockSignals(False)
-
-    def _ask_folder(self) -> None:
-        folder = QFileDialog.getExistingDirectory(self, "A folder with models", str(Path.home()))
-        if folder:
-            self.add_model_folder(folder)
+    def use_installed(self, installed: InstalledModels) -> None:
+        self.source.use_installed(installed)
 
     def add_model_folder(self, folder: str) -> None:
         """Look for models in ``folder`` too (remembered); its first model is chosen once found."""
-        if self.installed is None:
-            self.use_installed(InstalledModels(parent=self))
-        self._after_scan_choose = str(folder)
-        self.installed.changed.connect(self._choose_in_added_folder, Qt.ConnectionType.UniqueConnection)
-        self.installed.add_folder(folder)
-
-    def _choose_in_added_folder(self) -> None:
-        if self.installed is None or not self.installed.scanned or self.installed.busy:
-            return
-        self.installed.changed.disconnect(self._choose_in_added_folder)
-        root = os.path.realpath(self._after_scan_choose)
-        for i in range(self.installed_combo.count()):
-            source = self.installed_combo.itemData(i)
-            real = os.path.realpath(source) if source else ""
-            if real == root or real.startswith(root.rstrip(os.sep) + os.sep):
-                self.installed_combo.setCurrentIndex(i)
-                self._installed_wanted = source
-                break
+        self.source.add_model_folder(folder)
 
     # ---- choices
 
@@ -504,7 +231,7 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
             for key in self._impls_listed():
                 self.impl_combo.addItem(key, key)
                 if key not in self.impl_choices:
-                    self._disable_item(self.impl_combo, key, "not available here")
+                    disable_item(self.impl_combo, key, "not available here")
             self.select(self.impl_combo, current)
 
             current = self.cache_combo.currentData() or "dynamic"
@@ -512,18 +239,11 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
             for key, reason in self.cache_choices:
                 self.cache_combo.addItem(key if reason is None else f"{key} ({reason})", key)
                 if reason:
-                    self._disable_item(self.cache_combo, key, reason)
+                    disable_item(self.cache_combo, key, reason)
             self.select(self.cache_combo, current)
             self.grey_what_cannot_run()
         finally:
             self._updating = False
-
-    @staticmethod
-    def _disable_item(combo: QComboBox, key: str, reason: str) -> None:
-        item = combo.model().item(combo.findData(key))
-        if item is not None:
-            item.setEnabled(False)
-            item.setToolTip(reason)
 
     def select(self, combo: QComboBox, key: str) -> bool:
         """Show ``key`` in ``combo`` (not a user's choice: no switch follows). False if it has no such entry."""
@@ -584,17 +304,20 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
 
     def problem(self, key: str, value: str, now: dict[str, str] | None = None) -> str | None:
         """Why ``key=value`` cannot run from ``now`` (default: the settings ahead), or None: a refusal the
-        engine gave from that state, else ``kvscope.core.model.settings.switch_problem``'s rules. Only a transformers
-        run with a known model is judged (llama.cpp's own choices say what it reloads)."""
+        engine gave from that state, else the runtime's own rules (its registry ``switch_problem``:
+        ``kvscope.core.model.settings.switch_problem`` for transformers). Only a run with a known model is judged, and only
+        where its runtime judges ahead (llama.cpp's own choices say what it reloads)."""
         now = self.settings_ahead() if now is None else now
-        if self.model_spec is None or self.runtime != "transformers" or len(now) < 3:
+        info = runtimes.find(self.runtime)
+        if self.model_spec is None or len(now) < 3 or info is None or info.switch_problem is None:
             return None
         if now.get(key) == value:
             return None  # what runs: no switch
         learned = self.refusals.get((key, value, self._state(now)))
         if learned:
             return learned
-        return switch_problem(self.model_spec, self.model_device, now, key, value, tokens=self.context_tokens())
+        return runtimes.switch_problem(self.runtime, self.model_spec, self.model_device, now, key, value,
+                                       tokens=self.context_tokens())
 
     def grey_what_cannot_run(self) -> None:
         """Grey out, with the reason, each combo entry the engine cannot apply from the settings ahead;
@@ -680,32 +403,13 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
 
     def build_request(self) -> RunRequest:
         """The RunRequest the controls describe. Raises SpecError (SettingsError) with a user message."""
-        kind = self.source_combo.currentData()
-        if kind == "llamacpp":
-            return self._llamacpp_request()
-        if kind == "mlx":
-            return self._mlx_request("embedded")
-        if kind == "installed":
-            source = self.installed_combo.currentData() or ""
-            if not source:
-                raise SpecError("pick an installed model (or add a folder that holds models)")
-            model = self._installed_model(source)
-            if (model.kind == "gguf") if model is not None else is_gguf_source(source):  # before the scan is back
-                # A GGUF (Ollama's, LM Studio's...) runs where it was made to run: llama.cpp, with the context
-                # Ollama's Modelfile sets (num_ctx) unless Max context says otherwise.
-                return self._llamacpp_request(source, default_ctx=model.num_ctx if model is not None else None)
-            if model is not None and model.kind == "mlx":  # an MLX conversion runs in MLX
-                return self._mlx_request(source)
-        elif kind == "folder":
-            source = self.folder_edit.text().strip()
-            if not source:
-                raise SpecError("choose a model folder (or pick the embedded demo model)")
-        elif kind == "hub":
-            source = self.hub_edit.text().strip()
-            if source.count("/") != 1:
-                raise SpecError("a hub id looks like org/name")
-        else:
-            source = "embedded"
+        source, entry, default_ctx = self.source.chosen()
+        # A runtime's own Source entry (llama.cpp's file, MLX's embedded model; an installed GGUF or MLX folder)
+        # builds that runtime's request.
+        own = {"llamacpp": lambda: self._llamacpp_request(source, default_ctx),
+               "mlx": lambda: self._mlx_request(source)}.get(entry or "")
+        if own is not None:
+            return own()
         attention = self.attention_combo.currentData() or ""
         cache = self.cache_combo.currentData() or "dynamic"
         impl = self.impl_combo.currentData() or "sdpa"
@@ -729,11 +433,6 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
         if prompt:
             kwargs["prompt"] = prompt
         return RunRequest(**kwargs)
-
-    def _installed_model(self, source: str):
-        """The scan's InstalledModel for ``source`` (None when the scan has not listed it)."""
-        models = self.installed.models if self.installed is not None else []
-        return next((m for m in models if m.source == source), None)
 
     def _llamacpp_request(self, source: str | None = None, default_ctx: int | None = None) -> RunRequest:
         """A llama.cpp run: the GGUF (``source``, else the file chosen, else the embedded model converted), -c from
@@ -768,23 +467,7 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
 
     def apply_request(self, request: RunRequest) -> None:
         """Show a RunRequest's choices in the controls (from the command line)."""
-        if request.runtime == "mlx" and request.source == "embedded" and not self.mlx_missing:
-            self.source_combo.setCurrentIndex(SOURCES.index("mlx"))
-        elif request.runtime == "llama.cpp":
-            self.source_combo.setCurrentIndex(SOURCES.index("llamacpp"))
-            self.gguf_edit.setText("" if request.source == "embedded" else request.source)
-        elif request.source == "embedded":
-            self.source_combo.setCurrentIndex(SOURCES.index("embedded"))
-        elif self.installed_combo.findData(request.source) >= 0:
-            self.source_combo.setCurrentIndex(SOURCES.index("installed"))
-            self.installed_combo.setCurrentIndex(self.installed_combo.findData(request.source))
-            self._installed_wanted = request.source
-        elif Path(request.source).expanduser().exists():
-            self.source_combo.setCurrentIndex(SOURCES.index("folder"))
-            self.folder_edit.setText(request.source)
-        else:
-            self.source_combo.setCurrentIndex(SOURCES.index("hub"))
-            self.hub_edit.setText(request.source)
+        self.source.show(request)
         self.device_combo.setCurrentText(request.device)
         if self.dtype_combo.findText(request.dtype) < 0:
             self.dtype_combo.addItem(request.dtype)
@@ -817,34 +500,17 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
             "and save it as a .pickle that https://pytorch.org/memory_viz opens."
             if cuda else
             "Allocator snapshots record the CUDA caching allocator: this machine has no CUDA GPU torch can use.")
-        for w in (self.source_combo, self.source_stack, self.device_combo, self.dtype_combo, self.max_context_spin,
-                  self.max_tokens_spin, self.prompt_edit, self.budget_edit, self.quality_check):
+        self.source.set_enabled(not running)
+        for w in (self.device_combo, self.dtype_combo, self.max_context_spin, self.max_tokens_spin, self.prompt_edit,
+                  self.budget_edit, self.quality_check):
             w.setEnabled(not running)
-
-    def _browse_gguf(self) -> None:
-        path, _ = QFileDialog.getOpenFileName(self, "GGUF model", self.gguf_edit.text() or str(Path.home()),
-                                              "GGUF models (*.gguf);;All files (*)")
-        if path:
-            self.gguf_edit.setText(path)
-
-    def _browse_folder(self) -> None:
-        folder = QFileDialog.getExistingDirectory(self, "Model folder", self.folder_edit.text() or str(Path.home()))
-        if folder:
-            self.folder_edit.setText(folder)
 
     # ---- settings (QSettings group "run")
 
     def restore(self, s: QSettings) -> None:
         s.beginGroup("run")
         try:
-            kind = str(s.value("source_kind", "embedded"))
-            kind = "embedded" if kind == "llamacpp" and self.llamacpp_missing else kind
-            self.source_combo.setCurrentIndex(SOURCES.index(kind) if kind in SOURCES else 0)
-            self.source_stack.setVisible(self.source_combo.currentIndex() != 0)
-            self.folder_edit.setText(str(s.value("folder", "") or ""))
-            self.hub_edit.setText(str(s.value("hub_id", "") or ""))
-            self.gguf_edit.setText(str(s.value("gguf", "") or ""))
-            self._installed_wanted = str(s.value("installed", "") or "")
+            self.source.restore(s)
             for combo, key in ((self.device_combo, "device"), (self.dtype_combo, "dtype")):
                 value = s.value(key)
                 if value and combo.findText(str(value)) >= 0:
@@ -862,16 +528,12 @@ class ControlsPanel(FollowsInstalled, QScrollArea):
         finally:
             s.endGroup()
         self.use_installed(InstalledModels.for_settings(s))
-        self._fill_installed()  # the model saved, listed before the scan is back
+        self.source._fill_installed()  # the model saved, listed before the scan is back
         self.installed.refresh()
 
     def save(self, s: QSettings) -> None:
         s.beginGroup("run")
-        s.setValue("source_kind", self.source_combo.currentData())
-        s.setValue("folder", self.folder_edit.text())
-        s.setValue("hub_id", self.hub_edit.text())
-        s.setValue("gguf", self.gguf_edit.text())
-        s.setValue("installed", self.installed_combo.currentData() or self._installed_wanted or "")
+        self.source.save(s)
         s.setValue("device", self.device_combo.currentText())
         s.setValue("dtype", self.dtype_combo.currentText())
         s.setValue("attention", self.attention_combo.currentData() or "")

@@ -1,17 +1,20 @@
-"""The File menu's actions: open and replay a recording (the demo too), record the next run, export CSV / plots / a summary image, screenshots,
-the allocator snapshot's file. A mixin of ``MainWindow`` (it uses the window's plots, stats panel,
-status bar and session), kept apart so the window's file reads as the window.
+"""The File menu's outputs: record the next run, the allocator snapshot's file, export CSV / plots / a summary
+image, screenshots. A part of the window with its own state (the paths chosen, the recording being written); it
+says what happened through ``status`` and ``error`` and never reaches into the window.
 
-Every file written goes through ``kvscope.core.records.outputs`` (never the file being read, no silent overwrite);
-every dialog is ``ask_save_path``.
+Every file written goes through ``kvscope.core.records.outputs`` (never the file being read, no silent overwrite); every dialog is
+``ask_save_path``. Opening and replaying a recording is the run's business (``kvscope.ui.run_control``).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
-from PySide6.QtWidgets import QFileDialog, QWidget
+from PySide6.QtCore import QObject, Signal
+from PySide6.QtWidgets import QAbstractButton, QFileDialog, QWidget
 
 from kvscope.ui.screenshot import ScreenshotError, default_path, save_widget
 from kvscope.ui.theme import theme as make_theme
@@ -30,31 +33,93 @@ def ask_save_path(parent: QWidget, title: str, default: str | Path, filter_: str
     return chosen or None
 
 
-class FileActions:
-    """File-menu actions of the window (see the module docstring)."""
+class FileActions(QObject):
+    """The File menu's outputs. ``window``: the dialogs' parent and what a screenshot grabs; ``plots``, ``stats``
+    and ``session``: what the exports read; ``redraw`` and ``refresh``: bring them up to date first."""
 
-    record_path: str | None = None  # the next run is recorded here (File > Record)
-    snapshot_path: str | None = None  # the next run's allocator snapshot (CUDA)
-    last_recording: str | None = None  # what File > Export CSV exports
+    status = Signal(str, int)  # a status-bar message and how long it stays (ms)
+    error = Signal(str)
+    recording_changed = Signal()  # the REC badge: the run being recorded, or the next one armed
+
+    def __init__(self, window: QWidget, plots, stats, session, snapshot_button: QAbstractButton,
+                 redraw: Callable[[], None], refresh: Callable[[], None], theme_name: Callable[[], str]) -> None:
+        super().__init__(window)
+        self.window, self.plots, self.stats, self.session = window, plots, stats, session
+        self.snapshot_button = snapshot_button
+        self.redraw, self.refresh, self.theme_name = redraw, refresh, theme_name
+        self.record_action = None  # File > Record (the menus make it: ``kvscope.ui.menus``)
+        self.record_path: str | None = None  # the next run is recorded here
+        self.snapshot_path: str | None = None  # the next run's allocator snapshot (CUDA)
+        self.last_recording: str | None = None  # what File > Export CSV exports
+        self.recording_now: str | None = None  # the live run being recorded (the REC badge names it)
+        snapshot_button.toggled.connect(self._snapshot_toggled)
+
+    # ---- the next run
 
     def set_record_path(self, path: str | None) -> None:
         """Record the next run to ``path`` (.jsonl); None: do not record."""
         self.record_path = str(path) if path else None
-        self.record_action.setChecked(bool(path))
-        self.show_recording_badge()
+        if self.record_action is not None:
+            self.record_action.setChecked(bool(path))
+        self.recording_changed.emit()
         if path:
-            self.statusBar().showMessage(f"the next run will be recorded to {path}", 5000)
+            self.status.emit(f"the next run will be recorded to {path}", 5000)
 
-    def _record_triggered(self, checked: bool) -> None:
+    def armed(self) -> str | None:
+        """Where the next run will be recorded (None: it will not be)."""
+        return self.record_path if self.record_action is not None and self.record_action.isChecked() else None
+
+    def record_triggered(self, checked: bool) -> None:
+        """File > Record: ask where (unchecking disarms it)."""
         if not checked:
             self.set_record_path(None)
             return
-        chosen = ask_save_path(self, "Record the next run to", self.record_path or
+        chosen = ask_save_path(self.window, "Record the next run to", self.record_path or
                                Path.home() / time.strftime("kvscope-%Y%m%d-%H%M%S.jsonl"), "KV Scope recordings (*.jsonl)")
         if not chosen:
             self.record_action.setChecked(False)
             return
         self.set_record_path(chosen if chosen.endswith(".jsonl") else chosen + ".jsonl")
+
+    def _snapshot_toggled(self, checked: bool) -> None:
+        if not checked:
+            self.snapshot_path = None
+            return
+        if self.snapshot_path is None:
+            chosen = ask_save_path(self.window, "Save the allocator snapshot to", Path.home() / time.strftime(
+                "kvscope-snapshot-%Y%m%d-%H%M%S.pickle"), "Snapshot (*.pickle)")
+            if not chosen:
+                self.snapshot_button.setChecked(False)
+                return
+            self.snapshot_path = chosen
+        self.status.emit(f"the next run records the CUDA allocator's history to {self.snapshot_path}", 5000)
+
+    def apply_to(self, request):
+        """``request`` with File > Record's path and the snapshot button's (a request that names its own wins)."""
+        if self.armed() and not request.record_path:
+            request = replace(request, record_path=self.record_path)
+        if self.snapshot_path and self.snapshot_button.isChecked() and not request.snapshot_path:
+            request = replace(request, snapshot_path=self.snapshot_path)
+        return request
+
+    def run_started(self, request) -> None:
+        """A live run started: its recording is the one exported next, and each choice serves one run only."""
+        if request.record_path:
+            self.last_recording = request.record_path
+            self.recording_now = request.record_path
+            # One recording per choice: the next run must not overwrite (or fail on) this file.
+            if self.record_action is not None:
+                self.record_action.setChecked(False)
+            self.record_path = None
+        if request.snapshot_path:
+            self.snapshot_button.setChecked(False)
+        self.recording_changed.emit()
+
+    def run_ended(self) -> None:
+        self.recording_now = None
+        self.recording_changed.emit()
+
+    # ---- exports
 
     def export_csv(self, path: str | None = None, ask: bool = False) -> int | None:
         """The current/last recording's samples as CSV (kvscope.core.records.export). Returns the rows written."""
@@ -62,32 +127,32 @@ class FileActions:
         from kvscope.core.records.recording import RecordingError
 
         if not self.last_recording:
-            self._show_error("nothing to export yet: record a run (File \u203a Record) or open a recording")
+            self.error.emit("nothing to export yet: record a run (File \u203a Record) or open a recording")
             return None
         if ask:
-            path = ask_save_path(self, "Export CSV", Path(self.last_recording).with_suffix(".csv"), "CSV (*.csv)")
+            path = ask_save_path(self.window, "Export CSV", Path(self.last_recording).with_suffix(".csv"), "CSV (*.csv)")
             if not path:
                 return None
         try:
             rows = export_csv(self.last_recording, path)
         except (RecordingError, OSError) as exc:
-            self._show_error(str(exc))
+            self.error.emit(str(exc))
             return None
-        self.statusBar().showMessage(f"wrote {rows:,} samples to {path}", 5000)
+        self.status.emit(f"wrote {rows:,} samples to {path}", 5000)
         return rows
 
     def export_plots(self, base: str | None = None, fmt: str = "png", ask: bool = False) -> list[Path]:
         """Each plot to its own file: ``<base>-kv.<fmt>``, ``-memory``, ``-compare`` (PNG or SVG)."""
         fmt = fmt.lower()
         if ask:
-            base = ask_save_path(self, f"Export plots as {fmt.upper()}", Path.home() / f"kvscope.{fmt}",
+            base = ask_save_path(self.window, f"Export plots as {fmt.upper()}", Path.home() / f"kvscope.{fmt}",
                                  f"{fmt.upper()} (*.{fmt})")
         if not base:
             return []
         stem = Path(base)
         if stem.suffix.lower() in (".png", ".svg"):
             stem = stem.with_suffix("")
-        self._redraw()
+        self.redraw()
         written = []
         try:
             stem.parent.mkdir(parents=True, exist_ok=True)
@@ -96,9 +161,9 @@ class FileActions:
                 self.plots.export_plot(which, str(target))
                 written.append(target)
         except (OSError, RuntimeError, ValueError) as exc:
-            self._show_error(f"cannot export the plots: {exc}")
+            self.error.emit(f"cannot export the plots: {exc}")
             return written
-        self.statusBar().showMessage(f"saved {', '.join(p.name for p in written)} in {stem.parent}", 5000)
+        self.status.emit(f"saved {', '.join(p.name for p in written)} in {stem.parent}", 5000)
         return written
 
     def export_summary(self, path: str | None = None, ask: bool = False) -> Path | None:
@@ -106,11 +171,11 @@ class FileActions:
         from kvscope.ui.summary import render_summary
 
         if ask:
-            path = ask_save_path(self, "Export summary image", Path.home() / "kvscope-summary.png", "PNG (*.png)")
+            path = ask_save_path(self.window, "Export summary image", Path.home() / "kvscope-summary.png", "PNG (*.png)")
         if not path:
             return None
-        self._redraw()
-        self.refresh_stats()
+        self.redraw()
+        self.refresh()
         session = self.session
         info = session.info
         title = info.label if info else "KV Scope"
@@ -122,101 +187,30 @@ class FileActions:
             parts.append(info.device_name)
         if s is not None:
             parts.append(f"now: {s.attention.upper()} \u00b7 {s.kernel or s.attn_impl} \u00b7 {s.cache} cache")
-        tiles = self.stats_panel.tiles
+        tiles = self.stats.tiles
         numbers = [(tiles[k].name.text(), tiles[k].value.text(), tiles[k].note.text())
                    for k in ("kv_now", "bytes_per_token", "kv_at_max", "tokens_fit", "oom")]
         numbers.append(("Switches / spikes", f"{session.switch_events:,} / {session.spike_count:,}",
                         f"{session.decode_tokens:,} tokens generated"))
         try:
-            saved = render_summary(path, make_theme(self.theme_name, presenter=False), title, " \u00b7 ".join(parts),
+            saved = render_summary(path, make_theme(self.theme_name(), presenter=False), title, " \u00b7 ".join(parts),
                                    numbers, [self.plots.kv_widget, self.plots.mem_widget, self.plots.cmp_widget])
         except ScreenshotError as exc:
-            self._show_error(str(exc))
+            self.error.emit(str(exc))
             return None
-        self.statusBar().showMessage(f"summary saved to {saved}", 5000)
+        self.status.emit(f"summary saved to {saved}", 5000)
         return saved
 
     def save_screenshot(self, path: str | None = None, ask: bool = False) -> Path | None:
         """Save the whole window as a PNG (Ctrl+S: to the Pictures folder). Returns the path."""
         if ask:
-            path = ask_save_path(self, "Save screenshot", default_path(), "PNG (*.png)")
+            path = ask_save_path(self.window, "Save screenshot", default_path(), "PNG (*.png)")
             if not path:
                 return None
         try:
-            saved = save_widget(self, path or default_path())
+            saved = save_widget(self.window, path or default_path())
         except ScreenshotError as exc:
-            self._show_error(str(exc))
+            self.error.emit(str(exc))
             return None
-        self.statusBar().showMessage(f"screenshot saved to {saved}", 5000)
+        self.status.emit(f"screenshot saved to {saved}", 5000)
         return saved
-
-    def _snapshot_toggled(self, checked: bool) -> None:
-        if not checked:
-            self.snapshot_path = None
-            return
-        if self.snapshot_path is None:
-            chosen = ask_save_path(self, "Save the allocator snapshot to", Path.home() / time.strftime(
-                "kvscope-snapshot-%Y%m%d-%H%M%S.pickle"), "Snapshot (*.pickle)")
-            if not chosen:
-                self.controls.snapshot_button.setChecked(False)
-                return
-            self.snapshot_path = chosen
-        self.statusBar().showMessage(f"the next run records the CUDA allocator's history to {self.snapshot_path}",
-                                     5000)
-
-    # ---- recordings
-
-    def open_recording(self, path: str | None = None, speed: float = 1.0, ask: bool = False) -> bool:
-        """Play a recording through this window (plots, markers, text, stats) at ``speed`` x its pace."""
-        if ask:
-            chosen, _ = QFileDialog.getOpenFileName(self, "Open recording", str(Path.home()),
-                                                    "KV Scope recordings (*.jsonl);;All files (*)")
-            if not chosen:
-                return False
-            path = chosen
-        if self.replay is None:
-            self._show_error("replay is not available in this build")
-            return False
-        if self.state != "idle":
-            self._show_error("stop the current run first (a recording replays into the same plots)")
-            return False
-        if not path:
-            return False
-        self.session.mode = "replay"
-        self._replay_args = (str(path), float(speed))
-        self.last_recording = str(path)
-        if not self.calculator.warm:
-            # Same reason as start_run: the stats use the predictor, which must not import
-            # transformers while the calculator's thread does.
-            self._start_after_warm_up()
-            return True
-        self._start_replay_now(str(path), float(speed))
-        return True
-
-    def _start_replay_now(self, path: str, speed: float) -> None:
-        self.plots.drop_previous()  # a recording is not compared with the live run before it
-        self._clear_view()
-        self.controls.error_label.setText("")
-        self.session.begin_replay()
-        self._show_sampler_status()
-        self.statusBar().showMessage(f"replaying {Path(path).name}" + (
-            "" if speed == 1 else f" at {speed:g}x" if speed < float("inf") else " unpaced"))
-        self.replay.start(path, speed)
-
-    def play_demo(self) -> bool:
-        """Replay the demo recording from assets/ (first start offers it)."""
-        self.demo_banner.setVisible(False)
-        path = demo_recording_path()
-        if not path.is_file():
-            self._show_error(f"the demo recording is missing ({path})")
-            return False
-        return self.open_recording(str(path))
-
-    def _maybe_offer_demo(self) -> None:
-        """First start only: a banner offering the demo (non-modal: screenshots and tests never wait on it)."""
-        if self.qsettings.value("app/first_start_done", False, type=bool):
-            return
-        self.qsettings.setValue("app/first_start_done", True)
-        self.qsettings.sync()
-        if demo_recording_path().is_file():
-            self.demo_banner.setVisible(True)

@@ -1,79 +1,50 @@
-"""The main window: the shell that shows a run. Controls on the left (``kvscope.ui.controls``), badges, the
-three live plots and the events table in the centre, numbers and the streamed text on the right,
-the calculator in its own tab.
+"""The main window: the shell that wires the parts that show a run.
 
-The run itself is the session model (``kvscope.core.live.session.Session``, no Qt): the window forwards what
-the controllers deliver (samples, readings, progress, errors, the end) and what the user does
-(keys, combos, buttons) to it, and renders what it announces. Everything heavy happens elsewhere:
-the model loads and generates in the engine process; samples arrive in small batches and are only
-appended to ring buffers here. Two timers draw: a fast one (~30 Hz) for curves and text, a slow one
-(1 Hz) for numbers.
-
-Its parts live in their own files: the session (``kvscope.core.live.session``), the controls (``kvscope.ui.controls``),
-the badge row (``kvscope.ui.badges``), the streamed text (``kvscope.ui.text_view``), the menus (``kvscope.ui.menus``), the
-File actions and replays (``kvscope.ui.file_actions``). What stays here (about 750 lines) is the shell:
-the layout, the wiring between controllers, session and widgets, the run's buttons and keys,
-presenter mode, themes, the window's settings and shutdown — one job, the window's own.
+The parts own their state and say what happens through signals: the run's machinery (``kvscope.ui.run_control``:
+the engine or a thread, replays, the memory sampler, starting, stopping and switching), the Live tab's layout
+and widgets (``kvscope.ui.live_tab``: the controls, badges, plots, events, numbers and text), the File menu's outputs
+(``kvscope.ui.file_actions``), the menus (``kvscope.ui.menus``), the status line (``kvscope.ui.status_line``), the calculator and the
+Servers tab. The run itself is the session model (``kvscope.core.live.session.Session``, no Qt): the window forwards what the
+run part delivers (samples, a model loaded, the end) to it, and renders what it announces. Two timers draw: a
+fast one (~30 Hz) for curves and text, a slow one (1 Hz) for numbers. What stays here is the wiring, themes and
+presenter mode, the window's settings and its shutdown.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 
-from PySide6.QtCore import QEvent, QSettings, Qt, QTimer, Signal
+from PySide6.QtCore import QSettings, Qt, QTimer, Signal
 from PySide6.QtGui import QGuiApplication, QKeySequence, QShortcut
-from PySide6.QtWidgets import (QFrame, QGroupBox, QHBoxLayout, QLabel, QMainWindow, QPushButton, QScrollArea,
-                               QSizePolicy, QSplitter, QTabWidget, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import QMainWindow, QScrollArea, QTabWidget, QWidget
 
 from kvscope.core.base.safe_text import NAME_LIMIT, safe_text
 from kvscope.core.base.sample import Sample
 from kvscope.core.live.breakdown import memory_breakdown
 from kvscope.core.live.session import Session
 from kvscope.core.model.settings import ATTN_IMPLS, attention_choices, cache_choices
-from kvscope.core.model.spec import SpecError, human_bytes
-from kvscope.ui.badges import STATE_TEXT, BadgeRow, ElidedLabel
-from kvscope.ui.breakdown_view import BreakdownView
 from kvscope.ui.calculator import CalculatorTab
-from kvscope.ui.controls import (FIRST_START_TOKENS, KEYS_HELP,  # noqa: F401 - FIRST_START_TOKENS: tests, docs
-                                 ControlsPanel)
-from kvscope.ui.diagnose import EventsTable, GpuProcessesPanel
+from kvscope.ui.controls import FIRST_START_TOKENS, KEYS_HELP  # noqa: F401 - FIRST_START_TOKENS: tests, docs
 from kvscope.ui.file_actions import FileActions
+from kvscope.ui.live_tab import (COMPACT_W, RIGHT_MAX_W, RIGHT_MIN_W, STACK_BELOW_W,  # noqa: F401 - tests read them
+                                 LiveTab)
 from kvscope.ui.menus import ATTENTION_KEYS, KEY_MAP, SAMPLER_RATES, build_menus  # noqa: F401 - the names the keys use
-from kvscope.ui.plots import LivePlots
+from kvscope.ui.run_control import DEFAULT_SAMPLER_HZ, RunControl
 from kvscope.ui.servers import ServersTab
-from kvscope.ui.stats import StatsPanel, compute_stats
-from kvscope.ui.text_view import TEXT_BLOCK_CHARS, StreamView  # noqa: F401 - TEXT_BLOCK_CHARS: tests
+from kvscope.ui.stats import compute_stats
+from kvscope.ui.status_line import StatusLine
+from kvscope.ui.text_view import TEXT_BLOCK_CHARS  # noqa: F401 - TEXT_BLOCK_CHARS: tests
 from kvscope.ui.theme import Theme, stylesheet, theme as make_theme
 from kvscope.workers.gpu_poller import GpuProcessPoller
-from kvscope.workers.sampler import SamplerControl
 
 log = logging.getLogger(__name__)
 
 ORG, APP = "KVScope", "KV Scope"
 REDRAW_HZ = 30
 STATS_MS = 1000
-#: Column widths (logical px) that let the window fit 1280x720 with every control reachable.
-RIGHT_MIN_W, RIGHT_MAX_W = 200, 420
-#: Narrower than this, the window lays itself out for a small screen (``_fit_layout_to_width``).
-COMPACT_W = 1400
-RIGHT_COMPACT_W = 230
-#: A plots' column narrower than this stacks the memory plot over the predicted-vs-observed pair.
-STACK_BELOW_W = 640
-DEFAULT_SAMPLER_HZ = 20.0
 
 
-def _make_controller(parent: QWidget, warm: bool):
-    """The generation controller: the engine host process by default (started now when ``warm``,
-    else at the first run), a thread of this process with KVSCOPE_ENGINE=thread (imports torch:
-    done once, when the window is built)."""
-    from kvscope.workers.engine_link import HostedGenerationController, controller_class
-
-    cls = controller_class()
-    return cls(parent, warm=warm) if cls is HostedGenerationController else cls(parent)
-
-
-class MainWindow(FileActions, QMainWindow):
+class MainWindow(QMainWindow):
     """KV Scope's window. ``add_samples`` is the one way data gets in (live runs and replays)."""
 
     samples_added = Signal(int)  # decode tokens so far, after each batch
@@ -91,60 +62,103 @@ class MainWindow(FileActions, QMainWindow):
         self.theme: Theme = make_theme("dark")
         self.session = Session()
         self.sample_observers: list = []  # e.g. the --metrics-port exporter (kvscope.core.live.metrics): each gets every Sample
-        self._engine_device = "auto"  # what 'auto' is in the engine process, once it has said
-        self._cuda: bool | None = None
-        self._replay_args: tuple[str, float] | None = None
-
-        self.controller = controller
-        if self.controller is None:
-            try:
-                self.controller = _make_controller(self, warm=start_engine)
-            except ImportError as exc:  # a UI-only build (replay) still opens
-                log.warning("generation worker not available: %s", exc)
-        if self.controller is not None:
-            self._connect_controller(self.controller)
-        self.replay = None
-        try:
-            from kvscope.workers.replay import ReplayController
-
-            self.replay = ReplayController(self)
-            self._connect_controller(self.replay)
-        except ImportError as exc:
-            log.warning("replay not available: %s", exc)
-        host = getattr(self.controller, "host", None)
-        self.sampling = SamplerControl(host, DEFAULT_SAMPLER_HZ, parent=self)
-        self.sampling.readings.connect(self.session.take_readings)
-        self.sampling.status_changed.connect(self._show_sampler_status)
-
-        self._build_ui()
+        self._build_parts(controller, start_engine)
         build_menus(self)
-        self._build_shortcuts()
-        self._connect_session()
-
-        self.redraw_timer = QTimer(self)
+        shortcut = QShortcut(QKeySequence("Escape"), self)  # 1-5, F, C, Space, Ctrl+S: the menus' own shortcuts
+        shortcut.setContext(Qt.ShortcutContext.WindowShortcut)
+        shortcut.activated.connect(lambda: self.set_presenter(False) if self.presenter else None)
+        self.addAction(self.presenter_action)
+        self._connect()
+        self.redraw_timer = self._timer(int(1000 / REDRAW_HZ), lambda: self._redraw(settle=False))
         self.redraw_timer.setTimerType(Qt.TimerType.PreciseTimer)
-        self.redraw_timer.setInterval(int(1000 / REDRAW_HZ))
-        self.redraw_timer.timeout.connect(lambda: self._redraw(settle=False))
-        self.redraw_timer.start()
-        self.stats_timer = QTimer(self)
-        self.stats_timer.setInterval(STATS_MS)
-        self.stats_timer.timeout.connect(self.refresh_stats)
-        self.stats_timer.start()
-
+        self.stats_timer = self._timer(STATS_MS, self.refresh_stats)
         self.restore_settings()
         self.apply_theme()
         self.session.set_state("idle")
-
         self.gpu_poller = GpuProcessPoller(1.0, parent=self)
         self.gpu_poller.updated.connect(self.gpu_panel.show_processes)
-        if host is not None:  # the model's GPU memory is the engine process's: "this app" in the table
-            host.message.connect(self._on_engine_message)
-            if host.pid is not None:
-                self.gpu_poller.set_app_pids({host.pid})
+        self.run.engine_ready.connect(lambda pid: self.gpu_poller.set_app_pids({pid}))
+        if self.run.host is not None and self.run.host.pid is not None:  # the engine's memory is "this app"'s
+            self.gpu_poller.set_app_pids({self.run.host.pid})
         self.gpu_poller.start()
         if start_engine:
-            self.sampling.start(self._auto_device())
-        self._maybe_offer_demo()
+            self.run.start_sampling()
+        self.demo_banner.offer_once(self.qsettings)
+
+    def _timer(self, ms: int, slot) -> QTimer:
+        timer = QTimer(self)
+        timer.setInterval(ms)
+        timer.timeout.connect(slot)
+        timer.start()
+        return timer
+
+    # ============================================================================================
+    # the parts
+
+    def _build_parts(self, controller, start_engine: bool) -> None:
+        self.status_line = StatusLine(self.statusBar())
+        self.live = LiveTab(self.theme, self.status_line.sampler_label)
+        live = self.live
+        # The widgets the window's users (tests, scripts, the app) reach for by name.
+        self.controls, self.badge_row, self.plots = live.controls, live.badge_row, live.plots
+        self.badges = live.badge_row.badges
+        self.demo_banner, self.demo_button, self.alert_label = live.demo_banner, live.demo_banner.button, live.alert
+        self.events_table, self.gpu_panel, self.diag_tabs = live.events_table, live.gpu_panel, live.diag_tabs
+        self.stats_panel, self.text_view, self.breakdown_view = live.stats_panel, live.text_view, live.breakdown_view
+        self.stats_scroll, self.right_panel = live.stats_scroll, live.right_panel
+        self.live_splitter, self.centre_splitter = live, live.centre_splitter
+        self.sampler_label = self.status_line.sampler_label
+        self.status_device, self.status_memory = self.status_line.device, self.status_line.memory
+
+        self.calculator = CalculatorTab(self.theme)
+        calculator_scroll = QScrollArea()  # at 720p the calculator scrolls, the window fits
+        calculator_scroll.setWidget(self.calculator)
+        calculator_scroll.setWidgetResizable(True)
+        calculator_scroll.setFrameShape(QScrollArea.Shape.NoFrame)
+        self.servers = ServersTab(self.theme)  # inference servers' /metrics (issue 15), scraped on its own thread
+        self.tabs = QTabWidget()
+        self.tabs.addTab(live, "Live")
+        self.tabs.addTab(calculator_scroll, "Calculator")
+        self.tabs.addTab(self.servers, "Servers")
+        self.setCentralWidget(self.tabs)
+
+        self.files = FileActions(self, self.plots, self.stats_panel, self.session, self.controls.snapshot_button,
+                                 self._redraw, self.refresh_stats, lambda: self.theme_name)
+        self.run = RunControl(self, self.session, self.controls, self.calculator, self.plots, self.files,
+                              controller, start_engine)
+        self.controller, self.replay, self.sampling = self.run.controller, self.run.replay, self.run.sampling
+
+    def _connect(self) -> None:
+        """The parts' signals, to what renders them."""
+        run, files, live, status = self.run, self.files, self.live, self.status_line
+        run.samples.connect(self.add_samples)
+        run.loaded.connect(self.set_model_info)
+        run.finished.connect(self._run_ended)
+        run.starting.connect(live.clear)
+        run.sampler_changed.connect(self._show_sampler_status)
+        for part in (run, files):
+            part.status.connect(status.message)
+            part.error.connect(self._show_error)
+        files.recording_changed.connect(self._show_recording)
+        c = self.controls
+        c.start_button.clicked.connect(lambda: self.run.start_run())
+        c.pause_button.clicked.connect(run.toggle_pause)
+        c.stop_button.clicked.connect(run.stop_run)
+        c.switch_asked.connect(lambda key: run.request_switch(key, c.combo(key).currentData()))
+        live.demo_banner.play.connect(self.play_demo)
+        ev = self.session.events
+        ev.state.connect(self._show_state)
+        ev.settings.connect(self._show_settings)
+        ev.text.connect(lambda kind, text: self.text_view.pending.append((kind, text)))
+        ev.row.connect(self.events_table.add_event)
+        ev.spike.connect(live.show_spike)
+        ev.origin.connect(lambda origin: setattr(self.plots, "time_origin", origin))
+        ev.readings.connect(self.plots.add_memory_readings)
+        ev.alert.connect(lambda text, kind: self.alert_label.show_alert(text, kind, self.theme))
+        ev.alert_cleared.connect(lambda _kind: self.alert_label.setVisible(False))
+        ev.status.connect(status.message)
+        ev.forecast.connect(lambda forecast, near: self.stats_panel.show_forecast(
+            forecast, self.theme.warning if near else None))
 
     # ---- the session's state, read where the window's users (tests, scripts, the app) look for it
 
@@ -169,178 +183,7 @@ class MainWindow(FileActions, QMainWindow):
         return self.session.info
 
     # ============================================================================================
-    # construction
-
-    def _build_ui(self) -> None:
-        self.controls = ControlsPanel()
-        self.controls.start_button.clicked.connect(self.start_run)
-        self.controls.pause_button.clicked.connect(self.toggle_pause)
-        self.controls.stop_button.clicked.connect(self.stop_run)
-        self.controls.snapshot_button.toggled.connect(self._snapshot_toggled)
-        self.controls.switch_asked.connect(lambda key: self.request_switch(key, self.controls.combo(key).currentData()))
-
-        # ---- centre: badges over the plots
-        self.badge_row = BadgeRow()
-        self.badges = self.badge_row.badges
-        self.plots = LivePlots(self.theme)
-        # ---- first start: the demo recording, offered without blocking anything
-        self.demo_banner = QFrame()
-        self.demo_banner.setObjectName("banner")
-        db = QHBoxLayout(self.demo_banner)
-        db.setContentsMargins(10, 4, 4, 4)
-        demo_text = QLabel("New here? Replay a run recorded with the embedded model: MHA \u2192 GQA \u2192 MQA, "
-                           "flash off \u2192 on, dynamic \u2192 static cache. No model or GPU needed.")
-        demo_text.setWordWrap(True)
-        self.demo_button = QPushButton("\u25b6 Play the demo recording")
-        self.demo_button.setObjectName("primary")
-        self.demo_button.clicked.connect(self.play_demo)
-        demo_close = QPushButton("\u2715")
-        demo_close.setToolTip("Hide (File \u203a Open recording plays it later)")
-        demo_close.setFlat(True)
-        demo_close.clicked.connect(lambda: self.demo_banner.setVisible(False))
-        db.addWidget(demo_text, 1)
-        db.addWidget(self.demo_button)
-        db.addWidget(demo_close)
-        self.demo_banner.setVisible(False)
-        # ---- alerts: the OOM forecast warning, an out-of-memory error, the budget reached
-        # It floats over the top of the plots rather than pushing them down: the layout never jumps
-        # when a warning comes and goes mid-run.
-        self.alert_label = QLabel("", self.plots)
-        self.alert_label.setObjectName("alert")
-        self.alert_label.setWordWrap(True)
-        self.alert_label.setVisible(False)
-        self.plots.installEventFilter(self)
-        # ---- under the plots: the events table and the GPU processes
-        self.events_table = EventsTable(self.theme)
-        self.gpu_panel = GpuProcessesPanel(self.theme)
-        self.diag_tabs = QTabWidget()
-        self.diag_tabs.setDocumentMode(True)
-        self.diag_tabs.addTab(self.events_table, "Events and spikes")
-        self.diag_tabs.addTab(self.gpu_panel, "GPU processes")
-        # Elided, not as wide as its text: a long note in presenter type would widen the window past the screen.
-        self.sampler_label = ElidedLabel("memory sampler: starting\u2026")
-        self.sampler_label.setObjectName("statNote")
-        diag = QWidget()
-        dl = QVBoxLayout(diag)
-        dl.setContentsMargins(0, 0, 0, 0)
-        dl.setSpacing(2)
-        dl.addWidget(self.diag_tabs, 1)
-        dl.addWidget(self.sampler_label)
-        self.centre_splitter = QSplitter(Qt.Orientation.Vertical)
-        self.centre_splitter.addWidget(self.plots)
-        self.centre_splitter.addWidget(diag)
-        self.centre_splitter.setStretchFactor(0, 4)
-        self.centre_splitter.setStretchFactor(1, 1)
-        self.centre_splitter.setSizes([700, 260])
-        centre = QWidget()
-        cv = QVBoxLayout(centre)
-        cv.setContentsMargins(4, 4, 4, 0)
-        cv.addWidget(self.demo_banner)
-        cv.addWidget(self.badge_row)
-        cv.addWidget(self.centre_splitter, 1)
-
-        # ---- right: numbers and the generated text
-        self.stats_panel = StatsPanel()
-        self.text_view = StreamView()
-        text_box = QGroupBox("Generated text")
-        tl = QVBoxLayout(text_box)
-        tl.setContentsMargins(4, 4, 4, 4)
-        tl.addWidget(self.text_view)
-        right = QWidget()
-        rv = QVBoxLayout(right)
-        rv.setContentsMargins(4, 4, 4, 0)
-        # The numbers scroll rather than push the window taller than a 720p projector.
-        self.stats_scroll = QScrollArea()
-        self.stats_scroll.setWidget(self.stats_panel)
-        self.stats_scroll.setWidgetResizable(True)
-        self.stats_scroll.setFrameShape(QScrollArea.Shape.NoFrame)
-        self.stats_scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        self.stats_scroll.setMinimumHeight(160)
-        self.stats_scroll.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Maximum)
-        text_box.setMinimumHeight(120)
-        rv.addWidget(self.stats_scroll)
-        self.breakdown_view = BreakdownView()  # where the memory went (kvscope.core.live.breakdown), each slow tick
-        rv.addWidget(self.breakdown_view)
-        rv.addWidget(text_box, 1)
-        right.setMinimumWidth(RIGHT_MIN_W)
-        right.setMaximumWidth(RIGHT_MAX_W)
-        self.right_panel = right
-
-        self.live_splitter = QSplitter(Qt.Orientation.Horizontal)
-        self.live_splitter.addWidget(self.controls)
-        self.live_splitter.addWidget(centre)
-        self.live_splitter.addWidget(right)
-        self.live_splitter.setStretchFactor(0, 0)
-        self.live_splitter.setStretchFactor(1, 1)
-        self.live_splitter.setStretchFactor(2, 0)
-        self.live_splitter.setSizes([320, 1000, 280])
-
-        self.calculator = CalculatorTab(self.theme)
-        calculator_scroll = QScrollArea()  # likewise: at 720p the calculator scrolls, the window fits
-        calculator_scroll.setWidget(self.calculator)
-        calculator_scroll.setWidgetResizable(True)
-        calculator_scroll.setFrameShape(QScrollArea.Shape.NoFrame)
-        self.tabs = QTabWidget()
-        self.tabs.addTab(self.live_splitter, "Live")
-        self.tabs.addTab(calculator_scroll, "Calculator")
-        self.servers = ServersTab(self.theme)  # inference servers' /metrics (issue 15), scraped on its own thread
-        self.tabs.addTab(self.servers, "Servers")
-        self.setCentralWidget(self.tabs)
-
-        # ---- status bar
-        # The status bar's labels yield (elided) too: in presenter type on 1280 px their text alone is wider
-        # than the screen, and a status bar's permanent widgets keep their minimum width.
-        self.status_device = ElidedLabel("no model loaded")
-        self.status_device.setToolTip("The device the model runs on")
-        self.status_memory = ElidedLabel("")
-        self.status_memory.setToolTip("Device memory used / total (NVML), or this process's resident memory "
-                                      "(RSS) without a GPU")
-        self.status_state = QLabel("")
-        self.status_sampler = QLabel("")
-        self.status_sampler.setToolTip("The memory sampler: readings per second achieved (set in View \u203a Memory "
-                                       "sampling rate)")
-        sb = self.statusBar()
-        sb.addPermanentWidget(self.status_sampler)
-        sb.addPermanentWidget(self.status_device)
-        sb.addPermanentWidget(self.status_memory)
-        sb.addPermanentWidget(self.status_state)
-
-    def _build_shortcuts(self) -> None:
-        def key(seq: str, slot) -> None:
-            sc = QShortcut(QKeySequence(seq), self)
-            sc.setContext(Qt.ShortcutContext.WindowShortcut)
-            sc.activated.connect(slot)
-
-        # 1-5, F, C, Space and Ctrl+S are the menu actions' shortcuts (so the menus show them).
-        key("Escape", lambda: self.set_presenter(False) if self.presenter else None)
-        self.addAction(self.presenter_action)
-
-    def _connect_controller(self, c) -> None:
-        c.samples.connect(self.add_samples)
-        c.loaded.connect(self.set_model_info)
-        c.progress.connect(self.session.progress)
-        c.errored.connect(self._on_error)
-        c.finished.connect(self._on_finished)
-        c.paused_changed.connect(lambda paused: self.session.set_state("paused" if paused else "running"))
-
-    def _connect_session(self) -> None:
-        """What the session announces, rendered."""
-        ev = self.session.events
-        ev.state.connect(self._show_state)
-        ev.settings.connect(self._show_settings)
-        ev.text.connect(lambda kind, text: self.text_view.pending.append((kind, text)))
-        ev.row.connect(self.events_table.add_event)
-        ev.spike.connect(self._show_spike)
-        ev.origin.connect(lambda origin: setattr(self.plots, "time_origin", origin))
-        ev.readings.connect(self.plots.add_memory_readings)
-        ev.alert.connect(self._show_alert)
-        ev.alert_cleared.connect(lambda _kind: self.alert_label.setVisible(False))
-        ev.status.connect(lambda text, ms: self.statusBar().showMessage(text, ms))
-        ev.forecast.connect(lambda forecast, near: self.stats_panel.show_forecast(
-            forecast, self.theme.warning if near else None))
-
-    # ============================================================================================
-    # running
+    # the window's entry points (the menus, the app, scripts): each is its part's
 
     def build_request(self):
         """The RunRequest the controls describe. Raises SpecError (SettingsError) with a user message."""
@@ -352,254 +195,59 @@ class MainWindow(FileActions, QMainWindow):
 
     def start_run(self, request=None) -> bool:
         """Start generating (``request`` or the controls' settings). False with a message if it cannot."""
-        if self.controller is None:
-            self._show_error("the generation worker is not available in this build")
+        return self.run.start_run(request)
+
+    def open_recording(self, path: str | None = None, speed: float = 1.0, ask: bool = False) -> bool:
+        """Play a recording through this window at ``speed`` x its pace."""
+        return self.run.open_recording(path, speed, ask)
+
+    def play_demo(self) -> bool:
+        """Replay the demo recording from assets/ (first start offers it)."""
+        from kvscope.ui.file_actions import demo_recording_path
+
+        self.demo_banner.setVisible(False)
+        path = demo_recording_path()
+        if not path.is_file():
+            self._show_error(f"the demo recording is missing ({path})")
             return False
-        if self.session.busy:
-            return False
-        try:
-            request = request or self.build_request()
-        except SpecError as exc:
-            self._show_error(str(exc))
-            return False
-        # File > Record and the snapshot button apply to this run (a request that names its own wins).
-        if self.record_path and self.record_action.isChecked() and not request.record_path:
-            request = replace(request, record_path=self.record_path)
-        if self.snapshot_path and self.controls.snapshot_button.isChecked() and not request.snapshot_path:
-            request = replace(request, snapshot_path=self.snapshot_path)
-        self._hold_previous_run(request)  # before this request replaces the last one
-        self.session.mode = "live"
-        self.session.request = request
-        if not self.calculator.warm and getattr(self.controller, "host", None) is None:
-            # Thread mode: transformers may still be importing in the calculator's thread, and importing
-            # it from the generation thread at the same time breaks it. Start when that is done (no UI
-            # wait). The engine process imports it in its own process: nothing to wait for.
-            self._start_after_warm_up()
-            self.statusBar().showMessage("preparing transformers\u2026")
-            return True
-        self._start_now(request)
-        return True
-
-    def _start_after_warm_up(self) -> None:
-        """Start what was asked (a run or a replay) once the calculator's thread has imported
-        transformers; the window does not wait meanwhile."""
-        self.calculator.warm_up()
-        self.session.set_state("loading")
-        self.calculator.warmed.connect(self._start_when_warm, Qt.ConnectionType.SingleShotConnection)
-
-    def _start_when_warm(self) -> None:
-        if self.state == "loading" and self.mode == "replay" and self._replay_args is not None:
-            self._start_replay_now(*self._replay_args)
-        elif self.state == "loading" and self.session.request is not None:
-            self._start_now(self.session.request)
-
-    def _start_now(self, request) -> None:
-        self._show_sampler_status()
-        self._clear_view()
-        self.controls.error_label.setText("")
-        if self.sampling.sampler is None:  # a window opened for a replay: the first live run starts it
-            self.sampling.start(self._auto_device())
-        self.session.begin_live(request, self.sampling.device)
-        self.statusBar().showMessage(f"loading {request.source}\u2026")
-        if request.record_path:
-            self.last_recording = request.record_path
-            self.recording_now = request.record_path
-            # One recording per choice: the next run must not overwrite (or fail on) this file.
-            self.record_action.setChecked(False)
-            self.record_path = None
-        if request.snapshot_path:
-            self.controls.snapshot_button.setChecked(False)
-        self.show_recording_badge()
-        self.controller.start(request)
-
-    def _hold_previous_run(self, request) -> None:
-        """The live run shown (if it was one) stays on the KV plot, dotted, under the next live run of the same
-        model: run it with transformers, then with llama.cpp (or with two settings), and both curves are there.
-        A replay, or another model, drops it (like with like)."""
-        previous = self.session.request
-        same = (self.session.mode == "live" and previous is not None and self.session.decode_tokens > 0
-                and previous.source == request.source)
-        if same:
-            runtime = getattr(previous, "runtime", "transformers")
-            cache = self.plots.tokens_cache or ""
-            self.plots.hold_previous(f"before: {runtime}{'' if cache in ('', 'dynamic') else ' ' + cache}")
-        else:
-            self.plots.drop_previous()
-
-    def _active_controller(self):
-        return self.replay if self.mode == "replay" else self.controller
+        return self.run.open_recording(str(path))
 
     def stop_run(self) -> None:
-        controller = self._active_controller()
-        if controller is None or self.state == "idle":
-            return
-        self.session.set_state("stopping")
-        # Cooperative: the loop ends after the current token. Short wait, then the finished signal
-        # finishes the job, so a slow token never freezes the window.
-        if controller.stop(timeout_s=0.2):
-            self._on_finished()
+        self.run.stop_run()
 
     def toggle_pause(self) -> None:
-        controller = self._active_controller()
-        if controller is None:
-            return
-        if self.state == "running":
-            controller.pause()
-        elif self.state == "paused":
-            controller.resume()
+        self.run.toggle_pause()
 
-    recording_now: str | None = None  # the live run being recorded (the REC badge names it)
+    def request_switch(self, key: str, value: str) -> None:
+        """Switch ``key`` (attention / attn-impl / cache) to ``value`` now, or set it for the next run."""
+        self.run.request_switch(key, value)
 
-    def show_recording_badge(self) -> None:
-        recording = self.recording_now if self.session.busy and self.mode == "live" else None
-        self.badge_row.show_recording(recording, self.record_path if self.record_action.isChecked() else None)
+    def attention_key(self, n: int) -> None:
+        """Keys 1-5: mha, the middle GQA choice, mqa, mla, the smallest window."""
+        self.run.attention_key(n)
 
-    # ---- the engine and the memory sampler
+    def set_record_path(self, path: str | None) -> None:
+        self.files.set_record_path(path)
 
-    def _cuda_available(self) -> bool:
-        if self._cuda is None:
-            device = self._auto_device()
-            if device == "auto":
-                return False  # the engine has not said yet
-            self._cuda = device.startswith("cuda")
-        return self._cuda
+    def export_csv(self, path: str | None = None, ask: bool = False) -> int | None:
+        return self.files.export_csv(path, ask)
 
-    def _auto_device(self) -> str:
-        """'cuda' where torch sees a GPU, else 'mps' or 'cpu'. With the engine process, the engine
-        says which ('auto' until it has: this process never imports torch); in thread mode
-        kvscope.core.runtimes.transformers.loading decides here."""
-        if getattr(self.controller, "host", None) is not None:
-            return self._engine_device
-        try:
-            from kvscope.core.runtimes.transformers.loading import resolve_device
+    def export_plots(self, base: str | None = None, fmt: str = "png", ask: bool = False):
+        return self.files.export_plots(base, fmt, ask)
 
-            return resolve_device("auto")
-        except Exception:  # noqa: BLE001 - a UI-only build: host memory is what there is
-            return "cpu"
+    def export_summary(self, path: str | None = None, ask: bool = False):
+        return self.files.export_summary(path, ask)
 
-    def _on_engine_message(self, kind: str, payload: object, run: object) -> None:
-        if kind == "ready":
-            self.gpu_poller.set_app_pids({int(payload)})
-        elif kind == "device":
-            self._engine_device = str(payload)
-            self._cuda = self._engine_device.startswith("cuda")
-            self.sampling.device_resolved(self._engine_device)  # the engine's sampler read 'auto' as this
+    def save_screenshot(self, path: str | None = None, ask: bool = False):
+        return self.files.save_screenshot(path, ask)
 
     def set_sampler_rate(self, hz: float) -> None:
         self.sampling.set_rate(hz)
         if hz in getattr(self, "rate_actions", {}):
             self.rate_actions[hz].setChecked(True)
 
-    def _show_sampler_status(self) -> None:
-        sampling = self.sampling
-        rate = sampling.rate_text()
-        note = sampling.notes[0] if sampling.notes else ""
-        if self.mode == "replay":
-            # The sampler reads this machine; a replay shows the memory that was recorded.
-            note = "replay: memory as recorded (spikes from the recorded tokens)"
-        self.sampler_label.setText(f"memory sampler {rate} (set {sampling.rate_hz:g} Hz)"
-                                   + (f" \u00b7 {note}" if note else ""))
-        self.sampler_label.setToolTip("\n".join([f"device probed: {sampling.device}"] + sampling.notes))
-        self.status_sampler.setText(f"sampler {rate}")
-
-    # ---- what the session announces
-
-    def _show_spike(self, spike, token: int | None) -> None:
-        self.plots.add_spike(spike.time_s, spike.after, spike.rise_bytes, spike.cause)
-        self.events_table.add_spike(spike, token)
-
-    def _show_alert(self, text: str, kind: str) -> None:
-        color = self.theme.error if kind == "error" else self.theme.warning
-        self.alert_label.setText(text)
-        self.alert_label.setStyleSheet(f"QLabel#alert {{ color: {color}; background: {self.theme.panel}; border: 2px "
-                                       f"solid {color}; border-radius: 6px; padding: 6px 10px; font-weight: 700; "
-                                       f"font-size: {self.theme.title_pt}pt; }}")
-        self.alert_label.setVisible(True)
-        self._place_alert()
-
-    def _place_alert(self) -> None:
-        """Across the top of the plots, as tall as its text needs."""
-        width = max(self.plots.width() - 24, 100)
-        self.alert_label.setFixedWidth(width)
-        self.alert_label.setFixedHeight(self.alert_label.heightForWidth(width))
-        self.alert_label.move(12, 6)
-        self.alert_label.raise_()
-
-    def resizeEvent(self, event) -> None:  # noqa: N802 - Qt's name
-        super().resizeEvent(event)
-        self._fit_layout_to_width()
-
-    def _fit_layout_to_width(self) -> None:
-        """Below ``COMPACT_W`` (1024x768, 1280x720, 1366x768) the numbers column narrows and the memory plot gets
-        60 % of the bottom row; where the plots' column is still under ``STACK_BELOW_W`` (1024 px with the
-        controls shown) the memory plot and the predicted-vs-observed pair go one above the other, each the
-        column's whole width (side by side they got ~240 px each: titles, time axis and legend cut).
-        Applied when the window crosses a width, so a splitter the user drags stays where it is meanwhile."""
-        compact = self.width() < COMPACT_W
-        left = 0 if self.presenter else max(self.controls.minimumWidth(), 1)
-        right = max(self.right_panel.minimumWidth(), RIGHT_COMPACT_W) if compact else None
-        centre = self.width() - left - (right or RIGHT_MAX_W)
-        # Not in presenter type: stacked, its plots' minimum heights make the window taller than a 720p screen.
-        stacked = compact and centre < STACK_BELOW_W and not self.presenter
-        key = (compact, stacked, self.presenter)
-        if key == getattr(self, "_layout_key", None):
-            return
-        self._layout_key = key
-        bottom = self.plots.splitter.widget(1)
-        if isinstance(bottom, QSplitter):
-            bottom.setOrientation(Qt.Orientation.Vertical if stacked else Qt.Orientation.Horizontal)
-            bottom.setCollapsible(0, False)
-            bottom.setCollapsible(1, False)
-            bottom.setSizes([3000, 2000] if compact else [1000, 1000])  # in proportion
-        if stacked:
-            self.centre_splitter.setSizes([8000, 2000])  # the plots take 80 % of the height, the events the rest
-            self.plots.splitter.setSizes([3000, 5000])  # the KV plot over the two others
-        if compact:
-            total = max(sum(self.live_splitter.sizes()), self.width())
-            self.live_splitter.setSizes([left, max(total - left - right, 1), right])
-
-    def eventFilter(self, watched, event) -> bool:  # noqa: N802 - Qt's name
-        if watched is self.plots and event.type() == QEvent.Type.Resize and self.alert_label.isVisible():
-            self._place_alert()
-        return super().eventFilter(watched, event)
-
-    def _show_settings(self, s: Sample) -> None:
-        """Badges and combos follow the settings a sample carries (the truth, after a switch)."""
-        self.badge_row.show_settings(s)
-        self.controls.show_settings(s)
-
-    def _reserve_badges(self) -> None:
-        """The attention and cache badges as wide as the longest choice they may show."""
-        self.badge_row.reserve("attention", [c.upper() for c in self.controls.attention_choices], self.theme.title_pt)
-        self.badge_row.reserve("cache", [k for k, _ in self.controls.cache_choices], self.theme.title_pt)
-        # The kernels a CPU or GPU run names most (core/runtimes/transformers/kernels.py measures them); every run state, whole.
-        self.badge_row.reserve("kernel", ["sdpa-flash-cpu", "sdpa-math", "sdpa-flash", "eager"], self.theme.title_pt)
-        self.badge_row.reserve("state", list(STATE_TEXT.values()), self.theme.title_pt, most=400)
-
-    def _show_state(self, state: str) -> None:
-        self.controls.show_state(state, self.controller is not None, self._cuda_available())
-        self.badge_row.show_state(state, {"running": self.theme.curves["allocated"], "paused": self.theme.warning,
-                                          "loading": self.theme.warning}.get(state, self.theme.muted))
-        self.status_state.setText(STATE_TEXT[state])
-        if state == "idle":
-            self.recording_now = None
-        self.show_recording_badge()
-
-    def _clear_view(self) -> None:
-        """Clear plots, text and numbers (a new run or a new recording)."""
-        self.plots.reset()
-        self.text_view.reset()
-        self.stats_panel.show_stats(compute_stats(None, None, None))
-        self.stats_panel.show_forecast(None)
-        self.events_table.clear_rows()
-
-    def reset_view(self) -> None:
-        """Forget the run shown: the session's data and the view of it."""
-        self.session.reset()
-        self.plots.drop_previous()
-        self._clear_view()
-
-    # ---- signals from the controller
+    # ============================================================================================
+    # rendering what the run and the session say
 
     def add_samples(self, samples: list[Sample]) -> None:
         """Take a batch of samples (live or replayed): buffers now, drawing at the next frame."""
@@ -621,78 +269,52 @@ class MainWindow(FileActions, QMainWindow):
                                   tuple(info.attn_impl_choices) or ATTN_IMPLS)
         self.badge_row.show_model(info)
         self.setWindowTitle(f"KV Scope \u2014 {safe_text(info.label, limit=NAME_LIMIT)}")  # whole here, where the badge row is too narrow
-        self._reserve_badges()
-        memory = f" \u00b7 {human_bytes(info.total_memory)}" if info.total_memory else ""
-        self.status_device.setText(f"{info.device_name}{memory}")
-        self.statusBar().showMessage(f"loaded {safe_text(info.label, limit=NAME_LIMIT)} on {info.device_name} ({info.dtype})", 5000)
+        self.live.reserve_badges(self.theme)
+        self.status_line.show_model(info)
         if self.mode == "live":  # a replay leaves the calculator alone (it reset it to the recording's model)
             self.calculator.set_spec(info.spec, source=f"{info.spec.name}")
-        if self.mode == "live" and info.total_memory and str(info.device).startswith(("cuda", "mps")):
-            self.calculator.set_detected_memory(info.total_memory, info.device_name)
-        if self.mode == "live" and str(info.device) != self.sampling.device:
-            # The probe must read the device the model is on (NVML and the allocator of that GPU).
-            self.sampling.start(str(info.device))
+            if info.total_memory and str(info.device).startswith(("cuda", "mps")):
+                self.calculator.set_detected_memory(info.total_memory, info.device_name)
+        self.run.follow_device(info)
         self.session.model_loaded(info)
 
-    def _on_error(self, message: str) -> None:
-        self.session.error(message)
-        self._show_error(message)
-
-    def _on_finished(self) -> None:
-        if not self.session.finished():
-            return
+    def _run_ended(self) -> None:
         self._redraw()
         self.refresh_stats()
         self.run_finished.emit()
 
     def _show_error(self, message: str) -> None:
         self.controls.error_label.setText(message)
-        self.statusBar().showMessage(message, 10000)
+        self.status_line.message(message, 10000)
 
-    # ---- live switches
+    def _show_settings(self, s: Sample) -> None:
+        """Badges and combos follow the settings a sample carries (the truth, after a switch)."""
+        self.badge_row.show_settings(s)
+        self.controls.show_settings(s)
 
-    def request_switch(self, key: str, value: str) -> None:
-        """Switch ``key`` (attention / attn-impl / cache) to ``value`` now, or set it for the next run."""
-        self.controls.select(self.controls.combo(key), value)
-        self.controls.grey_what_cannot_run()  # what each key offers next follows the settings asked
-        if key == "attn-impl" and value != "flash":
-            self.controls.last_non_flash = value
-        if self.controller is not None and self.mode == "live" and self.state in ("running", "paused", "loading"):
-            if not self.session.switch_sent(key, value):
-                return  # the same switch is already on its way (or nothing to change)
-            self.controller.switch(key, value)  # the engine keeps only the last pending press per axis
-            pending = self.session.switches_pending
-            if not pending:
-                self.statusBar().showMessage(f"{key}: staying with {value}", 3000)
-                return
-            queued = f" ({pending} queued)" if pending > 1 else ""
-            self.statusBar().showMessage(f"switching {key} to {value} after this token\u2026{queued}")
-
-    def attention_key(self, n: int) -> None:
-        """Keys 1-5: mha, the middle GQA choice, mqa, mla, the smallest window (its plateau shows soonest)."""
-        wanted = self.controls.attention_for_key(n)
-        if wanted is None:
-            names = {1: "MHA", 2: "GQA", 3: "MQA", 4: "MLA", 5: "a sliding window"}
-            self.statusBar().showMessage(f"{names[n]} is not available: {self.controls.last_problem}", 6000)
-            return
-        self.request_switch("attention", wanted)
-
-    def toggle_flash(self) -> None:
-        kernel = self.controls.flash_toggled()
-        if kernel is None:
-            self.statusBar().showMessage(f"flash attention is not available here: {self.controls.last_problem}", 6000)
+    def _show_state(self, state: str) -> None:
+        self.controls.show_state(state, self.controller is not None, self.run.cuda_available())
+        self.badge_row.show_state(state, {"running": self.theme.curves["allocated"], "paused": self.theme.warning,
+                                          "loading": self.theme.warning}.get(state, self.theme.muted))
+        self.status_line.show_state(state)
+        if state == "idle":
+            self.files.run_ended()
         else:
-            self.request_switch("attn-impl", kernel)
+            self._show_recording()
 
-    def next_cache(self) -> None:
-        cache = self.controls.next_cache()
-        if cache is None:
-            self.statusBar().showMessage(self.controls.last_problem, 6000)
-        else:
-            self.request_switch("cache", cache)
+    def _show_recording(self) -> None:
+        """The REC badge: the live run being recorded, or the next one armed."""
+        recording = self.files.recording_now if self.session.busy and self.mode == "live" else None
+        self.badge_row.show_recording(recording, self.files.armed())
 
-    # ============================================================================================
-    # drawing
+    def _show_sampler_status(self) -> None:
+        self.status_line.show_sampler(self.sampling, self.mode == "replay")
+
+    def reset_view(self) -> None:
+        """Forget the run shown: the session's data and the view of it."""
+        self.session.reset()
+        self.plots.drop_previous()
+        self.live.clear()
 
     def _redraw(self, settle: bool = True) -> None:
         """A frame: curves, then any text that arrived. Never raises into Qt. The fixed-rate timer
@@ -727,10 +349,7 @@ class MainWindow(FileActions, QMainWindow):
             self.breakdown_view.show_breakdown(breakdown)
             session.refresh_forecast(self.sampling.device, host)
             if s is not None:
-                if s.device_used is not None and s.device_total is not None:
-                    self.status_memory.setText(f"GPU {human_bytes(s.device_used)} / {human_bytes(s.device_total)}")
-                elif s.process_rss is not None:
-                    self.status_memory.setText(f"host: this process {human_bytes(s.process_rss)} (RSS)")
+                self.status_line.show_memory(s)
         except Exception:
             log.exception("stats refresh failed")
 
@@ -748,24 +367,13 @@ class MainWindow(FileActions, QMainWindow):
         self.presenter_action.setChecked(self.presenter)
         if self.presenter and not was:
             self._normal_geometry = self.saveGeometry()  # leaving presenter mode puts the window back
-        if self.presenter:
-            self.controls.setVisible(False)
-            self.demo_banner.setVisible(False)  # the first-start offer is not for the audience (half a 768 px plot)
         screen = self.screen() or QGuiApplication.primaryScreen()
         wide = screen is None or screen.availableGeometry().width() >= 1600
-        self.right_panel.setMaximumWidth(600 if self.presenter else RIGHT_MAX_W)
-        self.right_panel.setMinimumWidth((540 if wide else 340) if self.presenter else RIGHT_MIN_W)
-        # Large type: on a wide screen the numbers go two abreast so the streamed text keeps some room
-        # (on 1280 px they stay one column and scroll); the events table yields some height to the plots.
-        self.stats_panel.set_columns(2 if self.presenter and wide else 1)
-        if self.presenter and not was:
-            self._normal_centre_sizes = self.centre_splitter.sizes()
-            total = max(sum(self._normal_centre_sizes), 1)
-            self.centre_splitter.setSizes([int(total * 0.72), int(total * 0.28)])
+        self.live.presenter_layout(self.presenter, was, wide)
         self.apply_theme()
-        self._fit_layout_to_width()  # the controls come and go: the plots' column changes width
-        # The controls come back after the normal type is in force: shown while the presenter type's
-        # wide badges still were, they would grow the window past its normal size.
+        self.live.fit_to_width(self.width(), self.presenter)  # the controls come and go: the plots' column changes
+        # The controls come back after the normal type is in force: shown while the presenter type's wide badges
+        # still were, they would grow the window past its normal size.
         self.controls.setVisible(not self.presenter)
         if fullscreen:
             if self.presenter:
@@ -773,35 +381,33 @@ class MainWindow(FileActions, QMainWindow):
             else:
                 self.showNormal()
         if not self.presenter and was and getattr(self, "_normal_geometry", None) is not None:
-            # After the normal layout's minimum sizes are in force (pending layout requests), else the
-            # presenter layout's wider minimum would clamp the restored width.
-            geometry, sizes = self._normal_geometry, getattr(self, "_normal_centre_sizes", None)
+            # After the normal layout's minimum sizes are in force (pending layout requests), else the presenter
+            # layout's wider minimum would clamp the restored width.
+            geometry = self._normal_geometry
 
             def give_back() -> None:
                 self.restoreGeometry(geometry)
-                if sizes:
-                    self.centre_splitter.setSizes(sizes)
+                self.live.restore_centre()
 
             QTimer.singleShot(0, give_back)
 
     def apply_theme(self) -> None:
         old = self.theme
         self.theme = make_theme(self.theme_name, self.presenter)
-        self.text_view.recolor(old, self.theme)
         self.setStyleSheet(stylesheet(self.theme))
-        self._reserve_badges()  # the type size changed (presenter mode): so did the widest choice
-        self.plots.apply_theme(self.theme)
-        self.breakdown_view.apply_theme(self.theme)
+        self.live.apply_theme(old, self.theme)
         self.calculator.apply_theme(self.theme)
         self.servers.apply_theme(self.theme)
-        self.events_table.recolor(old, self.theme)
-        self.gpu_panel.theme = self.theme
         if self.theme_name in getattr(self, "theme_actions", {}):
             self.theme_actions[self.theme_name].setChecked(True)
         self._show_state(self.state)
 
+    def resizeEvent(self, event) -> None:  # noqa: N802 - Qt's name
+        super().resizeEvent(event)
+        self.live.fit_to_width(self.width(), self.presenter)
+
     # ============================================================================================
-    # settings
+    # settings and shutdown
 
     def fit_to_screen(self) -> None:
         """Never larger than the screen's free area (a 1280x720 projector, a remembered size from a bigger
@@ -857,16 +463,7 @@ class MainWindow(FileActions, QMainWindow):
         """Stop the run and every helper thread (idempotent)."""
         self.redraw_timer.stop()
         self.stats_timer.stop()
-        if self.controller is not None and self.controller.is_running():
-            if not self.controller.stop(timeout_s=5.0):
-                if hasattr(self.controller, "kill"):  # the engine process: end it, memory and all
-                    self.controller.kill()
-                else:
-                    log.warning("the generation thread did not stop within 5 s")
-        if self.replay is not None and self.replay.is_running():
-            self.replay.stop(timeout_s=2.0)
-        if not self.sampling.stop(timeout_s=2.0):
-            log.warning("the memory sampler thread did not stop within 2 s")
+        self.run.shutdown()
         if not self.gpu_poller.stop(timeout_s=2.0):
             log.warning("the GPU process thread did not stop within 2 s")
         self.calculator.shutdown()

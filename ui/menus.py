@@ -35,36 +35,39 @@ def _add(window: QMainWindow, menu, text: str, slot, shortcut=None, tip: str = "
 
 
 def build_menus(self: QMainWindow) -> None:
-    """The menu bar of ``self`` (the MainWindow: its slots are the actions' targets)."""
+    """The menu bar of ``self`` (the MainWindow): the actions' targets are its parts, ``self.files`` (the File
+    menu's outputs: ``kvscope.ui.file_actions``) and ``self.run`` (runs and replays: ``kvscope.ui.run_control``), and its looks."""
     bar = self.menuBar()
+    files, run = self.files, self.run
     file_menu = self.file_menu = bar.addMenu("&File")
-    self.record_action = _add(self, file_menu, "Record the next run\u2026", self._record_triggered, checkable=True,
-                              tip="Write every sample of the next run to a .jsonl recording (flushed per sample)")
-    _add(self, file_menu, "Open recording\u2026", lambda: self.open_recording(ask=True), QKeySequence.StandardKey.Open)
+    self.record_action = files.record_action = _add(
+        self, file_menu, "Record the next run\u2026", files.record_triggered, checkable=True,
+        tip="Write every sample of the next run to a .jsonl recording (flushed per sample)")
+    _add(self, file_menu, "Open recording\u2026", lambda: run.open_recording(ask=True), QKeySequence.StandardKey.Open)
     _add(self, file_menu, "Play the demo recording", self.play_demo)
     file_menu.addSeparator()
-    self.export_csv_action = _add(self, file_menu, "Export CSV\u2026", lambda: self.export_csv(ask=True))
+    self.export_csv_action = _add(self, file_menu, "Export CSV\u2026", lambda: files.export_csv(ask=True))
     for fmt in ("PNG", "SVG"):
         _add(self, file_menu, f"Export plots as {fmt}\u2026",
-             lambda _c=False, f=fmt.lower(): self.export_plots(fmt=f, ask=True))
-    _add(self, file_menu, "Export summary image\u2026", lambda: self.export_summary(ask=True))
+             lambda _c=False, f=fmt.lower(): files.export_plots(fmt=f, ask=True))
+    _add(self, file_menu, "Export summary image\u2026", lambda: files.export_summary(ask=True))
     file_menu.addSeparator()
-    _add(self, file_menu, "Save screenshot", lambda: self.save_screenshot(), "Ctrl+S",
+    _add(self, file_menu, "Save screenshot", lambda: files.save_screenshot(), "Ctrl+S",
          tip="A PNG of the window in your Pictures folder (the status bar says where)")
-    _add(self, file_menu, "Save screenshot as\u2026", lambda: self.save_screenshot(ask=True))
+    _add(self, file_menu, "Save screenshot as\u2026", lambda: files.save_screenshot(ask=True))
     file_menu.addSeparator()
     _add(self, file_menu, "Quit", self.close, QKeySequence.StandardKey.Quit)
 
     run_menu = bar.addMenu("&Run")
-    _add(self, run_menu, "Start", self.start_run)
-    _add(self, run_menu, "Pause / resume", self.toggle_pause, "Space", everywhere=True)
-    _add(self, run_menu, "Stop", self.stop_run)
+    _add(self, run_menu, "Start", lambda: run.start_run())
+    _add(self, run_menu, "Pause / resume", run.toggle_pause, "Space", everywhere=True)
+    _add(self, run_menu, "Stop", run.stop_run)
     run_menu.addSeparator()
     # The keys a speaker presses, as menu entries: the menu shows which number is which mode.
     for n, name in ATTENTION_KEYS.items():
-        _add(self, run_menu, f"{name} attention", lambda _c=False, n=n: self.attention_key(n), str(n), everywhere=True)
-    _add(self, run_menu, "Flash attention on / off", self.toggle_flash, "F", everywhere=True)
-    _add(self, run_menu, "Next cache strategy", self.next_cache, "C", everywhere=True)
+        _add(self, run_menu, f"{name} attention", lambda _c=False, n=n: run.attention_key(n), str(n), everywhere=True)
+    _add(self, run_menu, "Flash attention on / off", run.toggle_flash, "F", everywhere=True)
+    _add(self, run_menu, "Next cache strategy", run.next_cache, "C", everywhere=True)
 
     view = bar.addMenu("&View")
     themes = QActionGroup(self)

@@ -17,6 +17,7 @@ import os
 import sys
 import time
 
+from kvscope.core import runtimes
 from kvscope.core.base.errors import INTERNAL, KVScopeError
 
 #: Tokens the self-test decodes; each one must have observed KV bytes == predicted KV bytes.
@@ -187,7 +188,7 @@ def _generate(app, request, timeout_s: float, tokens: int, what: str) -> tuple[l
         where = f"in the engine process (pid {controller.host.pid})"
         controller.host.shutdown()
     if errors:
-        prefix = "the run failed" if what == "transformers" else f"the {what} run failed"
+        prefix = "the run failed" if what == runtimes.DEFAULT else f"the {what} run failed"
         raise SelfTestFailed(f"{prefix}: {errors[0]}")
     decoded = [s for s in samples if s.phase == PHASE_DECODE]
     if len(decoded) < tokens:

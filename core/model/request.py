@@ -41,9 +41,9 @@ class RunRequest:
     #: A name in ``kvscope.core.runtimes``' registry: "transformers" (the model in torch), "llama.cpp" (a GGUF in the
     #: real llama.cpp, in a child process)...
     runtime: str = "transformers"
-    #: llama.cpp's context options (``kvscope.core.prediction.llamacpp.LlamaCppOptions``) for ``runtime == "llama.cpp"``.
+    #: llama.cpp's context options (``kvscope.core.prediction.llamacpp.LlamaCppOptions``) for a llama.cpp run.
     llamacpp: Any = None
-    #: MLX's cache options (``kvscope.core.runtimes.mlx.switches.MlxOptions``: mlx-lm's flags) for ``runtime == "mlx"``.
+    #: MLX's cache options (``kvscope.core.runtimes.mlx.switches.MlxOptions``: mlx-lm's flags) for an MLX run.
     mlx: Any = None
 
 

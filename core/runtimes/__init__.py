@@ -19,7 +19,8 @@ from kvscope.core.runtimes.base import OPTIONS, Runtime, RuntimeInfo, resolve
 
 __all__ = ["OPTIONS", "Runtime", "RuntimeInfo", "DEFAULT", "register", "unregister", "get", "find", "names",
            "reloads_cache", "open_runtime",
-           "runtime_for_source", "check_switch", "parse_switch", "missing", "resolve"]
+           "runtime_for_source", "claimed_by", "check_switch", "parse_switch", "missing", "resolve",
+           "calculators", "switch_problem", "source_entry"]
 
 #: The runtime of a run that names none (and of every recording made before runtimes had names).
 DEFAULT = "transformers"
@@ -87,12 +88,36 @@ def missing(name: str) -> str | None:
 
 def runtime_for_source(source: str | None) -> str:
     """The runtime a model source runs in when none is named: the first that claims it, else the default."""
+    return claimed_by(source) or DEFAULT
+
+
+def claimed_by(source: str | None) -> str | None:
+    """The runtime that claims a model source as its own (llama.cpp: a GGUF), or None when none does."""
     text = str(source or "").strip()
     for info in _REGISTRY.values():
         claims = info.hook("claims")
         if claims is not None and text and claims(text):
             return info.name
-    return DEFAULT
+    return None
+
+
+def calculators() -> dict[str, Any]:
+    """The Calculator tab's rules per runtime that has some (``RuntimeInfo.calculator``), in registration order."""
+    return {info.name: info.hook("calculator") for info in _REGISTRY.values() if info.calculator is not None}
+
+
+def switch_problem(name: str | None, *args: Any, **kwargs: Any) -> str | None:
+    """Why a live switch cannot run under the runtime ``name`` (its ``switch_problem`` hook), or None: also where the
+    runtime judges none ahead (its own choices say what it reloads) or is not registered here."""
+    info = find(name)
+    hook = info.hook("switch_problem") if info is not None else None
+    return hook(*args, **kwargs) if hook is not None else None
+
+
+def source_entry(name: str | None) -> str | None:
+    """The window's Source list entry of the runtime ``name`` (``RuntimeInfo.source_entry``), or None."""
+    info = find(name)
+    return info.source_entry if info is not None else None
 
 
 def check_switch(name: str | None, key: str, value: str) -> tuple[str, Any]:
@@ -122,16 +147,18 @@ def parse_switch(text: str, runtime: str = DEFAULT) -> tuple[int, str, str]:
 register(RuntimeInfo(
     name="transformers", open="kvscope.core.runtimes.transformers.runtime:open_runtime",
     label="transformers (the model in torch)", parse_switch="kvscope.core.model.settings:parse_switch_value",
-    supports=frozenset(OPTIONS)))
+    supports=frozenset(OPTIONS), calculator="kvscope.core.runtimes.transformers.calc:RULES",
+    switch_problem="kvscope.core.model.settings:switch_problem"))
 register(RuntimeInfo(
     name="llama.cpp", open="kvscope.core.runtimes.llamacpp.runtime:open_runtime",
     label="llama.cpp (a GGUF in the real llama.cpp, in its own process)",
     parse_switch="kvscope.core.runtimes.llamacpp.switches:parse_llamacpp_switch_value", claims="kvscope.core.model.gguf:is_gguf_source",
     missing="kvscope.core.model.request:llamacpp_missing", cli_options="kvscope.core.runtimes.llamacpp.runtime:cli_options",
-    calc="kvscope.core.runtimes.llamacpp.runtime:calc_text", cache_switch_reloads=True, reserves_at_load=True))
+    calc="kvscope.core.runtimes.llamacpp.runtime:calc_text", calculator="kvscope.core.runtimes.llamacpp.calc:RULES",
+    source_entry="llamacpp", cache_switch_reloads=True, reserves_at_load=True))
 register(RuntimeInfo(
     name="mlx", open="kvscope.core.runtimes.mlx.runtime:open_runtime",
     label="MLX (mlx-lm: Metal on a Mac, the CPU elsewhere)",
     parse_switch="kvscope.core.runtimes.mlx.switches:parse_switch", missing="kvscope.core.runtimes.mlx.switches:mlx_missing",
     cli_options="kvscope.core.runtimes.mlx.switches:cli_options", calc="kvscope.core.runtimes.mlx.calc:calc_text",
-    reserves_at_load=False))
+    source_entry="mlx", reserves_at_load=False))

@@ -132,10 +132,18 @@ class RuntimeInfo:
     cache_switch_reloads: bool = False
     #: The KV cache is reserved for the whole context at load (the window's numbers panel says "prepaid").
     reserves_at_load: bool = False
+    #: ``calculator``: the Calculator tab's rules for this runtime (``kvscope.core.prediction.calculator.CalcRules``: its rows, caches,
+    #: the inputs it reads); None: the tab does not offer it. Must not import the ML stack.
+    calculator: "str | Any | None" = None
+    #: ``switch_problem(spec, device, now, key, value, tokens) -> str | None``: why a live switch cannot run from the
+    #: settings ``now``, judged before it is sent (the window greys what it cannot apply); None: not judged ahead.
+    switch_problem: "str | Callable[..., str | None] | None" = None
+    #: The window's Source list entry that runs this runtime, where it has one of its own (``llamacpp``, ``mlx``).
+    source_entry: str | None = None
 
     def hook(self, name: str) -> Any:
-        """The hook ``name`` (``open``, ``parse_switch``, ``claims``, ``missing``, ``cli_options``, ``calc``) resolved,
-        or None."""
+        """The hook ``name`` (``open``, ``parse_switch``, ``claims``, ``missing``, ``cli_options``, ``calc``,
+        ``calculator``, ``switch_problem``) resolved, or None."""
         return resolve(getattr(self, name))
 
 

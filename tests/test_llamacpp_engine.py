@@ -193,11 +193,11 @@ def test_without_llama_cpp_the_window_disables_the_choice(qtbot, settings, monke
         panel.build_request()
 
 
-def test_the_request_module_finds_llama_cpp_without_importing_it():
+def test_the_runtime_finds_llama_cpp_without_importing_it():
     import subprocess
     import sys
 
-    code = ("import sys; from kvscope.core.model.request import llamacpp_missing; print(json.dumps([llamacpp_missing(), "
+    code = ("import sys; from kvscope.core.runtimes.llamacpp.switches import llamacpp_missing; print(json.dumps([llamacpp_missing(), "
             "'llama_cpp' in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == [None, False]

@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 
-from kvscope.core.model.request import llamacpp_missing
+from kvscope.core.runtimes.llamacpp.switches import llamacpp_missing
 from kvscope.core.runtimes.mlx.switches import mlx_missing
 
 

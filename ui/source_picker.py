@@ -19,8 +19,9 @@ from PySide6.QtWidgets import (QComboBox, QFileDialog, QHBoxLayout, QLineEdit, Q
 from kvscope.core import runtimes
 from kvscope.core.base.safe_text import safe_text
 from kvscope.core.model.gguf import is_gguf_source
-from kvscope.core.model.request import RunRequest, llamacpp_missing
+from kvscope.core.model.request import RunRequest
 from kvscope.core.model.spec import SpecError
+from kvscope.core.runtimes.llamacpp.switches import llamacpp_missing
 from kvscope.core.runtimes.mlx.switches import mlx_missing
 from kvscope.workers.installed_models import FollowsInstalled, InstalledModels
 

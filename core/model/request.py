@@ -78,21 +78,6 @@ class RunHooks:
     should_stop: Callable[[], bool] = lambda: False
 
 
-def llamacpp_missing() -> str | None:
-    """None when llama-cpp-python is installed, else why not, without importing it (the window's process
-    never loads llama.cpp; a broken build is found, and said, by the engine process when a run loads)."""
-    import importlib.util
-
-    try:
-        found = importlib.util.find_spec("llama_cpp") is not None
-    except (ImportError, ValueError):
-        found = False
-    if found:
-        return None
-    return ("llama-cpp-python is not installed: pip install 'llama-cpp-python==0.3.36' (it builds llama.cpp "
-            "from source, a few minutes)")
-
-
 #: The seeds torch's generator takes (``torch.Generator.manual_seed``): 0 to 2**64 - 1.
 MAX_SEED = 2**64 - 1
 

@@ -401,6 +401,6 @@ def cli_options(args: Any) -> dict[str, Any]:
 
 def open_runtime(request: RunRequest, progress: Callable[[str], None]) -> LlamaCppRuntime:
     """Checks (the file a GGUF, the plan one llama.cpp accepts), then a runtime to ``load()``. Whether
-    llama-cpp-python is installed the registry asked already (``kvscope.core.model.request.llamacpp_missing``, without
+    llama-cpp-python is installed the registry asked already (``kvscope.core.runtimes.llamacpp.switches.llamacpp_missing``, without
     importing it); a broken build is said by the child, which imports it."""
     return LlamaCppRuntime(request, progress)

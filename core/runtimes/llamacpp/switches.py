@@ -1,5 +1,5 @@
-"""The llama.cpp runtime's light half: the switches a llama.cpp run takes, parsed without importing llama.cpp
-(the command line and the window's process use them; the registry names ``parse_llamacpp_switch_value``)."""
+"""The llama.cpp runtime's light half: the switches a llama.cpp run takes and whether llama.cpp is installed, both
+answered without importing llama.cpp (the command line and the window's process ask them through the registry)."""
 
 from __future__ import annotations
 
@@ -34,3 +34,18 @@ def parse_llamacpp_switch_value(key: str, value: str) -> tuple[str, Any]:
         return k, value.strip().lower()
     raise SettingsError(f"unknown setting {key!r} for a llama.cpp run; use cache-type (cache-type-k, cache-type-v) "
                         "or context")
+
+
+def llamacpp_missing() -> str | None:
+    """None when llama-cpp-python is installed, else why not, without importing it (the window's process
+    never loads llama.cpp; a broken build is found, and said, by the engine process when a run loads)."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("llama_cpp") is not None
+    except (ImportError, ValueError):
+        found = False
+    if found:
+        return None
+    return ("llama-cpp-python is not installed: pip install 'llama-cpp-python==0.3.36' (it builds llama.cpp "
+            "from source, a few minutes)")

@@ -294,8 +294,8 @@ def _size_or_zero(text: str | None) -> int | None:
 
 
 def cmd_calc(args: argparse.Namespace) -> int:
-    from kvscope.core.cli.calc import calculate, render_json, render_table
     from kvscope.core.model.spec import load_spec, parse_size, parse_tokens
+    from kvscope.core.prediction.calc import calculate, render_json, render_table
 
     _refuse_empty_values(args)
     contexts = [parse_tokens(c) for c in str(args.context).split(",") if c.strip()]
@@ -399,7 +399,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     request = _run_request(args)  # bad options and outputs are refused before torch is imported
     if not (0 <= args.metrics_linger <= 3600):  # also refuses NaN
         raise CliError("--metrics-linger: give 0 to 3600 seconds")
-    from kvscope.core.cli.terminal import run_terminal
+    from kvscope.core.live.terminal import run_terminal
 
     collector, exporter = _start_metrics(args)
     if exporter is None:
@@ -433,7 +433,7 @@ def cmd_gui(args: argparse.Namespace) -> int:
             return run_window(request, screenshot=screenshot, tokens=args.tokens, observers=observers, **_view(args))
         print(f"kvscope: {problem}: running the terminal view instead. "
               "Use QT_QPA_PLATFORM=offscreen with --screenshot to render the window without a display.", file=sys.stderr)
-        from kvscope.core.cli.terminal import run_terminal
+        from kvscope.core.live.terminal import run_terminal
 
         return run_terminal(request, observers=observers)
     finally:

@@ -72,7 +72,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from kvscope import main
-from kvscope.core.cli.terminal import TerminalView
+from kvscope.core.live.terminal import TerminalView
 from kvscope.core.model.embedded import embedded_model_dir
 from kvscope.core.model.request import DEFAULT_PROMPT
 from kvscope.core.model.spec import EMPTY_MODEL_NAME, MAX_COUNT, MAX_JSON_DEPTH
@@ -610,7 +610,8 @@ def test_prompt_longer_than_model_maximum_refused_before_loading(tmp_path, capsy
 def test_prompt_longer_than_model_maximum_refused_after_loading(tmp_path, capsys, monkeypatch):
     """Where the config comes only with the weights (a hub model: no check before loading), the run refuses
     the same prompt once loaded, before the prefill."""
-    from kvscope.core.runtimes.transformers import runtime as transformers_runtime  # the transformers runtime's own check
+    from kvscope.core.runtimes.transformers import (
+        runtime as transformers_runtime)  # the transformers runtime's own check
 
     monkeypatch.setattr(transformers_runtime, "_check_prompt_before_loading", lambda request, spec: None)
     path, n = _long_prompt(tmp_path)

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from kvscope.core.cli.calc import calculate
 from kvscope.core.model.attention import SettingsError
 from kvscope.core.model.settings import RunSettings
 from kvscope.core.model.spec import load_spec
+from kvscope.core.prediction.calc import calculate
 from kvscope.core.prediction.parallel import Parallelism, layout, max_context_per_gpu, pp_partition, predict_parallel
 from kvscope.core.prediction.predict import predict
 

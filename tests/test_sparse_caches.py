@@ -245,7 +245,7 @@ def test_quality_probe_off_by_default_and_exact_twin(embedded):
 
 
 def test_quality_probe_in_the_terminal_and_the_recording(tmp_path, capsys):
-    from kvscope.core.cli.terminal import run_terminal
+    from kvscope.core.live.terminal import run_terminal
     from kvscope.core.records.recording import RecordingReader
 
     record = tmp_path / "q.jsonl"
@@ -293,8 +293,8 @@ def test_choices_and_parsing():
 
 
 def test_calc_shows_the_flat_line_beyond_s_plus_w(capsys):
-    from kvscope.core.cli.calc import calculate, render_table
     from kvscope.core.model.spec import load_spec
+    from kvscope.core.prediction.calc import calculate, render_table
 
     spec = load_spec("llama-3-8b")
     result = calculate(spec, RunSettings(cache=parse_cache("sink:4+252")), [128, 256, 257, 4096, 131_072])

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvscope.core.cli.calc import calculate
 from kvscope.core.model.attention import SettingsError
 from kvscope.core.model.spec import load_spec
+from kvscope.core.prediction.calc import calculate
 from kvscope.core.prediction.parallel import Parallelism
 from kvscope.ui.calculator import GPU_LAYOUTS, CalculatorTab
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvscope.core.cli.calc import kv_formula
 from kvscope.core.model.settings import RunSettings, attention_choices
 from kvscope.core.model.spec import human_bytes, load_spec
+from kvscope.core.prediction.calc import kv_formula
 from kvscope.core.prediction.predict import kv_bytes, max_context_that_fits, predict
 from kvscope.ui.calculator import CalculatorTab
 

@@ -1,6 +1,6 @@
 """The run: one loop that drives any runtime for a ``RunRequest``.
 
-``run_generation`` is what the terminal view (``kvscope.core.cli.terminal``) and the engine process
+``run_generation`` is what the terminal view (``kvscope.core.live.terminal``) and the engine process
 (``kvscope.core.live.engine_process``) call, whatever the runtime: it opens the runtime the registry names
 (``kvscope.core.runtimes``), and owns everything runtimes share: the output checks, the recording, the events
 (load, notes, switch/refused/note, stop, forecast, budget, oom, error), scripted switches (``--switch``) and

@@ -7,11 +7,11 @@ on every one. No torch: the spec is a description, nothing is loaded.
 
 from __future__ import annotations
 
-from kvscope.core.cli.calc import SEARCH_LIMIT, kv_formula
 from kvscope.core.model.attention import parse_attention
 from kvscope.core.model.caches import parse_cache
 from kvscope.core.model.settings import RunSettings, cache_choices
 from kvscope.core.model.spec import ModelSpec
+from kvscope.core.prediction.calc import SEARCH_LIMIT, kv_formula
 from kvscope.core.prediction.calculator import TIMES, CalcFigures, CalcInputs, CalcRow
 from kvscope.core.prediction.parallel import max_context_per_gpu, predict_parallel
 from kvscope.core.prediction.predict import Prediction, kv_bytes, max_context_that_fits, predict
@@ -56,7 +56,7 @@ class TransformersCalc:
         return max(shares, key=lambda share: share.total)
 
     def fit(self, spec: ModelSpec, inputs: CalcInputs) -> tuple[int | None, int]:
-        """calc's search (``kvscope.core.cli.calc.calculate``): up to ``SEARCH_LIMIT``, on every GPU with several."""
+        """calc's search (``kvscope.core.prediction.calc.calculate``): up to ``SEARCH_LIMIT``, on every GPU with several."""
         settings = self.settings(spec, inputs).with_(max_context=None)
         parallel = inputs.parallelism
         if parallel.single:

@@ -297,7 +297,8 @@ def _size_or_zero(text: str | None) -> int | None:
 
 def cmd_calc(args: argparse.Namespace) -> int:
     from core.calc import calculate, render_json, render_table
-    from core.spec import load_spec, parse_size, parse_tokens
+    from core.sources import load_spec
+    from core.spec import parse_size, parse_tokens
 
     _refuse_empty_values(args)
     contexts = [parse_tokens(c) for c in str(args.context).split(",") if c.strip()]
@@ -478,7 +479,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     spec = None
     if args.model:
-        from core.spec import load_spec
+        from core.sources import load_spec
 
         spec = load_spec(args.model)
 

@@ -14,7 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from core.predict import predict  # noqa: E402
 from core.settings import RunSettings  # noqa: E402
-from core.spec import load_spec, preset_names  # noqa: E402
+from core.sources import load_spec  # noqa: E402
+from core.spec import preset_names  # noqa: E402
 
 
 def main() -> None:

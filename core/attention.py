@@ -10,14 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from core.errors import REFUSED
-from core.spec import FULL_ATTENTION, MAX_COUNT, NO_KV, SLIDING_ATTENTION, ModelSpec, SpecError, model_facts
-
-
-class SettingsError(SpecError):
-    """A setting that is misspelled or does not fit the model. The message is for the user."""
-
-    category = REFUSED
+from core.hf_config import model_facts
+from core.spec import FULL_ATTENTION, MAX_COUNT, NO_KV, SLIDING_ATTENTION, ModelSpec, SettingsError, SpecError
 
 
 def int_arg(arg: str | None, what: str, spelled: str) -> int:

@@ -14,8 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from core.attention import SettingsError
-from core.spec import INDEXED_ATTENTION, MAX_COUNT, NO_KV, SLIDING_ATTENTION, ModelSpec, shown_count
+from core.spec import INDEXED_ATTENTION, MAX_COUNT, NO_KV, SLIDING_ATTENTION, ModelSpec, SettingsError, shown_count
 
 
 @dataclass(frozen=True)

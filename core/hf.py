@@ -18,9 +18,11 @@ import json
 import threading
 from typing import Any
 
+from core.caches import kv_layout
 from core.longlived import freeze_long_lived
-from core.spec import (FULL_ATTENTION, INDEXED_ATTENTION, NO_KV, SLIDING_ATTENTION, ConfigView, ModelFacts, is_plain_int,
-                        is_transformers_refusal, transformers_refusal)
+from core.spec import (FULL_ATTENTION, INDEXED_ATTENTION, NO_KV, SLIDING_ATTENTION, ConfigView, ModelFacts, ModelSpec,
+                       SpecError, _checked_counts, _text_config, is_plain_int, is_transformers_refusal,
+                       transformers_refusal)
 from core.states import KVShape, LayerState
 
 _lock = threading.Lock()
@@ -163,7 +165,7 @@ def _layer_states(layer) -> dict[str, tuple[int, int]]:
     layer's growing state left out: ``_compressing_state``)."""
     import torch
 
-    from core.measure import BOOKKEEPING_ATTRS
+    from core.measure import BOOKKEEPING_ATTRS  # torch: only the probe, in a process that builds the model on meta
 
     growing = (*_COMPRESSOR_BUFFERS, *_COMPRESSOR_ENTRIES, *_COMPRESSOR_OVERLAP) if _compress_rate(layer) else ()
     out = {}
@@ -317,10 +319,6 @@ def _shapes_beyond_formula(cfg: dict[str, Any], types: tuple[str, ...] | None,
     """The probed per-layer K/V shapes where some layer differs from what ``core.caches.kv_layout`` derives from the
     config's counts (a spec without ``layer_kv``); None where every layer agrees (nearly every model: their views,
     presets' included, stay as they were) or the counts cannot be read (the spec refuses the config then)."""
-    from core.caches import kv_layout
-    from core.spec import SpecError, _checked_counts, _text_config
-    from core.spec import ModelSpec
-
     if types is None or shapes is None:
         return None
     try:

@@ -10,7 +10,7 @@ Every store is untrusted input, and the scan never blocks on one:
 - only regular files are opened, and only after ``os.stat`` says so; the open is non-blocking and the open
   file is checked again (``fstat``), so a FIFO, a device or a link to ``/dev/zero`` is never read;
 - reads are bounded (a ref 4 KiB, a manifest 16 KiB, a params blob 64 KiB, a config.json 8 MiB, its size
-  checked before it is read: ``core.spec.read_config_json``);
+  checked before it is read: ``core.hf_config.read_config_json``);
 - walks are bounded in depth, in entries and in time (``STORE_BUDGET_S`` per store), and stop at once when
   the caller cancels;
 - one bad entry (a FIFO for ``refs/main``, a ref that is not UTF-8, a snapshot 1,500 folders deep, a manifest
@@ -450,7 +450,8 @@ def _folder_kind(folder: Path) -> str:
 def _is_model_config(path: Path, store: _Store | None = None) -> bool:
     """A transformers config (names a model type or its architectures), not any JSON called config.json.
     A config.json that cannot be one (not a regular file, too large, not JSON...) gets a note."""
-    from core.spec import SpecError, read_config_json
+    from core.hf_config import read_config_json
+    from core.spec import SpecError
 
     try:
         cfg = read_config_json(path)  # the one reader: its size checked first, never blocks

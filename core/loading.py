@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from core.errors import UNAVAILABLE, KVScopeError
+from core.hf_config import read_config_json, spec_from_config
 from core.spec import (PRESETS_DIR, ModelSpec, SpecError, canonical_dtype, check_config, is_transformers_refusal,
-                        path_kind, preset_names, read_config_json, spec_from_config, transformers_refusal)
+                       path_kind, preset_names, transformers_refusal)
 
 # The tokenizers library's Rust thread pool is created by the first encode on whatever thread does it
 # (the generation worker), takes that thread's name and outlives it. A prompt needs no pool.

@@ -475,7 +475,7 @@ class Watcher:
         if preset is None:
             self._model_note = (f"model {name!r}: give --model for bytes" if name else "give --model for bytes")
             return
-        from core.spec import load_spec
+        from core.sources import load_spec
 
         self.spec = load_spec(preset)
 

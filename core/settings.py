@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from core.attention import MLA, AttentionMode, SettingsError, Window, native_attention, parse_attention
 from core.caches import CacheStrategy, Dynamic, Quantized, TokenSelecting, kv_layout, parse_cache
-from core.spec import (INDEXED_ATTENTION, MAX_COUNT, ModelSpec, ViewNotKnown, canonical_dtype, dtype_bytes,
-                       known_views_only, shown_count)
+from core.hf_config import ViewNotKnown, known_views_only
+from core.spec import INDEXED_ATTENTION, MAX_COUNT, ModelSpec, canonical_dtype, dtype_bytes, shown_count
 
 
 ATTN_IMPLS = ("eager", "sdpa", "flash")

@@ -23,7 +23,7 @@ def main() -> int:
 
     from core.predict import prefill_peak
     from core.settings import RunSettings
-    from core.spec import spec_from_config
+    from core.hf_config import spec_from_config
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--lengths", default="16,190,740,1322")

@@ -111,7 +111,7 @@ def test_every_switch_applies_exactly_or_is_refused_cleanly(model_type, arch_roo
     from core.measure import cache_bytes, model_weight_bytes
     from core.predict import kv_bytes, weight_bytes
     from core.settings import RunSettings
-    from core.spec import load_spec
+    from core.sources import load_spec
 
     try:
         folder = archs.build_tiny_folder(model_type, arch_root)

@@ -29,7 +29,7 @@ from core.convert import (
     set_kv_heads,
     with_window,
 )
-from core.spec import spec_from_config
+from core.hf_config import spec_from_config
 
 HEADS, HEAD_DIM, VOCAB = 8, 8, 128
 

@@ -16,7 +16,7 @@ from core.embedded import (EMBEDDED_LABEL, RANDOM_WEIGHTS_LABEL, EmbeddedBuildEr
                            embedded_model_dir, folder_bytes)
 from core.loading import LoadError, load_model
 from core.request import DEFAULT_PROMPT
-from core.spec import load_spec
+from core.sources import load_spec
 
 
 @pytest.fixture(scope="module")

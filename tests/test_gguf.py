@@ -13,7 +13,8 @@ import pytest
 from core.attention import SettingsError
 from core.gguf import is_gguf_source, read_gguf
 from core.llamacpp import LlamaCppOptions, plan, row_bytes
-from core.spec import SpecError, load_spec
+from core.sources import load_spec
+from core.spec import SpecError
 from tests import gguf_models
 
 

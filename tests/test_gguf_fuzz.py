@@ -847,7 +847,7 @@ def test_the_events_table_and_the_model_badge_show_hostile_names_as_text(qtbot):
     from PySide6.QtCore import Qt
 
     from core.request import ModelInfo
-    from core.spec import load_spec
+    from core.sources import load_spec
     from tests.synthetic import synthetic_samples as samples
     from ui.badges import BadgeRow
     from ui.diagnose import EventsTable

@@ -33,7 +33,8 @@ from core.caches import Dynamic, Quantized, Static, parse_cache
 from core.measure import cache_bytes, model_weight_bytes
 from core.predict import kv_bytes
 from core.settings import RunSettings
-from core.spec import load_spec, spec_from_config
+from core.hf_config import spec_from_config
+from core.sources import load_spec
 
 VOCAB = 128
 HAS_QUANTO = importlib.util.find_spec("optimum.quanto") is not None

@@ -107,7 +107,8 @@ def test_a_window_model_keeps_its_window_cells_used(tmp_path):
 
 def test_a_recording_of_a_llamacpp_run_round_trips_and_old_ones_still_read(gguf_path, tmp_path):
     from core.export import export_csv
-    from core.recording import RecordingReader, sample_from_json
+    from core.recording import RecordingReader
+    from core.sample import sample_from_json
 
     path = tmp_path / "llama.jsonl"
     samples = _run(RunRequest(runtime="llama.cpp", llamacpp=LlamaCppOptions(n_ctx=512), max_new_tokens=12,

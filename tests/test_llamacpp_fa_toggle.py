@@ -20,7 +20,7 @@ from core.gguf import read_gguf  # noqa: E402
 from core.gguf_write import embedded_gguf  # noqa: E402
 from core.llamacpp import LlamaCppOptions, plan  # noqa: E402
 from core.llamacpp_engine import FIXED_LAYOUT, run_llamacpp  # noqa: E402
-from core.recording import sample_from_json  # noqa: E402
+from core.sample import sample_from_json  # noqa: E402
 from core.request import RunHooks, RunRequest  # noqa: E402
 from core.sample import Sample  # noqa: E402
 

@@ -22,7 +22,7 @@ from core.calc import calculate
 from core.parallel import Parallelism, layout, max_context_per_gpu, pp_partition, predict_parallel
 from core.predict import predict
 from core.settings import RunSettings
-from core.spec import load_spec
+from core.sources import load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 BF16 = 2

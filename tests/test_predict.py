@@ -13,7 +13,8 @@ from core.attention import SettingsError, parse_attention
 from core.caches import Quantized, Static, parse_cache
 from core.predict import activation_bytes, kv_bytes, kv_overtakes_weights_at, max_context_that_fits, predict
 from core.settings import RunSettings
-from core.spec import SpecError, load_spec, parse_size, parse_tokens
+from core.sources import load_spec
+from core.spec import SpecError, parse_size, parse_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
 FP16 = RunSettings(weight_dtype="fp16")

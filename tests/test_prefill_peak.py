@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 from core.peak import measure_peak  # noqa: E402
 from core.predict import _FP32_ROPE as FP32_ROPE, prefill_peak  # noqa: E402
 from core.settings import RunSettings  # noqa: E402
-from core.spec import spec_from_config  # noqa: E402
+from core.hf_config import spec_from_config  # noqa: E402
 
 #: Replayed op by op: the prediction equals the allocator's peak to within the position scalars.
 #: GPT-NeoX and Phi through their traits: fused QKV, partial rotary, LayerNorm, parallel residual, the GELU formula.

@@ -599,7 +599,7 @@ def test_a_recording_of_a_model_with_states_or_layer_shapes_writes_and_replays(m
     layers): the header is written (LayerState is stored as its JSON list) and read back to the same spec, and the
     kinds of layer it names (no_kv included) are accepted."""
     from core.recording import spec_from_header
-    from core.spec import load_spec
+    from core.sources import load_spec
     from tests import archs
 
     pytest.importorskip("torch")

@@ -50,7 +50,8 @@ import pytest
 from tests.fuzzing import Hang, category_table, guard
 
 import main as kvscope_main
-from core.recording import MAX_INT, MAX_LINE_BYTES, RecordingError, RecordingReader, spec_from_header
+from core.recording import MAX_LINE_BYTES, RecordingError, RecordingReader, spec_from_header
+from core.sample import MAX_INT
 from core.sample import PHASE_DECODE, Sample
 
 REPO = Path(__file__).resolve().parent.parent

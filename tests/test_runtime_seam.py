@@ -16,7 +16,8 @@ import pytest
 
 from core import runtimes
 from core.attention import SettingsError
-from core.recording import RecordingReader, sample_from_json
+from core.recording import RecordingReader
+from core.sample import sample_from_json
 from core.request import RunHooks, RunRequest
 from core.runtimes import parse_switch
 from core.run import run_generation

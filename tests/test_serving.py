@@ -15,7 +15,7 @@ from core.parallel import Parallelism
 from core.predict import activation_bytes
 from core.serving import VllmOptions, default_max_num_batched_tokens, vllm_capacity
 from core.settings import RunSettings
-from core.spec import load_spec
+from core.sources import load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 1 << 30

@@ -200,7 +200,8 @@ def test_dsa_indexer_layers_are_refused_before_anything_changes():
     from dataclasses import replace
 
     from core.predict import kv_bytes
-    from core.spec import INDEXED_ATTENTION, load_spec
+    from core.sources import load_spec
+    from core.spec import INDEXED_ATTENTION
 
     spec = load_spec("embedded")
     dsa = replace(spec, layer_types=(INDEXED_ATTENTION,) * spec.num_layers, indexer_head_dim=16)
@@ -262,7 +263,7 @@ def test_quality_probe_in_the_terminal_and_the_recording(tmp_path, capsys):
 
 
 def test_recordings_with_and_without_quality_fields_read():
-    from core.recording import sample_from_json
+    from core.sample import sample_from_json
 
     engine = _engine(load_model("embedded", device="cpu"), quality_probe=True)
     sample = engine.step().to_dict()
@@ -280,7 +281,7 @@ def test_recordings_with_and_without_quality_fields_read():
 
 
 def test_choices_and_parsing():
-    from core.spec import load_spec
+    from core.sources import load_spec
 
     assert parse_cache("sink:4+252") == SinkWindow(4, 252) and parse_cache("h2o:128+128") == HeavyHitter(128, 128)
     assert str(parse_cache("SINK:0+64")) == "sink:0+64"
@@ -296,7 +297,7 @@ def test_choices_and_parsing():
 
 def test_calc_shows_the_flat_line_beyond_s_plus_w(capsys):
     from core.calc import calculate, render_table
-    from core.spec import load_spec
+    from core.sources import load_spec
 
     spec = load_spec("llama-3-8b")
     result = calculate(spec, RunSettings(cache=parse_cache("sink:4+252")), [128, 256, 257, 4096, 131_072])
@@ -310,7 +311,7 @@ def test_calc_shows_the_flat_line_beyond_s_plus_w(capsys):
 
 
 def test_calculator_tab_offers_the_sizes_of_the_model(qtbot):
-    from core.spec import load_spec
+    from core.sources import load_spec
     from ui.calculator import CalculatorTab
 
     tab = CalculatorTab()

@@ -11,7 +11,9 @@ import pytest
 
 from core import spec
 from core.hf import compute_view
-from core.spec import PRESETS_DIR, ConfigView, _text_config, config_key, config_view, load_spec, spec_from_config
+from core.hf_config import config_key, config_view, spec_from_config
+from core.sources import load_spec
+from core.spec import PRESETS_DIR, ConfigView, _text_config
 
 PRESETS = sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
 

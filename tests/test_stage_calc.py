@@ -8,7 +8,7 @@ import pytest
 from core.attention import SettingsError
 from core.calc import calculate
 from core.parallel import Parallelism
-from core.spec import load_spec
+from core.sources import load_spec
 from ui.calculator import GPU_LAYOUTS, CalculatorTab
 
 MODELS = ("llama-3-8b", "mistral-7b", "qwen2.5-7b", "smollm2-135m", "gemma-3-27b")

@@ -13,7 +13,7 @@ import pytest
 
 from core.caches import parse_cache
 from core.settings import native_attention, switch_problem
-from core.spec import load_spec
+from core.sources import load_spec
 from tests.synthetic import synthetic_samples
 from ui.controls import SWITCH_KEYS, ControlsPanel
 from core.settings import attention_choices, cache_choices, ATTN_IMPLS

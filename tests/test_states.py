@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from core import spec
+from core.sources import load_spec
 from core.caches import kv_layout
 from core.spec import NO_KV, ConfigView, ModelFacts
 from core.states import LayerState, state_bytes
@@ -52,7 +52,7 @@ def test_states_are_exact_in_bfloat16(model_type, tmp_path):
     from tests import archs
 
     folder = archs.build_tiny_folder(model_type, tmp_path)
-    found = spec.load_spec(str(folder))
+    found = load_spec(str(folder))
     assert found.layer_states and NO_KV in found.layer_types
     assert len(kv_layout(found)) == found.num_kv_layers < found.num_layers
     model = archs.build_tiny_model(model_type).to(torch.bfloat16)

@@ -6,7 +6,8 @@ import pytest
 
 from core.predict import kv_bytes, max_context_that_fits, predict
 from core.settings import RunSettings
-from core.spec import human_bytes, load_spec
+from core.sources import load_spec
+from core.spec import human_bytes
 from core.settings import attention_choices
 from core.calc import kv_formula
 from ui.calculator import CalculatorTab
@@ -93,7 +94,7 @@ def test_one_list_of_choices_per_axis_for_engine_window_and_calculator():
     from dataclasses import replace
 
     from core.settings import CACHE_KEYS, cache_choices, selecting_cache_keys, window_choices
-    from core.spec import load_spec
+    from core.sources import load_spec
 
     embedded, mistral = load_spec("embedded"), load_spec("mistral-7b")
     assert window_choices(embedded) == [256]  # 4,096-token context: a 4K window would be the whole of it
@@ -142,7 +143,7 @@ def test_context_slider_arrow_keys_step_between_powers_of_two(calc):
 
 def test_several_gpus_show_the_busiest_gpus_share_and_what_fits_on_every_one(calc):
     from core.parallel import Parallelism, max_context_per_gpu, predict_parallel
-    from core.spec import load_spec
+    from core.sources import load_spec
 
     big = load_spec("llama-3-70b")
     calc.set_spec(big)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from core.predict import kv_bytes
 from core.settings import RunSettings
-from core.spec import load_spec
+from core.sources import load_spec
 from tests.synthetic import synthetic_samples
 from ui.stats import StatsPanel, compute_stats, kv_at_max_context
 

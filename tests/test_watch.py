@@ -21,7 +21,7 @@ from core.sample import Sample
 from core.scrape import (DOWN, DROPPED, GARBAGE, HTTP_ERROR, OK, SLOW, ScrapeError, Watcher, metrics_url, preset_for,
                          render_reading, watch)
 from core.settings import RunSettings
-from core.spec import load_spec
+from core.sources import load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "servers"

@@ -41,7 +41,8 @@ from core.predict import kv_bytes, max_context_that_fits, predict
 from core.safe_text import NAME_LIMIT, safe_text
 from core.settings import RunSettings, attention_choices, cache_choices
 from core.longlived import freeze_long_lived
-from core.spec import ModelSpec, SpecError, human_bytes, load_spec, parse_size, preset_names
+from core.sources import load_spec
+from core.spec import ModelSpec, SpecError, human_bytes, parse_size, preset_names
 from core.calc import SEARCH_LIMIT, kv_formula
 from core.parallel import Parallelism, max_context_per_gpu, predict_parallel
 from core.llamacpp import CACHE_TYPES, formula_llamacpp, max_context_llamacpp, predict_llamacpp

@@ -33,7 +33,8 @@ from core.runtimes.mlx.switches import MlxOptions, mlx_missing
 from core.safe_text import safe_text
 from core.sample import Sample
 from core.settings import ATTN_IMPLS, RunSettings, attention_choices, cache_choices, parse_attn_impl, switch_problem
-from core.spec import SpecError, human_bytes, load_spec, parse_size
+from core.sources import load_spec
+from core.spec import SpecError, human_bytes, parse_size
 from ui.forms import form_box
 
 log = logging.getLogger(__name__)

@@ -101,7 +101,7 @@ class ServersTab(QWidget):
     def watch(self, urls: list[str], model: str | None = None, interval_s: float = 2.0, timeout_s: float = 2.0) -> bool:
         """Start watching ``urls``; False (and the reason in the note) when a URL or the model is refused."""
         from core.scrape import ScrapeError, metrics_url
-        from core.spec import load_spec
+        from core.sources import load_spec
 
         try:
             checked = [metrics_url(u) for u in urls]

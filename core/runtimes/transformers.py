@@ -97,7 +97,8 @@ def _check_settings_before_loading(request: RunRequest) -> None:
     Only where the config is at hand (the embedded model, a local folder); a hub model's config comes
     with its weights, and the engine checks the same again once loaded."""
     from core.settings import effective_spec
-    from core.spec import load_spec, path_kind
+    from core.sources import load_spec
+    from core.spec import path_kind
 
     if request.snapshot_path:
         from core.outputs import OutputError, check_output_path

@@ -119,7 +119,8 @@ class MlxEngine:
         from mlx_lm.sample_utils import make_sampler
         from mlx_lm.utils import load_model, load_tokenizer
 
-        from core.spec import SpecError, read_config_json, spec_from_config
+        from core.hf_config import read_config_json, spec_from_config
+        from core.spec import SpecError
 
         self.mx = mx
         self.folder = Path(folder)

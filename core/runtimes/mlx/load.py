@@ -39,7 +39,8 @@ def resolve_model(source: str, progress: Callable[[str], None] | None = None, tr
         pickles = sorted(path.glob("*.bin")) + sorted(path.glob("*.pt"))
         why = " (only pickle weights, which mlx-lm does not read)" if pickles else ""
         raise SettingsError(f"{source} has no model*.safetensors{why}: mlx-lm loads safetensors weights only")
-    from core.spec import SpecError, read_config_json
+    from core.hf_config import read_config_json
+    from core.spec import SpecError
 
     try:
         config = read_config_json(path / "config.json")

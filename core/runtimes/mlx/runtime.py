@@ -15,7 +15,8 @@ from core.runtimes.mlx.load import resolve_model
 from core.runtimes.mlx.predict import STEP, layers_of, quantize_problem
 from core.runtimes.mlx.switches import MlxOptions, check_options
 from core.sample import PHASE_EVENT, Sample
-from core.spec import SpecError, human_bytes, read_config_json, spec_from_config
+from core.hf_config import read_config_json, spec_from_config
+from core.spec import SpecError, human_bytes
 
 NAME = "mlx"
 

@@ -368,7 +368,7 @@ class SinkWindow(TokenSelecting):
         return cls(sinks=sinks, window=window)
 
     def build(self, config, max_context):
-        from core.sparse_caches import SinkWindowLayer, selecting_cache
+        from core.sparse_caches import SinkWindowLayer, selecting_cache  # torch: only the engine builds a cache
 
         return selecting_cache(config, lambda: SinkWindowLayer(self.sinks, self.window))
 
@@ -403,12 +403,12 @@ class HeavyHitter(TokenSelecting):
         return cls(budget=budget, window=window)
 
     def build(self, config, max_context):
-        from core.sparse_caches import HeavyHitterLayer, selecting_cache
+        from core.sparse_caches import HeavyHitterLayer, selecting_cache  # torch: only the engine builds a cache
 
         return selecting_cache(config, lambda: HeavyHitterLayer(self.budget, self.window))
 
     def forward_context(self, model, cache):
-        from core.sparse_caches import observing_attention
+        from core.sparse_caches import observing_attention  # torch: only the engine builds a cache
 
         return observing_attention(model, cache)
 

@@ -9,7 +9,8 @@ from typing import Any
 
 from core.caches import TokenSelecting, kv_layout
 from core.parallel import Parallelism, ParallelPrediction, describe, gpu_rows, max_context_per_gpu, predict_parallel
-from core.predict import Prediction, kv_bytes, kv_elem_bytes, kv_overtakes_weights_at, max_context_that_fits, predict
+from core.predict import (Prediction, kv_bytes, kv_elem_bytes, kv_overtakes_weights_at, max_context_that_fits, predict,
+                          prefill_peak)
 from core.safe_text import NAME_LIMIT, safe_text
 from core.serving import ServingCapacity, render as render_serving
 from core.settings import RunSettings, effective_spec
@@ -89,8 +90,6 @@ def prefill_peak_json(spec: ModelSpec, settings: RunSettings, context: int) -> d
     (KV written and last-position logits included; ``core.predict.prefill_peak``, as on a GPU: the CPU flash
     kernel's per-thread buffers are left out; a model type the replay does not follow gets a Llama layer's).
     Checked against the allocator on the CPU (tests/test_prefill_peak.py); not yet on a GPU."""
-    from core.predict import prefill_peak
-
     s = settings.with_(max_context=settings.max_context or context) if settings.cache.name == "static" else settings
     peak = prefill_peak(spec, s, context, device="cuda")
     return {"prefill_peak_bytes": peak.peak}

@@ -31,7 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
+from core.hf_config import read_config_json
+from core.runtimes.mlx.switches import mlx_format
 from core.safe_text import safe_text as printable
+from core.spec import SpecError, human_bytes
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +97,6 @@ class InstalledModel:
 
     def describe(self) -> str:
         """One line: ``llama3.2:1b · Ollama · 1.3 GiB`` (plus the context Ollama runs it with, if set)."""
-        from core.spec import human_bytes
-
         parts = [self.label, self.origin_name, human_bytes(self.size_bytes)]
         if self.num_ctx:
             parts.append(f"num_ctx {self.num_ctx:,}")
@@ -442,17 +443,12 @@ def _hf_revision(path: Path, store: _Store, budget: list[int]) -> _Revision:
 
 def _folder_kind(folder: Path) -> str:
     """"mlx" for an MLX conversion (an mlx-community repo, LM Studio's "-MLX-" folders: run with MLX), else "hf"."""
-    from core.runtimes.mlx.switches import mlx_format
-
     return "mlx" if mlx_format(folder) else "hf"
 
 
 def _is_model_config(path: Path, store: _Store | None = None) -> bool:
     """A transformers config (names a model type or its architectures), not any JSON called config.json.
     A config.json that cannot be one (not a regular file, too large, not JSON...) gets a note."""
-    from core.hf_config import read_config_json
-    from core.spec import SpecError
-
     try:
         cfg = read_config_json(path)  # the one reader: its size checked first, never blocks
     except SpecError as exc:

@@ -36,8 +36,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from core.attention import SettingsError, native_attention
+from core.gguf import is_gguf_source, read_gguf
+from core.gguf_write import embedded_gguf
 from core.llamacpp import LlamaCppOptions, LlamaCppPlan, cells_held, plan
+from core.llamacpp_live import LlamaCppContext, Sampler
+from core.llamacpp_observe import memory_breakdown
 from core.request import LLAMACPP_ATTENTION_KEYS, RunRequest, parse_llamacpp_switch_value
+from core.run import run_generation
 from core.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
 from core.spec import human_bytes
 
@@ -64,11 +69,7 @@ class LlamaCppRunError(SettingsError):
 def resolve_model(source: str, progress: Callable[[str], None] | None = None) -> Path:
     """The GGUF a llama.cpp run loads: ``embedded`` is the embedded demo model converted (``embedded_gguf``);
     anything else must be a .gguf file."""
-    from core.gguf import is_gguf_source
-
     if source in ("", "embedded"):
-        from core.gguf_write import embedded_gguf
-
         return embedded_gguf(progress)
     path = Path(source).expanduser()
     if not is_gguf_source(str(path)) or not path.is_file():
@@ -120,8 +121,6 @@ def observed_compute_bytes(ctx: Any) -> int | None:
     ``llama_get_memory_breakdown`` (``core.llamacpp_observe``), summed over the buffer types. Read once per context
     (each call leaves a few hundred bytes of the returned map unfreed). None where this libllama does not export
     it or the map cannot be read: unknown, never a guess from the log's rounded MiB."""
-    from core.llamacpp_observe import memory_breakdown
-
     try:
         rows = memory_breakdown(ctx.ctx)
     except Exception:  # noqa: BLE001 - a map laid out otherwise: unknown
@@ -134,9 +133,6 @@ class LlamaCppEngine:
 
     def __init__(self, path: str | Path, options: LlamaCppOptions, seed: int = 0, n_threads: int | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
-        from core.gguf import read_gguf
-        from core.llamacpp_live import Sampler
-
         self.path = Path(path)
         try:  # this process, for the RSS every sample carries (one handle, not one per token)
             import psutil
@@ -163,8 +159,6 @@ class LlamaCppEngine:
     # ------------------------------------------------------------------------------------ the context
 
     def _load(self, options: LlamaCppOptions) -> None:
-        from core.llamacpp_live import LlamaCppContext
-
         ctx = LlamaCppContext(self.path, options, n_threads=self.n_threads)
         try:
             allocation = allocation_of(ctx, self.gguf.n_swa)
@@ -375,6 +369,4 @@ class LlamaCppEngine:
 def run_llamacpp(request: RunRequest, hooks: Any) -> list[Sample]:
     """``core.run.run_generation`` for a llama.cpp run (its old entry point): the one run loop, with this engine
     in a child process (``core.runtimes.llamacpp``)."""
-    from core.run import run_generation
-
     return run_generation(dataclasses.replace(request, runtime=RUNTIME), hooks)

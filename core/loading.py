@@ -31,7 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from core.embedded import EmbeddedBuildError, embedded_build
 from core.errors import UNAVAILABLE, KVScopeError
+from core.hf import ensure_transformers
 from core.hf_config import read_config_json, spec_from_config
 from core.spec import (PRESETS_DIR, ModelSpec, SpecError, canonical_dtype, check_config, is_transformers_refusal,
                        path_kind, preset_names, transformers_refusal)
@@ -499,8 +501,6 @@ def load_model(
     ``sdpa`` (switch it with set_attn_impl). ``progress`` receives short status lines.
     Raises LoadError with a one-line message for every failure it can name.
     """
-    from core.hf import ensure_transformers
-
     ensure_transformers()
     say = progress or (lambda _msg: None)
     src = str(source if source is not None else "embedded").strip()
@@ -510,8 +510,6 @@ def load_model(
     folder: Path | None = None
     fallback_note: str | None = None  # the embedded model on random weights: why, said once loaded
     if is_embedded:
-        from core.embedded import EmbeddedBuildError, embedded_build
-
         try:
             build = embedded_build(progress=say)
         except EmbeddedBuildError as exc:

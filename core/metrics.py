@@ -30,6 +30,7 @@ import ipaddress
 import threading
 from collections import Counter
 
+from core.breakdown import memory_breakdown
 from core.errors import BAD_INPUT, KVScopeError
 from core.sample import PHASE_EVENT, Sample
 from core.spikes import SpikeMonitor, reading_from_sample, spike_events, spike_threshold
@@ -187,8 +188,6 @@ def _breakdown_families(s: Sample) -> list:
     """``kvscope_memory_breakdown_bytes{part,source}`` (core.breakdown: the parts of the observed total, a part the
     device does not report left out) and ``kvscope_memory_observed_total_bytes{source}``."""
     from prometheus_client.core import GaugeMetricFamily
-
-    from core.breakdown import memory_breakdown
 
     b = memory_breakdown(s)
     parts = GaugeMetricFamily(f"{PREFIX}_memory_breakdown_bytes", "Where the observed total went, by part; source "

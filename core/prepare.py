@@ -57,7 +57,7 @@ def warm_backend(backend: str, nbits: int = 4) -> str | None:
     import torch
     from transformers.cache_utils import HQQQuantizedLayer, QuantoQuantizedLayer
 
-    from core.engine import _backend_problem
+    from core.engine import _backend_problem  # torch: the engine process only (the window imports this module)
 
     problem = _backend_problem(backend)
     if problem:

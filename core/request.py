@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from core.attention import SettingsError
+from core.llamacpp import cache_type
 from core.sample import Sample
 from core.settings import RunSettings
-from core.spec import ModelSpec
+from core.spec import ModelSpec, parse_tokens
 
 DEFAULT_PROMPT = "Every token keeps a key and a value in every layer, so the cache grows: "
 
@@ -75,9 +76,6 @@ def parse_llamacpp_switch_value(key: str, value: str) -> tuple[str, Any]:
     """A llama.cpp run's switch ``KEY=VALUE``: a cache type (``cache``/``cache-type``: K and V;
     ``cache-type-k``/``-v``: one), ``context`` (tokens, e.g. 8192 or 8k), or an attention key (accepted here,
     refused by the run: llama.cpp fixes the attention layout when the model loads)."""
-    from core.llamacpp import cache_type
-    from core.spec import parse_tokens
-
     k = key.strip().lower().replace("_", "-")
     if k in LLAMACPP_CACHE_KEYS:
         return k, cache_type(value)

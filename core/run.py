@@ -16,9 +16,11 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable
 
-from core import runtimes
+from core import __version__, runtimes
 from core.attention import SettingsError
 from core.errors import GenerationError, RuntimeCrashed, is_user_error
+from core.outputs import OutputError, check_output_path
+from core.recording import RecordingError, RecordingWriter, header_for
 from core.request import ModelInfo, RunHooks, RunRequest  # noqa: F401 - RunHooks: its old home
 from core.sample import Sample
 from core.spec import human_bytes
@@ -43,9 +45,6 @@ def _asked_options(request: RunRequest) -> list[str]:
 def check_request(request: RunRequest) -> runtimes.RuntimeInfo:
     """What every run checks before anything loads: the runtime exists and takes the options asked, and the
     recording's path can be created (``core.outputs``' rule). Returns the runtime's entry."""
-    from core.outputs import OutputError, check_output_path
-    from core.recording import RecordingError
-
     info = runtimes.get(request.runtime)
     refused = [_OPTION_FLAGS[name] for name in _asked_options(request) if name not in info.supports]
     if refused:
@@ -112,9 +111,6 @@ def run_generation(request: RunRequest, hooks: RunHooks) -> list[Sample]:
 
 
 def _open_writer(request: RunRequest, runtime: Any, info: ModelInfo | None) -> Any:
-    from core import __version__
-    from core.recording import RecordingWriter, header_for
-
     if info is not None:
         device: dict[str, Any] = {"name": info.device, "device_name": info.device_name,
                                   "total_memory": info.total_memory}

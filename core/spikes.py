@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from core.probes import MemoryReading
 from core.sample import PHASE_DECODE, PHASE_PREFILL, Sample
 
 # Event kinds the generation loop and the window report (``Event.kind``).
@@ -372,8 +373,6 @@ def spike_events(sample: Sample, previous_cache: str | None = None) -> list[Even
 
 def reading_from_sample(sample: Sample):
     """A MemoryReading built from what a recorded token Sample measured (replays have no sampler)."""
-    from core.probes import MemoryReading
-
     return MemoryReading(time_s=sample.time_s, allocator_allocated=sample.allocator_allocated,
                          allocator_reserved=sample.allocator_reserved, allocator_peak=sample.allocator_peak,
                          device_used=sample.device_used, device_total=sample.device_total,

@@ -10,6 +10,7 @@ from core import runtimes
 from core.errors import is_user_error
 from core.outputs import display_path
 from core.request import ModelInfo, RunHooks, RunRequest
+from core.run import run_generation
 from core.safe_text import NAME_LIMIT, safe_text
 from core.sample import PHASE_EVENT, Sample
 from core.spec import human_bytes
@@ -133,8 +134,6 @@ def run_terminal(request: RunRequest, out: TextIO | None = None, observers: tupl
     def on_signal(signum, frame):  # first signal: stop between tokens; a second one: default behaviour
         stopping["flag"] = True
         signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
-
-    from core.run import run_generation  # every runtime's one loop; llama.cpp in a child process of its own
 
     previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
     try:

@@ -14,7 +14,10 @@ from pathlib import Path
 
 from PySide6.QtWidgets import QFileDialog, QWidget
 
+from core.export import export_csv
+from core.recording import RecordingError
 from ui.screenshot import ScreenshotError, default_path, save_widget
+from ui.summary import render_summary
 from ui.theme import theme as make_theme
 
 
@@ -58,9 +61,6 @@ class FileActions:
 
     def export_csv(self, path: str | None = None, ask: bool = False) -> int | None:
         """The current/last recording's samples as CSV (core.export). Returns the rows written."""
-        from core.export import export_csv
-        from core.recording import RecordingError
-
         if not self.last_recording:
             self._show_error("nothing to export yet: record a run (File \u203a Record) or open a recording")
             return None
@@ -103,8 +103,6 @@ class FileActions:
 
     def export_summary(self, path: str | None = None, ask: bool = False) -> Path | None:
         """One 1920x1080 PNG for a slide: the three plots and the key numbers."""
-        from ui.summary import render_summary
-
         if ask:
             path = ask_save_path(self, "Export summary image", Path.home() / "kvscope-summary.png", "PNG (*.png)")
         if not path:

@@ -27,6 +27,7 @@ from PySide6.QtWidgets import (QFrame, QGroupBox, QHBoxLayout, QLabel, QMainWind
                                QWidget)
 
 from core.breakdown import memory_breakdown
+from core.loading import resolve_device
 from core.safe_text import NAME_LIMIT, safe_text
 from core.sample import Sample
 from core.session import Session
@@ -44,7 +45,9 @@ from ui.breakdown_view import BreakdownView
 from ui.stats import StatsPanel, compute_stats
 from ui.text_view import TEXT_BLOCK_CHARS, StreamView  # noqa: F401 - TEXT_BLOCK_CHARS: tests
 from ui.theme import Theme, stylesheet, theme as make_theme
+from workers.engine_link import HostedGenerationController, controller_class
 from workers.gpu_poller import GpuProcessPoller
+from workers.replay import ReplayController
 from workers.sampler import SamplerControl
 
 log = logging.getLogger(__name__)
@@ -66,8 +69,6 @@ def _make_controller(parent: QWidget, warm: bool):
     """The generation controller: the engine host process by default (started now when ``warm``,
     else at the first run), a thread of this process with KVSCOPE_ENGINE=thread (imports torch:
     done once, when the window is built)."""
-    from workers.engine_link import HostedGenerationController, controller_class
-
     cls = controller_class()
     return cls(parent, warm=warm) if cls is HostedGenerationController else cls(parent)
 
@@ -104,8 +105,6 @@ class MainWindow(FileActions, QMainWindow):
             self._connect_controller(self.controller)
         self.replay = None
         try:
-            from workers.replay import ReplayController
-
             self.replay = ReplayController(self)
             self._connect_controller(self.replay)
         except ImportError as exc:
@@ -470,8 +469,6 @@ class MainWindow(FileActions, QMainWindow):
         if getattr(self.controller, "host", None) is not None:
             return self._engine_device
         try:
-            from core.loading import resolve_device
-
             return resolve_device("auto")
         except Exception:  # noqa: BLE001 - a UI-only build: host memory is what there is
             return "cpu"

@@ -15,7 +15,12 @@ from dataclasses import dataclass
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QFrame, QGridLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
+from core.attention import parse_attention
+from core.caches import parse_cache
+from core.forecast import format_duration
+from core.predict import kv_bytes
 from core.sample import Sample
+from core.settings import RunSettings, parse_attn_impl
 from core.spec import ModelSpec, SpecError, human_bytes
 from ui.axes import format_tokens
 
@@ -45,11 +50,6 @@ def kv_at_max_context(spec: ModelSpec, attention: str, cache: str, attn_impl: st
     """The predictor's KV bytes at ``max_context`` for the settings a sample carries (its own
     spellings), or None for a spelling the predictor does not know (a newer recording's).
     Memoised: the settings change at a switch, not at every refresh."""
-    from core.attention import parse_attention
-    from core.caches import parse_cache
-    from core.predict import kv_bytes
-    from core.settings import RunSettings, parse_attn_impl
-
     try:
         settings = RunSettings(batch=batch, weight_dtype=dtype, kv_dtype=kv_dtype,
                                attention=parse_attention(attention), cache=parse_cache(cache),
@@ -266,8 +266,6 @@ class StatsPanel(QWidget):
         if forecast is None:
             tile.set("n/a", "memory not growing" if self.stats.kv_now is not None else "")
         else:
-            from core.forecast import format_duration
-
             when = f"about {format_duration(forecast.seconds)} · " if forecast.seconds is not None else ""
             if forecast.context_first is not None:  # the context ends first: that is the limit to show
                 tile.set("context first", f"ends at token {_compact(forecast.context_first)}; {forecast.limit} "

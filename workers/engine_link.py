@@ -46,7 +46,7 @@ def controller_class() -> type:
     a thread of this process with KVSCOPE_ENGINE=thread."""
     if engine_mode() == "process":
         return HostedGenerationController
-    from workers.generation import GenerationController
+    from workers.generation import GenerationController  # torch: KVSCOPE_ENGINE=thread only
 
     return GenerationController
 

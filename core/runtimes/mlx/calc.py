@@ -12,8 +12,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from core.calc import aligned, bytes_cell
 from core.runtimes.mlx.predict import (KV, QUANTIZED, ROTATING, STEP, MlxCache, history, layers_of, parse_cache,
                                        quantize_problem, slot_bytes, layer_cache)
+from core.safe_text import NAME_LIMIT, safe_text
 from core.spec import ModelSpec, dtype_bytes, human_bytes
 
 MLX_LM_VERSION = "mlx-lm 0.32.2"
@@ -94,9 +96,6 @@ def render_mlx_json(r: MlxCalc) -> str:
 
 
 def render_mlx_table(r: MlxCalc) -> str:
-    from core.calc import aligned, bytes_cell
-    from core.safe_text import NAME_LIMIT, safe_text
-
     lines = [f"{safe_text(r.model, limit=NAME_LIMIT)}: MLX runtime ({MLX_LM_VERSION}), KV of mlx-lm's caches",
              f"a context of n tokens: a {r.prompt_tokens:,}-token prompt fed as generate_step feeds it, then one token "
              "at a time", ""]

@@ -29,11 +29,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from core.attention import SettingsError, native_attention, parse_attention
+from core.hf_config import read_config_json, spec_from_config
 from core.request import ModelInfo
 from core.runtimes.mlx.predict import (KV, PREFILL_STEP, QUANTIZED, ROTATING, MlxCache, ModelTrack, layer_cache,
                                        layers_of, parse_cache, prefill_peak, prompt_chunks, quantize_problem)
 from core.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
-from core.spec import ModelSpec, human_bytes
+from core.spec import ModelSpec, SpecError, human_bytes
 
 RUNTIME = "mlx"
 #: The sampler: mlx-lm's own (``make_sampler``), top-k 40 at temperature 0.8, seeded.
@@ -118,9 +119,6 @@ class MlxEngine:
         import mlx.core as mx
         from mlx_lm.sample_utils import make_sampler
         from mlx_lm.utils import load_model, load_tokenizer
-
-        from core.hf_config import read_config_json, spec_from_config
-        from core.spec import SpecError
 
         self.mx = mx
         self.folder = Path(folder)

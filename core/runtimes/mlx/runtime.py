@@ -16,6 +16,8 @@ from core.runtimes.mlx.predict import STEP, layers_of, quantize_problem
 from core.runtimes.mlx.switches import MlxOptions, check_options
 from core.sample import PHASE_EVENT, Sample
 from core.hf_config import read_config_json, spec_from_config
+from core.runtimes.mlx.calc import MLX_LM_VERSION
+from core.runtimes.mlx.engine import MlxEngine
 from core.spec import SpecError, human_bytes
 
 NAME = "mlx"
@@ -45,8 +47,6 @@ class MlxRuntime:
         self.t0 = time.perf_counter()
 
     def load(self) -> None:
-        from core.runtimes.mlx.engine import MlxEngine
-
         device = str(self.request.device or "auto").lower()
         if device != "auto":
             import mlx.core as mx
@@ -63,7 +63,6 @@ class MlxRuntime:
 
     def settings(self, request: RunRequest) -> dict[str, Any]:
         e = self.engine
-        from core.runtimes.mlx.calc import MLX_LM_VERSION
 
         return {"runtime": NAME, "attention": e.attention, "attn_impl": "mlx-sdpa", "cache": e.cache_key, "batch": 1,
                 "max_new_tokens": request.max_new_tokens, "max_context": e.spec.max_position_embeddings,

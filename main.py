@@ -294,7 +294,8 @@ def _size_or_zero(text: str | None) -> int | None:
 
 
 def cmd_calc(args: argparse.Namespace) -> int:
-    from kvscope.core.model.spec import load_spec, parse_size, parse_tokens
+    from kvscope.core.model.sources import load_spec
+    from kvscope.core.model.spec import parse_size, parse_tokens
     from kvscope.core.prediction.calc import calculate, render_json, render_table
 
     _refuse_empty_values(args)
@@ -468,7 +469,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     spec = None
     if args.model:
-        from kvscope.core.model.spec import load_spec
+        from kvscope.core.model.sources import load_spec
 
         spec = load_spec(args.model)
 

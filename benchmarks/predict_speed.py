@@ -13,7 +13,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvscope.core.model.settings import RunSettings  # noqa: E402
-from kvscope.core.model.spec import load_spec, preset_names  # noqa: E402
+from kvscope.core.model.sources import load_spec  # noqa: E402
+from kvscope.core.model.spec import preset_names  # noqa: E402
 from kvscope.core.prediction.predict import predict  # noqa: E402
 
 

@@ -21,8 +21,8 @@ from tests.test_prefill_peak import EXACT, _measure  # noqa: E402
 def main() -> int:
     import torch
 
+    from kvscope.core.model.hf_config import spec_from_config
     from kvscope.core.model.settings import RunSettings
-    from kvscope.core.model.spec import spec_from_config
     from kvscope.core.prediction.predict import prefill_peak
 
     parser = argparse.ArgumentParser()

@@ -19,7 +19,7 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 from PySide6.QtCore import QEventLoop, QSettings, QTimer  # noqa: E402
 from PySide6.QtWidgets import QApplication  # noqa: E402
 
-from kvscope.core.model.spec import load_spec  # noqa: E402
+from kvscope.core.model.sources import load_spec  # noqa: E402
 from kvscope.ui.main_window import MainWindow  # noqa: E402
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvscope.core.model.hf import compute_view  # noqa: E402
-from kvscope.core.model.spec import PRESETS_DIR, _text_config, config_key  # noqa: E402
+from kvscope.core.model.hf_config import config_key  # noqa: E402
+from kvscope.core.model.spec import PRESETS_DIR, _text_config  # noqa: E402
 
 
 def fresh_view(cfg: dict) -> dict:

@@ -107,7 +107,7 @@ def _switch(engine, key, value, outcomes):
 def test_every_switch_applies_exactly_or_is_refused_cleanly(model_type, arch_root):
     from kvscope.core.model.request import DEFAULT_PROMPT
     from kvscope.core.model.settings import RunSettings
-    from kvscope.core.model.spec import load_spec
+    from kvscope.core.model.sources import load_spec
     from kvscope.core.prediction.predict import kv_bytes, weight_bytes
     from kvscope.core.runtimes.transformers.engine import Engine
     from kvscope.core.runtimes.transformers.loading import load_model

@@ -16,7 +16,8 @@ import pytest
 
 from kvscope import main
 from kvscope.core.model.attention import SettingsError
-from kvscope.core.model.spec import load_spec, preset_names
+from kvscope.core.model.sources import load_spec
+from kvscope.core.model.spec import preset_names
 from kvscope.core.prediction.calculator import GPU_LAYOUTS, CalcInputs, Calculator, context_values, offered, rules_for
 
 GIB = 1 << 30

@@ -16,7 +16,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, QuantizedC
 
 from kvscope.core.model.attention import GQA, MHA, MLA, MQA, SettingsError, Window
 from kvscope.core.model.caches import Dynamic, Static, kv_layout
-from kvscope.core.model.spec import spec_from_config
+from kvscope.core.model.hf_config import spec_from_config
 from kvscope.core.runtimes.transformers.convert import (DynamicTruncatedLayer, build_mla_twin, convert_cache,
                                                         convert_cache_kv_heads, convert_cache_window, dense_kv,
                                                         kv_heads_of, refill_cache, regroup_heads, set_kv_heads,

@@ -15,7 +15,7 @@ from kvscope.core.model import embedded
 from kvscope.core.model.embedded import (EMBEDDED_LABEL, RANDOM_WEIGHTS_LABEL, EmbeddedBuildError, corpus_word_share,
                                          embedded_build, embedded_model_dir, folder_bytes)
 from kvscope.core.model.request import DEFAULT_PROMPT
-from kvscope.core.model.spec import load_spec
+from kvscope.core.model.sources import load_spec
 from kvscope.core.runtimes.transformers.loading import LoadError, load_model
 
 

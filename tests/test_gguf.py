@@ -12,7 +12,8 @@ import pytest
 
 from kvscope.core.model.attention import SettingsError
 from kvscope.core.model.gguf import is_gguf_source, read_gguf
-from kvscope.core.model.spec import SpecError, load_spec
+from kvscope.core.model.sources import load_spec
+from kvscope.core.model.spec import SpecError
 from kvscope.core.prediction.llamacpp import LlamaCppOptions, plan, row_bytes
 from tests import gguf_models
 

@@ -846,7 +846,7 @@ def test_the_events_table_and_the_model_badge_show_hostile_names_as_text(qtbot):
     from PySide6.QtCore import Qt
 
     from kvscope.core.model.request import ModelInfo
-    from kvscope.core.model.spec import load_spec
+    from kvscope.core.model.sources import load_spec
     from kvscope.ui.badges import BadgeRow
     from kvscope.ui.diagnose import EventsTable
     from kvscope.ui.theme import theme

@@ -74,8 +74,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from kvscope import main
 from kvscope.core.live.terminal import TerminalView
 from kvscope.core.model.embedded import embedded_model_dir
+from kvscope.core.model.hf_config import MAX_JSON_DEPTH
 from kvscope.core.model.request import DEFAULT_PROMPT
-from kvscope.core.model.spec import EMPTY_MODEL_NAME, MAX_COUNT, MAX_JSON_DEPTH
+from kvscope.core.model.spec import EMPTY_MODEL_NAME, MAX_COUNT
 from kvscope.core.records.recording import RecordingReader
 from kvscope.core.runtimes.transformers import loading
 from kvscope.core.runtimes.transformers.loading import EMBEDDED_HINT
@@ -243,7 +244,7 @@ CONFIG_FILES = {
 @pytest.mark.parametrize("case", list(CONFIG_FILES))
 def test_config_file_refused_alike_by_calc_and_run(case, tiny, tmp_path, capsys, nothing_is_built):
     """config.json that is no JSON object, not UTF-8, absurdly nested, or a folder: one reader
-    (kvscope.core.model.spec.read_config_json) for calc and run, so one line for both (they were internal errors:
+    (kvscope.core.model.hf_config.read_config_json) for calc and run, so one line for both (they were internal errors:
     UnicodeDecodeError, RecursionError)."""
     content, expected = CONFIG_FILES[case]
     folder = _folder(tiny, tmp_path / case, config_bytes=b"{}")
@@ -273,7 +274,8 @@ def test_a_config_of_gigabytes_is_refused_by_its_size_unread(tiny, tmp_path):
     """A config.json of 3 GiB (sparse) was read whole before it was refused (6.3 GB of memory in the issue; 14.6 s
     and 2.1 GB for one of 1 GiB here): now its size is looked at first, one line names the size and the limit,
     in a real process that stays small."""
-    from kvscope.core.model.spec import MAX_CONFIG_BYTES, human_bytes
+    from kvscope.core.model.hf_config import MAX_CONFIG_BYTES
+    from kvscope.core.model.spec import human_bytes
 
     folder = _folder(tiny, tmp_path / "huge-config", config_bytes=b"{}")
     config = folder / "config.json"

@@ -17,8 +17,9 @@ from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, DynamicCache,
 
 from kvscope.core.model.attention import SettingsError, parse_attention
 from kvscope.core.model.caches import Dynamic, Quantized, Static, parse_cache
+from kvscope.core.model.hf_config import spec_from_config
 from kvscope.core.model.settings import RunSettings
-from kvscope.core.model.spec import load_spec, spec_from_config
+from kvscope.core.model.sources import load_spec
 from kvscope.core.prediction.predict import kv_bytes
 from kvscope.core.runtimes.transformers.measure import cache_bytes, model_weight_bytes
 from tests import helpers

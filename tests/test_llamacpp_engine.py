@@ -107,8 +107,9 @@ def test_a_window_model_keeps_its_window_cells_used(tmp_path):
 
 
 def test_a_recording_of_a_llamacpp_run_round_trips_and_old_ones_still_read(gguf_path, tmp_path):
+    from kvscope.core.base.sample import sample_from_json
     from kvscope.core.records.export import export_csv
-    from kvscope.core.records.recording import RecordingReader, sample_from_json
+    from kvscope.core.records.recording import RecordingReader
 
     path = tmp_path / "llama.jsonl"
     samples = _run(RunRequest(runtime="llama.cpp", llamacpp=LlamaCppOptions(n_ctx=512), max_new_tokens=12,

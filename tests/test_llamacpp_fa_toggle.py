@@ -16,6 +16,7 @@ import pytest
 llama_cpp = pytest.importorskip("llama_cpp", reason="the llamacpp extra (make test installs it)")
 
 from kvscope.core.base.sample import Sample  # noqa: E402
+from kvscope.core.base.sample import sample_from_json  # noqa: E402
 from kvscope.core.live.breakdown import MEASURED, memory_breakdown  # noqa: E402
 from kvscope.core.live.run import run_generation  # noqa: E402
 from kvscope.core.model.gguf import read_gguf  # noqa: E402

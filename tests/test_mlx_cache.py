@@ -189,7 +189,7 @@ def tiny_models(tmp_path_factory):
         pytest.skip(MISSING)
     from mlx_lm.utils import load_model
 
-    from kvscope.core.model.spec import spec_from_config
+    from kvscope.core.model.hf_config import spec_from_config
 
     out = {}
     for i, (heads, kv, hd) in enumerate(ATTENTION):

@@ -19,7 +19,7 @@ import pytest
 
 from kvscope.core.model.attention import SettingsError
 from kvscope.core.model.settings import RunSettings
-from kvscope.core.model.spec import load_spec
+from kvscope.core.model.sources import load_spec
 from kvscope.core.prediction.calc import calculate
 from kvscope.core.prediction.parallel import Parallelism, layout, max_context_per_gpu, pp_partition, predict_parallel
 from kvscope.core.prediction.predict import predict

@@ -12,7 +12,8 @@ import pytest
 from kvscope.core.model.attention import SettingsError, parse_attention
 from kvscope.core.model.caches import Quantized, Static, parse_cache
 from kvscope.core.model.settings import RunSettings
-from kvscope.core.model.spec import SpecError, load_spec, parse_size, parse_tokens
+from kvscope.core.model.sources import load_spec
+from kvscope.core.model.spec import SpecError, parse_size, parse_tokens
 from kvscope.core.prediction.predict import (activation_bytes, kv_bytes, kv_overtakes_weights_at, max_context_that_fits,
                                              predict)
 

@@ -21,8 +21,8 @@ from tests import archs
 
 torch = pytest.importorskip("torch")
 
+from kvscope.core.model.hf_config import spec_from_config  # noqa: E402
 from kvscope.core.model.settings import RunSettings  # noqa: E402
-from kvscope.core.model.spec import spec_from_config  # noqa: E402
 from kvscope.core.prediction.predict import _FP32_ROPE as FP32_ROPE, prefill_peak  # noqa: E402
 from kvscope.core.runtimes.transformers.peak import measure_peak  # noqa: E402
 

@@ -598,7 +598,7 @@ def test_a_recording_of_a_model_with_states_or_layer_shapes_writes_and_replays(m
     """Models whose spec carries per-layer states (Mamba's, the hybrids') or K/V shapes of their own (MiMo's window
     layers): the header is written (LayerState is stored as its JSON list) and read back to the same spec, and the
     kinds of layer it names (no_kv included) are accepted."""
-    from kvscope.core.model.spec import load_spec
+    from kvscope.core.model.sources import load_spec
     from kvscope.core.records.recording import spec_from_header
     from tests import archs
 

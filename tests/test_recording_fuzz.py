@@ -48,8 +48,8 @@ from pathlib import Path
 import pytest
 
 from kvscope import main as kvscope_main
-from kvscope.core.base.sample import PHASE_DECODE, Sample
-from kvscope.core.records.recording import MAX_INT, MAX_LINE_BYTES, RecordingError, RecordingReader, spec_from_header
+from kvscope.core.base.sample import MAX_INT, PHASE_DECODE, Sample
+from kvscope.core.records.recording import MAX_LINE_BYTES, RecordingError, RecordingReader, spec_from_header
 from tests.fuzzing import Hang, category_table, guard
 
 REPO = Path(__file__).resolve().parent.parent

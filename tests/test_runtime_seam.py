@@ -15,10 +15,11 @@ import math
 import pytest
 
 from kvscope.core import runtimes
+from kvscope.core.base.sample import sample_from_json
 from kvscope.core.live.run import run_generation
 from kvscope.core.model.attention import SettingsError
 from kvscope.core.model.request import RunHooks, RunRequest
-from kvscope.core.records.recording import RecordingReader, sample_from_json
+from kvscope.core.records.recording import RecordingReader
 from kvscope.core.runtimes import parse_switch
 from tests import tiny_runtime
 from tests.helpers import run_in_window

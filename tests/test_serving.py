@@ -12,7 +12,7 @@ import pytest
 
 from kvscope.core.model.attention import SettingsError
 from kvscope.core.model.settings import RunSettings
-from kvscope.core.model.spec import load_spec
+from kvscope.core.model.sources import load_spec
 from kvscope.core.prediction.parallel import Parallelism
 from kvscope.core.prediction.predict import activation_bytes
 from kvscope.core.prediction.serving import VllmOptions, default_max_num_batched_tokens, vllm_capacity

@@ -197,7 +197,8 @@ def test_dsa_indexer_layers_are_refused_before_anything_changes():
     """DeepSeek-V3.2's indexer keys cannot be evicted with the K/V: calc and the predictor refuse it in one line."""
     from dataclasses import replace
 
-    from kvscope.core.model.spec import INDEXED_ATTENTION, load_spec
+    from kvscope.core.model.sources import load_spec
+    from kvscope.core.model.spec import INDEXED_ATTENTION
     from kvscope.core.prediction.predict import kv_bytes
 
     spec = load_spec("embedded")
@@ -260,7 +261,7 @@ def test_quality_probe_in_the_terminal_and_the_recording(tmp_path, capsys):
 
 
 def test_recordings_with_and_without_quality_fields_read():
-    from kvscope.core.records.recording import sample_from_json
+    from kvscope.core.base.sample import sample_from_json
 
     engine = _engine(load_model("embedded", device="cpu"), quality_probe=True)
     sample = engine.step().to_dict()
@@ -278,7 +279,7 @@ def test_recordings_with_and_without_quality_fields_read():
 
 
 def test_choices_and_parsing():
-    from kvscope.core.model.spec import load_spec
+    from kvscope.core.model.sources import load_spec
 
     assert parse_cache("sink:4+252") == SinkWindow(4, 252) and parse_cache("h2o:128+128") == HeavyHitter(128, 128)
     assert str(parse_cache("SINK:0+64")) == "sink:0+64"
@@ -293,7 +294,7 @@ def test_choices_and_parsing():
 
 
 def test_calc_shows_the_flat_line_beyond_s_plus_w(capsys):
-    from kvscope.core.model.spec import load_spec
+    from kvscope.core.model.sources import load_spec
     from kvscope.core.prediction.calc import calculate, render_table
 
     spec = load_spec("llama-3-8b")
@@ -308,7 +309,7 @@ def test_calc_shows_the_flat_line_beyond_s_plus_w(capsys):
 
 
 def test_calculator_tab_offers_the_sizes_of_the_model(qtbot):
-    from kvscope.core.model.spec import load_spec
+    from kvscope.core.model.sources import load_spec
     from kvscope.ui.calculator import CalculatorTab
 
     tab = CalculatorTab()

@@ -11,8 +11,9 @@ import pytest
 
 from kvscope.core.model import spec
 from kvscope.core.model.hf import compute_view
-from kvscope.core.model.spec import (PRESETS_DIR, ConfigView, _text_config, config_key, config_view, load_spec,
-                                     spec_from_config)
+from kvscope.core.model.hf_config import config_key, config_view, spec_from_config
+from kvscope.core.model.sources import load_spec
+from kvscope.core.model.spec import PRESETS_DIR, ConfigView, _text_config
 
 PRESETS = sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
 

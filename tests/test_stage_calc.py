@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvscope.core.model.attention import SettingsError
-from kvscope.core.model.spec import load_spec
+from kvscope.core.model.sources import load_spec
 from kvscope.core.prediction.calc import calculate
 from kvscope.core.prediction.parallel import Parallelism
 from kvscope.ui.calculator import GPU_LAYOUTS, CalculatorTab

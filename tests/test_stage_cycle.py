@@ -13,7 +13,7 @@ import pytest
 
 from kvscope.core.model.caches import parse_cache
 from kvscope.core.model.settings import ATTN_IMPLS, attention_choices, cache_choices, native_attention, switch_problem
-from kvscope.core.model.spec import load_spec
+from kvscope.core.model.sources import load_spec
 from kvscope.ui.controls import SWITCH_KEYS, ControlsPanel
 from tests.synthetic import synthetic_samples
 

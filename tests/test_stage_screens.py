@@ -87,7 +87,7 @@ def test_switch_marker_labels_never_print_over_each_other_or_the_slope(qtbot, se
 
 
 def test_the_calculator_fits_1024_px_without_a_sideways_scroll(qtbot, settings):
-    from kvscope.core.model.spec import load_spec
+    from kvscope.core.model.sources import load_spec
 
     w = MainWindow(settings=settings)
     qtbot.addWidget(w)

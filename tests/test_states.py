@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvscope.core.model import spec
 from kvscope.core.model.caches import kv_layout
+from kvscope.core.model.sources import load_spec
 from kvscope.core.model.spec import NO_KV, ConfigView, ModelFacts
 from kvscope.core.model.states import LayerState, state_bytes
 
@@ -52,7 +52,7 @@ def test_states_are_exact_in_bfloat16(model_type, tmp_path):
     from tests import archs
 
     folder = archs.build_tiny_folder(model_type, tmp_path)
-    found = spec.load_spec(str(folder))
+    found = load_spec(str(folder))
     assert found.layer_states and NO_KV in found.layer_types
     assert len(kv_layout(found)) == found.num_kv_layers < found.num_layers
     model = archs.build_tiny_model(model_type).to(torch.bfloat16)

@@ -134,7 +134,8 @@ def test_switches_travel_as_data_and_old_recordings_read_alike(tmp_path):
     """Issue 13: a switch, a refusal and a no-op carry key / before / after / tokens re-run as fields
     (the text is their prose); the window reads the fields, never the text. Recordings made before
     (the shipped demo) get the same fields from the reader."""
-    from kvscope.core.records.recording import RecordingReader, sample_from_json
+    from kvscope.core.base.sample import sample_from_json
+    from kvscope.core.records.recording import RecordingReader
     from kvscope.ui.file_actions import demo_recording_path
 
     record = tmp_path / "r.jsonl"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvscope.core.model.settings import RunSettings, attention_choices
-from kvscope.core.model.spec import human_bytes, load_spec
+from kvscope.core.model.sources import load_spec
+from kvscope.core.model.spec import human_bytes
 from kvscope.core.prediction.calc import kv_formula
 from kvscope.core.prediction.predict import kv_bytes, max_context_that_fits, predict
 from kvscope.ui.calculator import CalculatorTab
@@ -92,7 +93,7 @@ def test_one_list_of_choices_per_axis_for_engine_window_and_calculator():
     from dataclasses import replace
 
     from kvscope.core.model.settings import CACHE_KEYS, cache_choices, selecting_cache_keys, window_choices
-    from kvscope.core.model.spec import load_spec
+    from kvscope.core.model.sources import load_spec
 
     embedded, mistral = load_spec("embedded"), load_spec("mistral-7b")
     assert window_choices(embedded) == [256]  # 4,096-token context: a 4K window would be the whole of it
@@ -140,7 +141,7 @@ def test_context_slider_arrow_keys_step_between_powers_of_two(calc):
 
 
 def test_several_gpus_show_the_busiest_gpus_share_and_what_fits_on_every_one(calc):
-    from kvscope.core.model.spec import load_spec
+    from kvscope.core.model.sources import load_spec
     from kvscope.core.prediction.parallel import Parallelism, max_context_per_gpu, predict_parallel
 
     big = load_spec("llama-3-70b")

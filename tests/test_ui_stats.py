@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvscope.core.model.settings import RunSettings
-from kvscope.core.model.spec import load_spec
+from kvscope.core.model.sources import load_spec
 from kvscope.core.prediction.predict import kv_bytes
 from kvscope.ui.stats import StatsPanel, compute_stats, kv_at_max_context
 from tests.synthetic import synthetic_samples

@@ -18,7 +18,7 @@ import pytest
 from kvscope.core.base.sample import Sample
 from kvscope.core.live.metrics import MetricsExporter, RunCollector
 from kvscope.core.model.settings import RunSettings
-from kvscope.core.model.spec import load_spec
+from kvscope.core.model.sources import load_spec
 from kvscope.core.prediction.predict import kv_bytes
 from kvscope.core.records.scrape import (DOWN, DROPPED, GARBAGE, HTTP_ERROR, OK, SLOW, ScrapeError, Watcher,
                                          metrics_url, preset_for, render_reading, watch)

@@ -1,6 +1,6 @@
 """A tiny runtime written in the tests: the proof that a runtime is one module and one registry entry.
 
-Its "model" is the embedded model's config (``kvscope.core.model.spec.load_spec``: no weights, no torch) and its cache a fake
+Its "model" is the embedded model's config (``kvscope.core.model.sources.load_spec``: no weights, no torch) and its cache a fake
 that allocates in fixed chunks of N tokens, as a paged cache does: ``kv_bytes_reserved`` is the whole chunks,
 ``kv_bytes_held`` the tokens in them. Its switch is the chunk size (``cache=chunk:N``: the cache is
 allocated again and keeps its tokens); an attention switch is refused, as one kind of answer. Pure Python.
@@ -20,7 +20,8 @@ from kvscope.core import runtimes
 from kvscope.core.base.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
 from kvscope.core.model.attention import SettingsError, native_attention
 from kvscope.core.model.request import ModelInfo, RunRequest
-from kvscope.core.model.spec import ModelSpec, load_spec
+from kvscope.core.model.sources import load_spec
+from kvscope.core.model.spec import ModelSpec
 
 NAME = "tiny-chunks"
 CHUNK = 16  # tokens per chunk at the start

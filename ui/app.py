@@ -10,6 +10,10 @@ import threading
 import time
 from dataclasses import replace
 
+from kvscope.core.model.request import RunRequest
+from kvscope.core.model.spec import ASSETS
+from kvscope.core.records.outputs import display_path
+from kvscope.core.records.recording import RecordingError, read_header, spec_from_header
 from kvscope.ui.selftest import self_test  # noqa: F401 - main.py --self-test calls kvscope.ui.app.self_test
 
 #: How long a --screenshot run may take before it gives up (loading included).
@@ -78,8 +82,6 @@ def _app_icon():
     """The app icon at every size we ship (assets/icons/kvscope-N.png, made from kvscope.svg)."""
     from PySide6.QtGui import QIcon
 
-    from kvscope.core.model.spec import ASSETS
-
     icon = QIcon()
     for png in sorted((ASSETS / "icons").glob("kvscope-*.png")):
         icon.addFile(str(png))
@@ -114,7 +116,7 @@ def run_window(request=None, screenshot: str | None = None, tokens: int | None =
     app = _application()
     from PySide6.QtCore import QEventLoop, QTimer
 
-    from kvscope.ui.main_window import MainWindow
+    from kvscope.ui.main_window import MainWindow  # Qt: only once display_problem() found a display
 
     throwaway = None
     if screenshot is not None and settings is None:
@@ -136,8 +138,6 @@ def run_window(request=None, screenshot: str | None = None, tokens: int | None =
             window.apply_request(request)
             window.start_run(request)
         return app.exec()
-
-    from kvscope.core.model.request import RunRequest
 
     request = request or RunRequest()
     if tokens is not None:
@@ -174,8 +174,6 @@ def _finish_screenshot(app, window, screenshot, code: int, timed_out: bool, extr
     standard output and the "saved" line to stderr). ``throwaway``: the QSettings of
     ``_screenshot_settings``, deleted once the window is closed.
     """
-    from kvscope.core.records.outputs import display_path
-
     window.shutdown()
     # Drain the queued samples and the finished signal, then draw every curve and number.
     _settle(app, window)
@@ -283,8 +281,6 @@ def run_replay(path: str, speed: float = 1.0, screenshot: str | None = None, *, 
     ``SCREENSHOT_TIMEOUT_S`` is stopped, says so and returns 2; should the window stop answering
     (so that no timer can fire), a watchdog thread ends the process with status 2 shortly after.
     """
-    from kvscope.core.records.recording import RecordingError, read_header, spec_from_header
-
     if not speed or speed <= 0:
         print("kvscope: the replay speed must be positive", file=sys.stderr)
         return 2
@@ -297,7 +293,7 @@ def run_replay(path: str, speed: float = 1.0, screenshot: str | None = None, *, 
     app = _application()
     from PySide6.QtCore import QEventLoop, QTimer
 
-    from kvscope.ui.main_window import MainWindow
+    from kvscope.ui.main_window import MainWindow  # Qt: only once display_problem() found a display
 
     throwaway = None
     if screenshot is not None and settings is None:

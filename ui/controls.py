@@ -25,7 +25,8 @@ from kvscope.core.model.attention import parse_attention
 from kvscope.core.model.caches import parse_cache
 from kvscope.core.model.request import DEFAULT_PROMPT, RunRequest
 from kvscope.core.model.settings import ATTN_IMPLS, RunSettings, attention_choices, cache_choices, parse_attn_impl
-from kvscope.core.model.spec import SpecError, human_bytes, load_spec, parse_size
+from kvscope.core.model.sources import load_spec
+from kvscope.core.model.spec import SpecError, human_bytes, parse_size
 from kvscope.core.prediction.llamacpp import CACHE_TYPES as LLAMACPP_CACHE_TYPES, LlamaCppOptions
 from kvscope.core.runtimes.mlx.predict import parse_cache as parse_mlx_cache
 from kvscope.core.runtimes.mlx.switches import MlxOptions

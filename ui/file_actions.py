@@ -16,7 +16,10 @@ from typing import Callable
 from PySide6.QtCore import QObject, Signal
 from PySide6.QtWidgets import QAbstractButton, QFileDialog, QWidget
 
+from kvscope.core.records.export import export_csv
+from kvscope.core.records.recording import RecordingError
 from kvscope.ui.screenshot import ScreenshotError, default_path, save_widget
+from kvscope.ui.summary import render_summary
 from kvscope.ui.theme import theme as make_theme
 
 
@@ -123,9 +126,6 @@ class FileActions(QObject):
 
     def export_csv(self, path: str | None = None, ask: bool = False) -> int | None:
         """The current/last recording's samples as CSV (kvscope.core.records.export). Returns the rows written."""
-        from kvscope.core.records.export import export_csv
-        from kvscope.core.records.recording import RecordingError
-
         if not self.last_recording:
             self.error.emit("nothing to export yet: record a run (File \u203a Record) or open a recording")
             return None
@@ -168,8 +168,6 @@ class FileActions(QObject):
 
     def export_summary(self, path: str | None = None, ask: bool = False) -> Path | None:
         """One 1920x1080 PNG for a slide: the three plots and the key numbers."""
-        from kvscope.ui.summary import render_summary
-
         if ask:
             path = ask_save_path(self.window, "Export summary image", Path.home() / "kvscope-summary.png", "PNG (*.png)")
         if not path:

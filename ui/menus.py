@@ -6,6 +6,9 @@ from __future__ import annotations
 from PySide6.QtGui import QAction, QActionGroup, QKeySequence
 from PySide6.QtWidgets import QMainWindow, QMessageBox
 
+from kvscope.core import __version__
+from kvscope.core.model.spec import ASSETS
+
 ATTENTION_KEYS = {1: "MHA", 2: "GQA", 3: "MQA", 4: "MLA", 5: "Sliding window"}
 KEY_MAP = (("1", "MHA: every query head has its own K/V head"),
            ("2", "GQA: the middle group count the model allows"),
@@ -101,8 +104,6 @@ def legal_file(name: str):
     import importlib.metadata
     from pathlib import Path
 
-    from kvscope.core.model.spec import ASSETS
-
     candidates = [ASSETS.parent / name]
     try:
         candidates += [Path(f.locate()) for f in importlib.metadata.distribution("kvscope").files or []
@@ -114,8 +115,6 @@ def legal_file(name: str):
 
 def about_box(self: QMainWindow) -> QMessageBox:
     """Help > About: what KV Scope is, its licence, and buttons for the licence and the third-party notices."""
-    from kvscope.core import __version__
-
     box = QMessageBox(self)
     box.setWindowTitle("About KV Scope")
     box.setText(f"<b>KV Scope {__version__}</b><p>See the KV cache grow token by token, and predict "

@@ -17,8 +17,13 @@ import os
 import sys
 import time
 
+import kvscope.core.model.spec
 from kvscope.core import runtimes
 from kvscope.core.base.errors import INTERNAL, KVScopeError
+from kvscope.core.base.sample import PHASE_DECODE
+from kvscope.core.model.request import RunRequest
+from kvscope.core.prediction.llamacpp import LlamaCppOptions
+from kvscope.core.runtimes import missing
 
 #: Tokens the self-test decodes; each one must have observed KV bytes == predicted KV bytes.
 SELF_TEST_TOKENS = 8
@@ -92,8 +97,6 @@ def llamacpp_missing() -> str | None:
     """Why llama.cpp cannot run here (llama-cpp-python not installed), else None. Never imports llama_cpp
     (the window's process must not): the runtime registry's answer, else whether the module is there."""
     try:
-        from kvscope.core.runtimes import missing
-
         return missing("llama.cpp")
     except ImportError:
         import importlib.util
@@ -104,12 +107,10 @@ def llamacpp_missing() -> str | None:
 def _run(timeout_s: float, tokens: int) -> str:
     from PySide6.QtWidgets import QApplication
 
-    from kvscope.core.model.request import RunRequest
-    from kvscope.core.model.spec import ASSETS
-
-    if not ASSETS.is_dir():
+    assets = kvscope.core.model.spec.ASSETS  # looked up now: where this process finds assets/
+    if not assets.is_dir():
         # In a bundle this means the spec did not place assets/ next to core/.
-        raise SelfTestFailed(f"assets folder not found at {ASSETS}")
+        raise SelfTestFailed(f"assets folder not found at {assets}")
     app = QApplication.instance() or QApplication(sys.argv[:1])
     line = _run_transformers(app, RunRequest(source="embedded", max_new_tokens=tokens, device="cpu"), timeout_s)
     return f"{line}; {_llamacpp_part(app, timeout_s)}"
@@ -122,8 +123,6 @@ def _llamacpp_part(app, timeout_s: float) -> str:
     why = llamacpp_missing()
     if why:
         return f"llama.cpp skipped: {why}"
-    from kvscope.core.model.request import RunRequest
-    from kvscope.core.prediction.llamacpp import LlamaCppOptions
 
     request = RunRequest(source="embedded", runtime="llama.cpp", llamacpp=LlamaCppOptions(n_ctx=512),
                          max_new_tokens=LLAMACPP_TOKENS, device="cpu")
@@ -147,8 +146,7 @@ def _generate(app, request, timeout_s: float, tokens: int, what: str) -> tuple[l
     KVSCOPE_ENGINE=thread) until it ends; its decoded samples, the controller and where it ran."""
     from PySide6.QtCore import QEvent, QEventLoop, QTimer
 
-    from kvscope.core.base.sample import PHASE_DECODE
-    from kvscope.workers.engine_link import HostedGenerationController, controller_class
+    from kvscope.workers.engine_link import HostedGenerationController, controller_class  # Qt: after the display check
 
     controller = controller_class()()
     samples: list = []

@@ -16,7 +16,12 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QFrame, QGridLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
 from kvscope.core.base.sample import Sample
+from kvscope.core.model.attention import parse_attention
+from kvscope.core.model.caches import parse_cache
+from kvscope.core.model.settings import RunSettings, parse_attn_impl
 from kvscope.core.model.spec import ModelSpec, SpecError, human_bytes
+from kvscope.core.prediction.forecast import format_duration
+from kvscope.core.prediction.predict import kv_bytes
 from kvscope.ui.axes import format_tokens
 
 
@@ -45,11 +50,6 @@ def kv_at_max_context(spec: ModelSpec, attention: str, cache: str, attn_impl: st
     """The predictor's KV bytes at ``max_context`` for the settings a sample carries (its own
     spellings), or None for a spelling the predictor does not know (a newer recording's).
     Memoised: the settings change at a switch, not at every refresh."""
-    from kvscope.core.model.attention import parse_attention
-    from kvscope.core.model.caches import parse_cache
-    from kvscope.core.model.settings import RunSettings, parse_attn_impl
-    from kvscope.core.prediction.predict import kv_bytes
-
     try:
         settings = RunSettings(batch=batch, weight_dtype=dtype, kv_dtype=kv_dtype,
                                attention=parse_attention(attention), cache=parse_cache(cache),
@@ -266,8 +266,6 @@ class StatsPanel(QWidget):
         if forecast is None:
             tile.set("n/a", "memory not growing" if self.stats.kv_now is not None else "")
         else:
-            from kvscope.core.prediction.forecast import format_duration
-
             when = f"about {format_duration(forecast.seconds)} · " if forecast.seconds is not None else ""
             if forecast.context_first is not None:  # the context ends first: that is the limit to show
                 tile.set("context first", f"ends at token {_compact(forecast.context_first)}; {forecast.limit} "

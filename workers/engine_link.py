@@ -23,6 +23,7 @@ from typing import Any
 from PySide6.QtCore import QCoreApplication, QObject, Signal, Slot
 
 from kvscope.core.live.engine_process import serve
+from kvscope.workers.sampling_rate import DEFAULT_RATE_HZ, check_rate
 from kvscope.workers.threaded import RUN_MESSAGES, SAMPLER_MESSAGES, RunSignals, WorkerThread, relay
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ def controller_class() -> type:
     a thread of this process with KVSCOPE_ENGINE=thread."""
     if engine_mode() == "process":
         return HostedGenerationController
-    from kvscope.workers.generation import GenerationController
+    from kvscope.workers.generation import GenerationController  # torch: KVSCOPE_ENGINE=thread only
 
     return GenerationController
 
@@ -294,12 +295,10 @@ class HostedSampler(QObject):
     errored = Signal(str)
     finished = Signal()
 
-    def __init__(self, device: str = "cpu", rate_hz: float = 20.0, parent: QObject | None = None,
+    def __init__(self, device: str = "cpu", rate_hz: float = DEFAULT_RATE_HZ, parent: QObject | None = None,
                  host: EngineHost | None = None) -> None:
         super().__init__(parent)
-        from kvscope.workers.sampler import MemorySampler
-
-        MemorySampler._check_rate(rate_hz)
+        check_rate(rate_hz)
         self.device = device
         self._rate_hz = float(rate_hz)
         self._running = False
@@ -311,9 +310,7 @@ class HostedSampler(QObject):
         return self._rate_hz
 
     def set_rate(self, rate_hz: float) -> None:
-        from kvscope.workers.sampler import MemorySampler
-
-        MemorySampler._check_rate(rate_hz)
+        check_rate(rate_hz)
         self._rate_hz = float(rate_hz)
         if self._running:
             self.host.send("sampler_rate", self._rate_hz)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from PySide6.QtCore import QObject, Signal, Slot
 
+from kvscope.core.runtimes.probes import MemoryProbe
 from kvscope.workers.threaded import WorkerThread
 
 
@@ -77,6 +78,4 @@ class GpuProcessPoller(QObject):
 
 
 def _default_probe():
-    from kvscope.core.runtimes.probes import MemoryProbe
-
     return MemoryProbe("cpu")

@@ -19,11 +19,11 @@ from PySide6.QtCore import QObject, Signal, Slot
 
 from kvscope.core.live.engine_process import sample_memory
 from kvscope.core.runtimes.probes import MemoryProbe
+from kvscope.workers.engine_link import HostedSampler
+from kvscope.workers.sampling_rate import DEFAULT_RATE_HZ, check_rate
 from kvscope.workers.threaded import SAMPLER_MESSAGES, WorkerThread, relay
 
 THREAD_NAME = "kvscope-memory-sampler"
-DEFAULT_RATE_HZ = 20.0
-MAX_RATE_HZ = 1000.0
 
 
 class _SamplerLoop(QObject):
@@ -84,7 +84,7 @@ class MemorySampler(QObject):
                  probe_factory: Callable[[], MemoryProbe] | None = None, batch_s: float = 0.1,
                  rate_window_s: float = 1.0, parent: QObject | None = None) -> None:
         super().__init__(parent)
-        self._check_rate(rate_hz)
+        check_rate(rate_hz)
         if batch_s <= 0 or rate_window_s <= 0:
             raise ValueError("batch_s and rate_window_s must be positive seconds")
         self.device = device
@@ -94,11 +94,6 @@ class MemorySampler(QObject):
         self._rate_window_s = rate_window_s
         self._runner = WorkerThread(THREAD_NAME, lambda loop: loop.abort())
 
-    @staticmethod
-    def _check_rate(rate_hz: float) -> None:
-        if not (0 < rate_hz <= MAX_RATE_HZ):
-            raise ValueError(f"sampling rate must be between 0 and {MAX_RATE_HZ:g} Hz, got {rate_hz!r}")
-
     @property
     def rate_hz(self) -> float:
         """The rate asked for (readings per second); ``rate_measured`` reports the rate achieved."""
@@ -106,7 +101,7 @@ class MemorySampler(QObject):
 
     def set_rate(self, rate_hz: float) -> None:
         """Change the rate, live if running."""
-        self._check_rate(rate_hz)
+        check_rate(rate_hz)
         self._rate_hz = float(rate_hz)
         if self._runner.is_running():
             self._runner.worker.set_rate(self._rate_hz)
@@ -160,8 +155,6 @@ class SamplerControl(QObject):
         self.notes = []
         self.achieved_hz = None
         if self.host is not None:
-            from kvscope.workers.engine_link import HostedSampler
-
             sampler = HostedSampler(device, self.rate_hz, parent=self, host=self.host)
         else:
             sampler = MemorySampler(device, self.rate_hz, parent=self)

@@ -1,4 +1,4 @@
-"""Model descriptions (``kvscope.core.model.spec.load_spec``) loaded off the GUI thread, for the Calculator tab.
+"""Model descriptions (``kvscope.core.model.sources.load_spec``) loaded off the GUI thread, for the Calculator tab.
 
 A spec load can take seconds (transformers' first import, a hub config fetch); one pool thread does them in
 order, the first being the warm-up that imports transformers under ``kvscope.workers.imports.IMPORT_LOCK`` (the window
@@ -13,7 +13,8 @@ import logging
 from PySide6.QtCore import QObject, QRunnable, QThreadPool, Signal
 
 from kvscope.core.base.longlived import freeze_long_lived
-from kvscope.core.model.spec import ModelSpec, SpecError, load_spec
+from kvscope.core.model.sources import load_spec
+from kvscope.core.model.spec import ModelSpec, SpecError
 from kvscope.workers.imports import IMPORT_LOCK
 
 log = logging.getLogger(__name__)

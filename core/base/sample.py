@@ -3,17 +3,34 @@
 Samples flow from the generation loop to the CLI table, the window's plots and recordings.
 They carry their own settings, so a consumer never asks the worker what mode was active.
 Memory the hardware cannot report is None ("not available"), never 0.
+
+A Sample from an untrusted dict (a recording's line, ``Sample.from_dict``) goes through the one validator here,
+``sample_from_json``: every field checked for type and range (the bounds below). ``kvscope.core.records.recording`` reads and
+writes Samples through it; this module imports nothing of the project.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
 PHASE_PREFILL = "prefill"
 PHASE_DECODE = "decode"
 PHASE_EVENT = "event"  # a switch, a load, an error: no token was generated
+
+#: Counts and bytes are integers from 0 to this (what a signed 64-bit integer holds): a negative
+#: byte count or a 400-digit token number is damage, not data.
+MAX_INT = 2**63 - 1
+#: The latest ``time_s`` a sample may carry (seconds since its run started; ~31 years).
+MAX_TIME_S = 1e9
+#: The highest ``tokens_per_s`` a sample may carry.
+MAX_TOKENS_PER_S = 1e9
+#: The longest setting or name a sample or header field may hold (attention, cache, device, event,
+#: model name...): they are labels, shown in badges and tables. ``text`` is bounded by the line only.
+MAX_NAME_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -84,9 +101,7 @@ class Sample:
     def from_dict(cls, data: dict[str, Any]) -> "Sample":
         """Build a Sample from a (possibly untrusted) dict: unknown keys are dropped, every field's
         type and range checked, ValueError naming the first problem. The checks are the recording
-        reader's (``kvscope.core.records.recording.sample_from_json``): one validator for every untrusted sample."""
-        from kvscope.core.records.recording import sample_from_json  # recording imports this module
-
+        reader's (``sample_from_json``): one validator for every untrusted sample."""
         return sample_from_json(data)
 
     def replace(self, **changes: Any) -> "Sample":
@@ -134,3 +149,188 @@ def _init(self: Sample, *args: Any, kv_bytes_observed: Any = _MISSING, kv_bytes_
 
 _init.__doc__ = _dataclass_init.__doc__
 Sample.__init__ = _init  # type: ignore[method-assign]
+
+
+def is_plain_text(value: Any) -> bool:
+    """A str that is valid Unicode (no lone surrogate, which ``json`` lets ``\\ud800`` make and no
+    UTF-8 writer can write)."""
+    if type(value) is not str:
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def short_repr(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for one-line messages about untrusted values."""
+    if type(value) is int and value.bit_length() > 200:  # repr of a huge int is slow and useless
+        return f"an integer of ~{int(value.bit_length() * 0.30103):,} digits"
+    if isinstance(value, (dict, list)):
+        return f"a JSON {'object' if isinstance(value, dict) else 'array'}"
+    text = repr(value[: limit + 1] if isinstance(value, str) else value)
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+
+
+# ------------------------------------------------------------------------------------------------
+# The one validator of untrusted samples (Sample.from_dict, and the recording reader and writer)
+
+
+_PHASES = (PHASE_PREFILL, PHASE_DECODE, PHASE_EVENT)
+_SAMPLE_FIELDS = dataclasses.fields(Sample)
+
+
+def _field_kinds() -> dict[str, tuple[str, bool]]:
+    """(kind, nullable) per Sample field, from its annotation: "int", "float", "str" or "any"."""
+    kinds = {}
+    for f in _SAMPLE_FIELDS:
+        t = str(f.type)
+        kind = ("int" if t.startswith("int") else "float" if t.startswith("float")
+                else "str" if t.startswith("str") else "any")
+        kinds[f.name] = (kind, "None" in t)
+    return kinds
+
+
+_KINDS = _field_kinds()
+# The old names of the KV figures (``kvscope.core.base.sample.legacy_kv_fields`` maps them): checked like any int field, so
+# that recordings made before kv_bytes_held / kv_bytes_reserved (the shipped demo) read, and damaged ones say so.
+_KINDS.update({"kv_bytes_observed": ("int", True), "kv_bytes_used": ("int", True)})
+_REQUIRED = tuple(f.name for f in _SAMPLE_FIELDS
+                  if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+#: The upper bound of each float field (the lower bound of every number is 0).
+_FLOAT_MAX = {"time_s": MAX_TIME_S, "tokens_per_s": MAX_TOKENS_PER_S}
+#: The upper bound of each int field not bounded by ``MAX_INT``: the quality probe's top-1 agreement is 0 or 1.
+_INT_MAX = {"quality_top1": 1}
+#: The longest each str field may be (fields not named: MAX_NAME_CHARS); None: bounded by the line.
+_STR_MAX: dict[str, int | None] = {"text": None}
+
+
+def sample_from_json(data: Any, *, check_unicode: bool = True) -> Sample:
+    """A Sample from one parsed JSON line of a recording (or any untrusted dict); ValueError says what
+    is wrong, in one line.
+
+    Unknown keys are dropped (a newer writer's extra fields); every field the Sample has is checked:
+    required fields present and not null; counts and bytes (the int fields) ints from 0 to
+    ``MAX_INT``, never bools; numbers finite, from 0 to their bound (``MAX_TIME_S`` for ``time_s``);
+    text valid Unicode (no lone surrogate) and settings and names at most ``MAX_NAME_CHARS`` long;
+    a known phase. ``check_unicode=False`` skips the surrogate scan, for callers that know the
+    source had no ``\\uD8xx`` escape (it is the one check that costs a pass over every text).
+    """
+    fields = checked_fields(data, check_unicode=check_unicode)
+    if "kv_bytes_observed" in fields or "kv_bytes_used" in fields:
+        fields = dict(fields)
+        legacy_kv_fields(fields, fields.pop("kv_bytes_observed", None), fields.pop("kv_bytes_used", None))
+    held, reserved = fields.get("kv_bytes_held"), fields.get("kv_bytes_reserved")
+    if held is not None and reserved is not None and held > reserved:
+        # The bytes the tokens hold are part of what the runtime set aside: more is a damaged or forged line
+        raise ValueError(f"sample kv_bytes_held {held} is more than kv_bytes_reserved {reserved}")
+    if fields.get("event") == "switch" and fields.get("switch_key") is None:
+        fields.update(_legacy_switch_fields(str(fields.get("text", ""))))
+    return Sample(**fields)
+
+
+_LEGACY_SWITCH = re.compile(r"\s*(attention|attn-impl|cache): (\S+) -> (\S+)")
+
+
+def _legacy_switch_fields(text: str) -> dict[str, Any]:
+    """What a switch event of a recording made before switches were data said in words: the one place
+    the prose is read back, so that old recordings (the shipped demo) show like new ones."""
+    match = _LEGACY_SWITCH.match(text)
+    if match is None:
+        return {}
+    rerun = re.search(r"re-ran (\d+) tokens", text)
+    return {"switch_key": match[1], "switch_before": match[2], "switch_after": match[3],
+            "tokens_rerun": int(rerun[1]) if rerun and len(rerun[1]) < 12 else None}
+
+
+def _tables() -> tuple[dict[str, frozenset[type]], dict[str, float | int | None]]:
+    """Per Sample field: the JSON value types it accepts (json makes exactly int, float, str, bool,
+    list, dict, None) and its bound (numbers: the largest value; text: the longest, None for none).
+    Fields of a kind not checked (none today) accept any scalar."""
+    types: dict[str, frozenset[type]] = {}
+    bounds: dict[str, float | int | None] = {}
+    for name, (kind, nullable) in _KINDS.items():
+        allowed = {"int": {int}, "float": {int, float}, "str": {str}}.get(kind, {int, float, str, bool})
+        types[name] = frozenset(allowed | ({type(None)} if nullable else set()))
+        bounds[name] = (_INT_MAX.get(name, MAX_INT) if kind == "int" else _FLOAT_MAX.get(name, float(MAX_INT)) if kind == "float"
+                        else _STR_MAX.get(name, MAX_NAME_CHARS) if kind == "str" else MAX_INT)
+    return types, bounds
+
+
+_TYPES, _BOUNDS = _tables()
+
+
+def checked_fields(data: Any, *, check_unicode: bool = True) -> dict[str, Any]:
+    """The Sample keyword arguments in ``data`` (unknown keys dropped), checked; ValueError if bad.
+
+    Runs once per line of files with millions of lines: one pass with a precomputed table of
+    types and bounds; the slower field-by-field pass (``_explain``) runs only to name a problem."""
+    if type(data) is not dict:
+        raise ValueError(f"a sample must be a JSON object, got {type(data).__name__}")
+    types, bounds = _TYPES, _BOUNDS
+    unknown = False
+    for key, value in data.items():
+        allowed = types.get(key)
+        if allowed is None:
+            unknown = True
+            continue
+        t = type(value)
+        if t not in allowed:
+            _explain(data)
+        if t is int or t is float:
+            if not 0 <= value <= bounds[key]:  # NaN fails every comparison
+                _explain(data)
+        elif t is str:
+            limit = bounds[key]
+            if (limit is not None and len(value) > limit) or (check_unicode and not is_plain_text(value)):
+                _explain(data, check_unicode)
+    kwargs = {k: v for k, v in data.items() if k in types} if unknown else data
+    if len(kwargs) < len(_REQUIRED) or not all(name in kwargs for name in _REQUIRED):
+        _explain(data)
+    phase = kwargs["phase"]
+    if phase not in _PHASES:
+        raise ValueError(f"sample phase must be one of {', '.join(_PHASES)}, got {short_repr(phase)}")
+    return kwargs
+
+
+def _explain(data: dict[str, Any], check_unicode: bool = True) -> None:
+    """Raise ValueError naming the first problem of a sample dict (the fast pass found one)."""
+    missing = [name for name in _REQUIRED if name not in data]
+    if missing:
+        raise ValueError(f"sample is missing {', '.join(missing)}")
+    for key, (kind, nullable) in _KINDS.items():
+        if key not in data:
+            continue
+        value = data[key]
+        t = type(value)
+        if value is None:
+            if not nullable:
+                raise ValueError(f"sample field {key} must not be null")
+        elif kind == "int":
+            if t is not int:
+                raise ValueError(f"sample field {key} must be an integer, got {short_repr(value)}")
+            if not 0 <= value <= _BOUNDS[key]:
+                limit = "2**63-1" if _BOUNDS[key] == MAX_INT else str(_BOUNDS[key])
+                raise ValueError(f"sample field {key} must be from 0 to {limit}, got {short_repr(value)}")
+        elif kind == "float":
+            if t is not float and t is not int:
+                raise ValueError(f"sample field {key} must be a number, got {short_repr(value)}")
+            limit = _BOUNDS[key]
+            if not 0 <= value <= limit:
+                if t is float and not math.isfinite(value):
+                    if key == "time_s":
+                        raise ValueError(f"sample time must be a finite number, got {value!r}")
+                    raise ValueError(f"sample field {key} must be a finite number, got {value!r}")
+                raise ValueError(f"sample field {key} must be from 0 to {limit:g}, got {short_repr(value)}")
+        elif kind == "str":
+            if t is not str:
+                raise ValueError(f"sample field {key} must be text, got {short_repr(value)}")
+            limit = _BOUNDS[key]
+            if limit is not None and len(value) > limit:
+                raise ValueError(f"sample field {key} is longer than {limit} characters")
+            if check_unicode and not is_plain_text(value):
+                raise ValueError(f"sample field {key} is not valid Unicode (it holds a lone surrogate)")
+        elif t not in (int, float, str, bool):
+            raise ValueError(f"sample field {key} must be a plain value, got {short_repr(value)}")
+    raise ValueError("sample is not valid")  # unreachable while _TYPES, _BOUNDS and _explain agree

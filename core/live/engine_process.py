@@ -35,7 +35,13 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import kvscope.core.live.run  # every runtime's one loop (the runtime's module loads with the run); called as kvscope.core.live.run.run_generation
 from kvscope.core.base.errors import is_user_error, one_line  # noqa: F401 - one_line: also this module's name for it
+from kvscope.core.model.hf import ensure_transformers
+from kvscope.core.model.request import RunHooks
+from kvscope.core.runtimes.probes import MemoryProbe
+from kvscope.core.runtimes.transformers.loading import resolve_device
+from kvscope.core.runtimes.transformers.prepare import backend_needed, is_ready, prepare, progress_text
 
 #: Samples leave in batches of at most this many, or at least every FLUSH_S seconds.
 BATCH_MAX = 16
@@ -119,8 +125,6 @@ class RunDriver:
         """The switches that can apply at this token. One that needs a quantized-cache backend not yet built
         or loaded in this process waits (kvscope.core.runtimes.transformers.prepare builds it on a thread of its own; the run goes on under
         the current settings and the window is told every second) and applies at the first token after."""
-        from kvscope.core.runtimes.transformers.prepare import backend_needed, is_ready, prepare, progress_text
-
         for axis, switch in switches.items():
             self._deferred.pop(axis, None)  # a newer press on the axis replaces one still waiting
             self._deferred[axis] = switch
@@ -138,12 +142,8 @@ class RunDriver:
         return out
 
     def run(self) -> None:
-        from kvscope.core.live.run import (
-            run_generation)  # every runtime's one loop (the runtime's module loads with the run)
-        from kvscope.core.model.request import RunHooks
-
         try:
-            run_generation(self.request, RunHooks(
+            kvscope.core.live.run.run_generation(self.request, RunHooks(
                 emit=self._emit, loaded=lambda info: self.send("loaded", info),
                 progress=lambda text: self.send("progress", text), poll=self._poll,
                 should_stop=self.abort.is_set))
@@ -210,8 +210,6 @@ class _Sampler:
     """The host's memory sampler thread (one at a time)."""
 
     def __init__(self, device: str, rate_hz: float, send: Send) -> None:
-        from kvscope.core.runtimes.probes import MemoryProbe
-
         device = _auto_device() if device == "auto" else device
         self.period = 1.0 / rate_hz
         self.abort = threading.Event()
@@ -227,8 +225,6 @@ class _Sampler:
 
 def _auto_device() -> str:
     """The device a run with ``--device auto`` gets here (cuda, mps or cpu)."""
-    from kvscope.core.runtimes.transformers.loading import resolve_device
-
     try:
         return resolve_device("auto")
     except Exception:  # noqa: BLE001 - a torch that cannot tell: host memory is what there is
@@ -266,8 +262,7 @@ def serve(conn: Any) -> None:
             except (OSError, EOFError, ValueError):  # the window has gone: nothing to tell
                 gone.set()
 
-    from kvscope.core.model.hf import ensure_transformers
-    from kvscope.core.runtimes.transformers.runtime import limit_cpu_threads
+    from kvscope.core.runtimes.transformers.runtime import limit_cpu_threads  # torch: the engine process only
 
     limit_cpu_threads("cpu")  # on this main thread, before any run: one core stays with the window
     ensure_transformers()  # the slow imports now, while the window starts

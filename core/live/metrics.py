@@ -32,6 +32,7 @@ from collections import Counter
 
 from kvscope.core.base.errors import BAD_INPUT, KVScopeError
 from kvscope.core.base.sample import PHASE_EVENT, Sample
+from kvscope.core.live.breakdown import memory_breakdown
 from kvscope.core.live.spikes import SpikeMonitor, reading_from_sample, spike_events, spike_threshold
 
 LOOPBACK = "127.0.0.1"
@@ -187,8 +188,6 @@ def _breakdown_families(s: Sample) -> list:
     """``kvscope_memory_breakdown_bytes{part,source}`` (kvscope.core.live.breakdown: the parts of the observed total, a part the
     device does not report left out) and ``kvscope_memory_observed_total_bytes{source}``."""
     from prometheus_client.core import GaugeMetricFamily
-
-    from kvscope.core.live.breakdown import memory_breakdown
 
     b = memory_breakdown(s)
     parts = GaugeMetricFamily(f"{PREFIX}_memory_breakdown_bytes", "Where the observed total went, by part; source "

@@ -16,12 +16,14 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable
 
-from kvscope.core import runtimes
+from kvscope.core import __version__, runtimes
 from kvscope.core.base.errors import GenerationError, RuntimeCrashed, is_user_error
 from kvscope.core.base.sample import Sample
 from kvscope.core.model.attention import SettingsError
 from kvscope.core.model.request import ModelInfo, RunHooks, RunRequest  # noqa: F401 - RunHooks: its old home
 from kvscope.core.model.spec import human_bytes
+from kvscope.core.records.outputs import OutputError, check_output_path
+from kvscope.core.records.recording import RecordingError, RecordingWriter, header_for
 
 
 class BudgetExceeded(GenerationError):
@@ -43,9 +45,6 @@ def _asked_options(request: RunRequest) -> list[str]:
 def check_request(request: RunRequest) -> runtimes.RuntimeInfo:
     """What every run checks before anything loads: the runtime exists and takes the options asked, and the
     recording's path can be created (``kvscope.core.records.outputs``' rule). Returns the runtime's entry."""
-    from kvscope.core.records.outputs import OutputError, check_output_path
-    from kvscope.core.records.recording import RecordingError
-
     info = runtimes.get(request.runtime)
     refused = [_OPTION_FLAGS[name] for name in _asked_options(request) if name not in info.supports]
     if refused:
@@ -112,9 +111,6 @@ def run_generation(request: RunRequest, hooks: RunHooks) -> list[Sample]:
 
 
 def _open_writer(request: RunRequest, runtime: Any, info: ModelInfo | None) -> Any:
-    from kvscope.core import __version__
-    from kvscope.core.records.recording import RecordingWriter, header_for
-
     if info is not None:
         device: dict[str, Any] = {"name": info.device, "device_name": info.device_name,
                                   "total_memory": info.total_memory}

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvscope.core.base.sample import PHASE_DECODE, PHASE_PREFILL, Sample
+from kvscope.core.runtimes.probes import MemoryReading
 
 # Event kinds the generation loop and the window report (``Event.kind``).
 EVENT_LOAD = "load"  # model weights being loaded / moved to the device
@@ -372,8 +373,6 @@ def spike_events(sample: Sample, previous_cache: str | None = None) -> list[Even
 
 def reading_from_sample(sample: Sample):
     """A MemoryReading built from what a recorded token Sample measured (replays have no sampler)."""
-    from kvscope.core.runtimes.probes import MemoryReading
-
     return MemoryReading(time_s=sample.time_s, allocator_allocated=sample.allocator_allocated,
                          allocator_reserved=sample.allocator_reserved, allocator_peak=sample.allocator_peak,
                          device_used=sample.device_used, device_total=sample.device_total,

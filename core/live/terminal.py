@@ -10,6 +10,7 @@ from kvscope.core import runtimes
 from kvscope.core.base.errors import is_user_error
 from kvscope.core.base.safe_text import NAME_LIMIT, safe_text
 from kvscope.core.base.sample import PHASE_EVENT, Sample
+from kvscope.core.live.run import run_generation
 from kvscope.core.model.request import ModelInfo, RunHooks, RunRequest
 from kvscope.core.model.spec import human_bytes
 from kvscope.core.records.outputs import display_path
@@ -133,9 +134,6 @@ def run_terminal(request: RunRequest, out: TextIO | None = None, observers: tupl
     def on_signal(signum, frame):  # first signal: stop between tokens; a second one: default behaviour
         stopping["flag"] = True
         signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
-
-    from kvscope.core.live.run import (
-        run_generation)  # every runtime's one loop; llama.cpp in a child process of its own
 
     previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
     try:

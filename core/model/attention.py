@@ -10,15 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from kvscope.core.base.errors import REFUSED
-from kvscope.core.model.spec import (FULL_ATTENTION, MAX_COUNT, NO_KV, SLIDING_ATTENTION, ModelSpec, SpecError,
-                                     model_facts)
-
-
-class SettingsError(SpecError):
-    """A setting that is misspelled or does not fit the model. The message is for the user."""
-
-    category = REFUSED
+from kvscope.core.model.hf_config import model_facts
+from kvscope.core.model.spec import (FULL_ATTENTION, MAX_COUNT, NO_KV, SLIDING_ATTENTION, ModelSpec, SettingsError,
+                                     SpecError)
 
 
 def int_arg(arg: str | None, what: str, spelled: str) -> int:

@@ -14,8 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from kvscope.core.model.attention import SettingsError
-from kvscope.core.model.spec import INDEXED_ATTENTION, MAX_COUNT, NO_KV, SLIDING_ATTENTION, ModelSpec, shown_count
+from kvscope.core.model.spec import (INDEXED_ATTENTION, MAX_COUNT, NO_KV, SLIDING_ATTENTION, ModelSpec, SettingsError,
+                                     shown_count)
 
 
 @dataclass(frozen=True)
@@ -369,7 +369,8 @@ class SinkWindow(TokenSelecting):
         return cls(sinks=sinks, window=window)
 
     def build(self, config, max_context):
-        from kvscope.core.runtimes.transformers.sparse_caches import SinkWindowLayer, selecting_cache
+        from kvscope.core.runtimes.transformers.sparse_caches import (  # torch: only the engine builds a cache
+            SinkWindowLayer, selecting_cache)
 
         return selecting_cache(config, lambda: SinkWindowLayer(self.sinks, self.window))
 
@@ -404,12 +405,14 @@ class HeavyHitter(TokenSelecting):
         return cls(budget=budget, window=window)
 
     def build(self, config, max_context):
-        from kvscope.core.runtimes.transformers.sparse_caches import HeavyHitterLayer, selecting_cache
+        from kvscope.core.runtimes.transformers.sparse_caches import (  # torch: only the engine builds a cache
+            HeavyHitterLayer, selecting_cache)
 
         return selecting_cache(config, lambda: HeavyHitterLayer(self.budget, self.window))
 
     def forward_context(self, model, cache):
-        from kvscope.core.runtimes.transformers.sparse_caches import observing_attention
+        from kvscope.core.runtimes.transformers.sparse_caches import (
+            observing_attention)  # torch: only the engine builds a cache
 
         return observing_attention(model, cache)
 

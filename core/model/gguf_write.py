@@ -24,6 +24,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
+from kvscope.core.model.embedded import embedded_model_dir
 from kvscope.core.model.spec import _cache_dir
 
 #: Bump when the embedded model's GGUF would change (names, types, metadata).
@@ -198,8 +199,6 @@ def export_llama_folder(folder: Path, out: Path, name: str = "", outtype: str = 
 
 def embedded_gguf(progress=None) -> Path:
     """The embedded demo model as a GGUF in the cache (built once, named by a hash of what it is made from)."""
-    from kvscope.core.model.embedded import embedded_model_dir
-
     folder = embedded_model_dir(progress)
     digest = hashlib.sha256()
     for part in ("config.json", "model.safetensors", "tokenizer.json"):

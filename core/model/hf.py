@@ -19,8 +19,10 @@ import threading
 from typing import Any
 
 from kvscope.core.base.longlived import freeze_long_lived
+from kvscope.core.model.caches import kv_layout
 from kvscope.core.model.spec import (FULL_ATTENTION, INDEXED_ATTENTION, NO_KV, SLIDING_ATTENTION, ConfigView,
-                                     ModelFacts, is_plain_int, is_transformers_refusal, transformers_refusal)
+                                     ModelFacts, ModelSpec, SpecError, _checked_counts, _text_config, is_plain_int,
+                                     is_transformers_refusal, transformers_refusal)
 from kvscope.core.model.states import KVShape, LayerState
 
 _lock = threading.Lock()
@@ -163,7 +165,8 @@ def _layer_states(layer) -> dict[str, tuple[int, int]]:
     layer's growing state left out: ``_compressing_state``)."""
     import torch
 
-    from kvscope.core.runtimes.transformers.measure import BOOKKEEPING_ATTRS
+    from kvscope.core.runtimes.transformers.measure import (
+        BOOKKEEPING_ATTRS)  # torch: only the probe, in a process that builds the model on meta
 
     growing = (*_COMPRESSOR_BUFFERS, *_COMPRESSOR_ENTRIES, *_COMPRESSOR_OVERLAP) if _compress_rate(layer) else ()
     out = {}
@@ -317,9 +320,6 @@ def _shapes_beyond_formula(cfg: dict[str, Any], types: tuple[str, ...] | None,
     """The probed per-layer K/V shapes where some layer differs from what ``kvscope.core.model.caches.kv_layout`` derives from the
     config's counts (a spec without ``layer_kv``); None where every layer agrees (nearly every model: their views,
     presets' included, stay as they were) or the counts cannot be read (the spec refuses the config then)."""
-    from kvscope.core.model.caches import kv_layout
-    from kvscope.core.model.spec import ModelSpec, SpecError, _checked_counts, _text_config
-
     if types is None or shapes is None:
         return None
     try:

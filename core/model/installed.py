@@ -10,7 +10,7 @@ Every store is untrusted input, and the scan never blocks on one:
 - only regular files are opened, and only after ``os.stat`` says so; the open is non-blocking and the open
   file is checked again (``fstat``), so a FIFO, a device or a link to ``/dev/zero`` is never read;
 - reads are bounded (a ref 4 KiB, a manifest 16 KiB, a params blob 64 KiB, a config.json 8 MiB, its size
-  checked before it is read: ``kvscope.core.model.spec.read_config_json``);
+  checked before it is read: ``kvscope.core.model.hf_config.read_config_json``);
 - walks are bounded in depth, in entries and in time (``STORE_BUDGET_S`` per store), and stop at once when
   the caller cancels;
 - one bad entry (a FIFO for ``refs/main``, a ref that is not UTF-8, a snapshot 1,500 folders deep, a manifest
@@ -32,6 +32,9 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from kvscope.core.base.safe_text import safe_text as printable
+from kvscope.core.model.hf_config import read_config_json
+from kvscope.core.model.spec import SpecError, human_bytes
+from kvscope.core.runtimes.mlx.switches import mlx_format
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +97,6 @@ class InstalledModel:
 
     def describe(self) -> str:
         """One line: ``llama3.2:1b · Ollama · 1.3 GiB`` (plus the context Ollama runs it with, if set)."""
-        from kvscope.core.model.spec import human_bytes
-
         parts = [self.label, self.origin_name, human_bytes(self.size_bytes)]
         if self.num_ctx:
             parts.append(f"num_ctx {self.num_ctx:,}")
@@ -442,16 +443,12 @@ def _hf_revision(path: Path, store: _Store, budget: list[int]) -> _Revision:
 
 def _folder_kind(folder: Path) -> str:
     """"mlx" for an MLX conversion (an mlx-community repo, LM Studio's "-MLX-" folders: run with MLX), else "hf"."""
-    from kvscope.core.runtimes.mlx.switches import mlx_format
-
     return "mlx" if mlx_format(folder) else "hf"
 
 
 def _is_model_config(path: Path, store: _Store | None = None) -> bool:
     """A transformers config (names a model type or its architectures), not any JSON called config.json.
     A config.json that cannot be one (not a regular file, too large, not JSON...) gets a note."""
-    from kvscope.core.model.spec import SpecError, read_config_json
-
     try:
         cfg = read_config_json(path)  # the one reader: its size checked first, never blocks
     except SpecError as exc:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from kvscope.core.model.attention import MLA, AttentionMode, SettingsError, Window, native_attention, parse_attention
 from kvscope.core.model.caches import CacheStrategy, Dynamic, Quantized, TokenSelecting, kv_layout, parse_cache
-from kvscope.core.model.spec import (INDEXED_ATTENTION, MAX_COUNT, ModelSpec, ViewNotKnown, canonical_dtype,
-                                     dtype_bytes, known_views_only, shown_count)
+from kvscope.core.model.hf_config import ViewNotKnown, known_views_only
+from kvscope.core.model.spec import INDEXED_ATTENTION, MAX_COUNT, ModelSpec, canonical_dtype, dtype_bytes, shown_count
 
 ATTN_IMPLS = ("eager", "sdpa", "flash")
 

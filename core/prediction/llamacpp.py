@@ -33,8 +33,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvscope.core.base.safe_text import NAME_LIMIT, safe_text
 from kvscope.core.model.attention import SettingsError
+from kvscope.core.model.caches import kv_layout
+from kvscope.core.model.gguf import OWN_CACHE, GgufModel, is_gguf_source, read_gguf
 from kvscope.core.model.spec import INDEXED_ATTENTION, NO_KV, ModelSpec, human_bytes
+from kvscope.core.prediction.llamacpp_compute import (CacheGeom, ComputeEstimate, estimate, graph_shape,
+                                                      output_buffer_bytes, shape_of_spec)
+from kvscope.core.prediction.predict import MemoryBreakdown, Prediction, last_true
+from kvscope.core.prediction.table import aligned, bytes_cell
 
 LLAMA_CPP_COMMIT = "0c1e570"
 #: Said wherever a compute buffer is shown: what was checked, and what was not.
@@ -225,8 +232,6 @@ class _Layer:
 
 def _layers_of(source) -> tuple[list[_Layer], int, int, str, str]:
     """(layers with K/V, n_layer, n_swa, architecture, name) of a GgufModel or a ModelSpec."""
-    from kvscope.core.model.gguf import OWN_CACHE, GgufModel
-
     if isinstance(source, GgufModel):
         g = source
         if g.arch in OWN_CACHE:
@@ -243,7 +248,6 @@ def _layers_of(source) -> tuple[list[_Layer], int, int, str, str]:
                                  g.is_swa[il]))
         return layers, g.n_layer, g.n_swa, g.arch, g.path.name
     spec: ModelSpec = source
-    from kvscope.core.model.caches import kv_layout
 
     if any(kind == INDEXED_ATTENTION for kind in spec.layer_types):
         raise SettingsError(f"{spec.label}: llama.cpp gives indexed (DSA) attention a cache of its own, whose "
@@ -265,8 +269,6 @@ def plan(source, options: LlamaCppOptions | None = None, n_ctx_train: int | None
          ) -> LlamaCppPlan:
     """What llama.cpp allocates for ``source`` (a ``kvscope.core.model.gguf.GgufModel`` or a ``ModelSpec``) under ``options``
     (``with_buffers`` False: the KV and weights only, without replaying the compute graph)."""
-    from kvscope.core.model.gguf import GgufModel
-
     o = options or LlamaCppOptions()
     layers, n_layer, n_swa, arch, name = _layers_of(source)
     trained = n_ctx_train or (source.n_ctx_train if isinstance(source, GgufModel) else source.max_position_embeddings)
@@ -360,10 +362,6 @@ def _compute_and_output(source, o: LlamaCppOptions, n_batch: int, n_ubatch: int,
                         v_max: int):
     """The compute buffer (``kvscope.core.prediction.llamacpp_compute``: llama.cpp's reserved graphs through its allocator) and the
     output buffer (``llama_context::output_reserve(n_seq_max)``: n_vocab x n_seq_max f32 logits)."""
-    from kvscope.core.model.gguf import GgufModel
-    from kvscope.core.prediction.llamacpp_compute import (CacheGeom, ComputeEstimate, estimate, graph_shape,
-                                                          output_buffer_bytes, shape_of_spec)
-
     if isinstance(source, GgufModel):
         shape, n_vocab = graph_shape(source), source.n_vocab
     else:
@@ -474,8 +472,6 @@ def largest_context_on_gpu(model, options_for, memory: int, weights: int, limit:
     """The largest context whose GPU total (weights and KV on the GPU, by ``plan``'s -ngl split, plus the compute
     buffer; ``weights`` where the model is not a GGUF) fits in ``memory``; None if not even one token does. Where the
     compute buffer is not predicted, weights + KV only (and the caller says so)."""
-    from kvscope.core.prediction.predict import last_true
-
     def weights_kv(n: int) -> int:
         p = plan(model, options_for(n), with_buffers=False)
         return (p.weights_gpu if p.weights_gpu is not None else weights) + p.kv_gpu_bytes
@@ -527,8 +523,6 @@ def fit_llamacpp(model, options: LlamaCppOptions, free: int, weights: int = 0, t
     linearly between --fit-ctx (4,096) and the trained context on the projected bytes, rounded down to 256 x streams;
     (3) -ngl (if not given) is the most layers whose projection stays under free - margin. None where the compute
     buffer is not predicted."""
-    from kvscope.core.model.gguf import GgufModel
-
     n_all = model.n_layer_all if isinstance(model, GgufModel) else model.num_layers
     trained = model.n_ctx_train if isinstance(model, GgufModel) else model.max_position_embeddings
     streams = 1 if options.kv_unified else max(1, options.n_seq_max)
@@ -571,8 +565,6 @@ def fit_llamacpp(model, options: LlamaCppOptions, free: int, weights: int = 0, t
         steps.append(f"-ngl set by the user ({options.n_gpu_layers}): llama.cpp's fit stops here (does not fit)")
         return LlamaCppFit(free, target, n_ctx, options.n_gpu_layers, n_all, proj, tuple(steps))
     # step 3, one device, a dense model: the largest number of layers whose projection meets the target
-    from kvscope.core.prediction.predict import last_true
-
     def fits(ngl: int) -> bool:  # monotone: every added layer adds its weights and K/V
         proj = used(n_ctx, ngl)
         return proj is not None and proj <= target
@@ -589,8 +581,6 @@ def calculate_llamacpp(source: str, spec: ModelSpec, contexts: list[int], option
     """One llama.cpp plan per context (``options_for(n_ctx)`` gives the options); with ``gpu_memory``, the largest
     context whose GPU total (weights, KV and compute buffer there) fits in it, and what llama.cpp's --fit settles on
     for the last context (``fit_llamacpp``)."""
-    from kvscope.core.model.gguf import is_gguf_source, read_gguf
-
     model = read_gguf(source) if is_gguf_source(source) else spec
     plans = tuple(plan(model, options_for(n)) for n in contexts)
     gguf = model is not spec
@@ -625,9 +615,6 @@ def render_llamacpp_json(r: LlamaCppCalc) -> str:
 
 
 def render_llamacpp_table(r: LlamaCppCalc) -> str:
-    from kvscope.core.base.safe_text import NAME_LIMIT, safe_text  # the name comes from the file
-    from kvscope.core.prediction.table import aligned, bytes_cell
-
     lines = [f"{safe_text(r.model, limit=NAME_LIMIT)}: llama.cpp runtime ({LLAMA_CPP_VERSION})",
              "weights: the GGUF file's tensors, exact: " + ", ".join(f"{t} {human_bytes(n)}" for t, n in r.by_type)
              if r.gguf else
@@ -681,8 +668,6 @@ def render_llamacpp_table(r: LlamaCppCalc) -> str:
 
 def gguf_of(spec: ModelSpec):
     """The GgufModel a spec was read from (``kvscope.core.model.gguf``), or None for a config's spec."""
-    from kvscope.core.model.gguf import read_gguf
-
     path = spec.config.get("gguf") if isinstance(spec.config, dict) else None
     return read_gguf(path) if path else None
 
@@ -698,8 +683,6 @@ def predict_llamacpp(spec: ModelSpec, context: int, cache: str = "f16", n_seq_ma
     allocated at load, and the compute buffer as the activations (the CPU backend's, ``kvscope.core.prediction.llamacpp_compute``; None
     where the graph is not replayed). The prompt graph's mark is the prefill peak, the one-token graph's the decode
     step's."""
-    from kvscope.core.prediction.predict import MemoryBreakdown, Prediction
-
     model = gguf_of(spec) or spec
     p = plan(model, options_for(context, cache, n_seq_max))
     weights = p.weights_gpu if p.weights_gpu is not None else int(spec.num_parameters * 2)

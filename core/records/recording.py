@@ -21,7 +21,8 @@ one place that reads them, so it is where they are checked. Only ``json`` parses
 pickle or eval; only a regular file is opened (a FIFO, ``/dev/zero``, a socket or a folder is
 refused before a byte is read, and the open never waits); each line is capped at
 ``MAX_LINE_BYTES`` and decoded as strict UTF-8; the file is streamed line by line and never
-loaded whole. Every field is checked for type *and range*: counts and bytes are ints from 0 to
+loaded whole. Every field is checked for type *and range* (a sample's by ``kvscope.core.base.sample.sample_from_json``, the
+one validator of untrusted samples; the bounds are ``kvscope.core.base.sample``'s): counts and bytes are ints from 0 to
 ``MAX_INT`` (2**63-1; the quality probe's ``quality_top1`` 0 or 1), numbers finite and non-negative
 (``time_s`` up to ``MAX_TIME_S``; ``quality_kl``, absent from recordings made before the probe, None), text
 valid Unicode (no lone surrogate), settings and names at most ``MAX_NAME_CHARS``; the header's
@@ -34,9 +35,7 @@ instead); ``problem()`` says what was skipped in one line. A last line cut off w
 newline is the mark of a killed writer: it is reported as ``truncated``, not as corruption. A
 replay reads with ``max_text=MAX_TEXT_CHARS``: a text longer than that is cut and marked.
 
-Why one file of about 860 lines: the writer and the reader share the format's every rule (fields, versions,
-bounds), and the reader is the one validator of untrusted recordings; split, the two halves would have to
-repeat the format or import each other's internals.
+The writer and the reader share the format's every rule (header fields, versions, bounds), so they live together.
 """
 
 from __future__ import annotations
@@ -44,7 +43,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import re
 import stat
@@ -56,7 +54,10 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvscope.core.base.errors import BAD_INPUT, KVScopeError
-from kvscope.core.base.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample, legacy_kv_fields
+from kvscope.core.base.sample import (MAX_INT, MAX_NAME_CHARS, Sample, checked_fields, is_plain_text, sample_from_json,
+                                      short_repr)
+from kvscope.core.model.spec import LAYER_KINDS, MAX_LAYERS, ModelSpec, SpecError, canonical_dtype
+from kvscope.core.model.states import kv_shapes_from_json, states_from_json
 from kvscope.core.records.outputs import OutputError, check_output_path, display_path, replacing
 
 log = logging.getLogger(__name__)
@@ -70,16 +71,6 @@ MAX_LINE_BYTES = 8 * 1024 * 1024
 FSYNC_INTERVAL_S = 0.5
 #: How many skipped-line messages a reader keeps (the count is always exact).
 MAX_WARNINGS = 20
-#: Counts and bytes are integers from 0 to this (what a signed 64-bit integer holds): a negative
-#: byte count or a 400-digit token number is damage, not data.
-MAX_INT = 2**63 - 1
-#: The latest ``time_s`` a sample may carry (seconds since its run started; ~31 years).
-MAX_TIME_S = 1e9
-#: The highest ``tokens_per_s`` a sample may carry.
-MAX_TOKENS_PER_S = 1e9
-#: The longest setting or name a sample or header field may hold (attention, cache, device, event,
-#: model name...): they are labels, shown in badges and tables. ``text`` is bounded by the line only.
-MAX_NAME_CHARS = 256
 #: What a replay shows of one sample's text (characters). Longer texts (a whole prompt, a damaged
 #: file) are cut there and marked with :data:`ELIDED` and the count of characters left out: laying out
 #: a multi-MiB line without spaces takes Qt minutes. Opt-in (``RecordingReader(max_text=...)``):
@@ -88,9 +79,9 @@ MAX_TEXT_CHARS = 4096
 #: What marks a text cut to ``max_text`` characters: ``...text…[+N chars]``.
 ELIDED = "\u2026[+{n:,} chars]"
 
-_PHASES = (PHASE_PREFILL, PHASE_DECODE, PHASE_EVENT)
-_SAMPLE_FIELDS = dataclasses.fields(Sample)
-_FIELD_NAMES = tuple(f.name for f in _SAMPLE_FIELDS)
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(Sample))
+#: A JSON escape of a UTF-16 surrogate: only lines with one can hold a lone surrogate.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 
 
 class RecordingError(KVScopeError, ValueError):
@@ -164,21 +155,21 @@ def _check_header(header: Any, path: Path) -> dict[str, Any]:
         raise RecordingError(f"{name} is not a KV Scope recording: line 1 is not a JSON object")
     fmt = header.get("format")
     if fmt != RECORDING_FORMAT:
-        raise RecordingError(f"{name} is not a KV Scope recording: format is {_short(fmt)}, "
+        raise RecordingError(f"{name} is not a KV Scope recording: format is {short_repr(fmt)}, "
                              f"expected {RECORDING_FORMAT!r}")
     version = header.get("version")
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise RecordingError(f"recording {name} has an unknown version {_short(version)}; "
+        raise RecordingError(f"recording {name} has an unknown version {short_repr(version)}; "
                              f"this KV Scope reads versions 1 to {RECORDING_VERSION}")
     if version > RECORDING_VERSION:
-        raise RecordingError(f"recording version {_short(version)} is newer than this KV Scope "
+        raise RecordingError(f"recording version {short_repr(version)} is newer than this KV Scope "
                              f"(reads up to {RECORDING_VERSION}); update KV Scope")
     for key in ("model", "device", "settings"):
         if key in header and not isinstance(header[key], dict):
             raise RecordingError(f"recording {name} has a bad header: {key} must be an object, "
                                  f"got {type(header[key]).__name__}")
     for key in ("app_version", "created"):
-        if key in header and not _plain_text(header[key]):
+        if key in header and not is_plain_text(header[key]):
             raise RecordingError(f"recording {name} has a bad header: {key} must be text")
     if isinstance(header.get("model"), dict):
         try:
@@ -193,12 +184,12 @@ def _check_header(header: Any, path: Path) -> dict[str, Any]:
             if key not in values or values[key] is None:
                 continue
             value = values[key]
-            if kind == "text" and not (_plain_text(value) and len(value) <= MAX_NAME_CHARS):
+            if kind == "text" and not (is_plain_text(value) and len(value) <= MAX_NAME_CHARS):
                 raise RecordingError(f"recording {name} has a bad header: {block}.{key} must be text of at most "
-                                     f"{MAX_NAME_CHARS} characters, got {_short(value)}")
+                                     f"{MAX_NAME_CHARS} characters, got {short_repr(value)}")
             if kind == "count" and not _count(value):
                 raise RecordingError(f"recording {name} has a bad header: {block}.{key} must be an integer from 0 "
-                                     f"to 2**63-1, got {_short(value)}")
+                                     f"to 2**63-1, got {short_repr(value)}")
     return header
 
 
@@ -214,28 +205,6 @@ _HEADER_FIELDS: dict[str, dict[str, str]] = {
 def _count(value: Any) -> bool:
     """A count or a byte size: an int (not a bool) from 0 to MAX_INT."""
     return type(value) is int and 0 <= value <= MAX_INT
-
-
-def _plain_text(value: Any) -> bool:
-    """A str that is valid Unicode (no lone surrogate, which ``json`` lets ``\\ud800`` make and no
-    UTF-8 writer can write)."""
-    if type(value) is not str:
-        return False
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    """``repr(value)`` cut to ``limit`` characters, for one-line messages about untrusted values."""
-    if type(value) is int and value.bit_length() > 200:  # repr of a huge int is slow and useless
-        return f"an integer of ~{int(value.bit_length() * 0.30103):,} digits"
-    if isinstance(value, (dict, list)):
-        return f"a JSON {'object' if isinstance(value, dict) else 'array'}"
-    text = repr(value[: limit + 1] if isinstance(value, str) else value)
-    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -335,7 +304,7 @@ class RecordingWriter:
             data = {name: getattr(sample, name) for name in _FIELD_NAMES}
             # Refuse here what a reader would skip (a NaN time, an unknown phase, a wrong type): a
             # producer bug shows at once, and every line written is a line that replays.
-            _checked_fields(data)
+            checked_fields(data)
             line = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n"
         except (TypeError, ValueError) as exc:
             raise RecordingError(f"cannot record sample at token {getattr(sample, 'token', '?')}: {exc}") from None
@@ -489,167 +458,6 @@ def _parse_header_line(f: IO[bytes], path: Path) -> dict[str, Any]:
             raise RecordingError(f"recording {name} is truncated: its header line is incomplete") from None
         raise RecordingError(f"{name} is not a KV Scope recording: line 1 is not JSON") from None
     return _check_header(header, path)
-
-
-# ------------------------------------------------------------------------------------------------
-# Samples: the one validator (the reader, the writer and Sample.from_dict all use it)
-
-
-def _field_kinds() -> dict[str, tuple[str, bool]]:
-    """(kind, nullable) per Sample field, from its annotation: "int", "float", "str" or "any"."""
-    kinds = {}
-    for f in _SAMPLE_FIELDS:
-        t = str(f.type)
-        kind = ("int" if t.startswith("int") else "float" if t.startswith("float")
-                else "str" if t.startswith("str") else "any")
-        kinds[f.name] = (kind, "None" in t)
-    return kinds
-
-
-_KINDS = _field_kinds()
-# The old names of the KV figures (``kvscope.core.base.sample.legacy_kv_fields`` maps them): checked like any int field, so
-# that recordings made before kv_bytes_held / kv_bytes_reserved (the shipped demo) read, and damaged ones say so.
-_KINDS.update({"kv_bytes_observed": ("int", True), "kv_bytes_used": ("int", True)})
-_REQUIRED = tuple(f.name for f in _SAMPLE_FIELDS
-                  if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
-#: The upper bound of each float field (the lower bound of every number is 0).
-_FLOAT_MAX = {"time_s": MAX_TIME_S, "tokens_per_s": MAX_TOKENS_PER_S}
-#: The upper bound of each int field not bounded by ``MAX_INT``: the quality probe's top-1 agreement is 0 or 1.
-_INT_MAX = {"quality_top1": 1}
-#: The longest each str field may be (fields not named: MAX_NAME_CHARS); None: bounded by the line.
-_STR_MAX: dict[str, int | None] = {"text": None}
-#: A JSON escape of a UTF-16 surrogate: only lines with one can hold a lone surrogate.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
-
-
-def sample_from_json(data: Any, *, check_unicode: bool = True) -> Sample:
-    """A Sample from one parsed JSON line of a recording (or any untrusted dict); ValueError says what
-    is wrong, in one line.
-
-    Unknown keys are dropped (a newer writer's extra fields); every field the Sample has is checked:
-    required fields present and not null; counts and bytes (the int fields) ints from 0 to
-    ``MAX_INT``, never bools; numbers finite, from 0 to their bound (``MAX_TIME_S`` for ``time_s``);
-    text valid Unicode (no lone surrogate) and settings and names at most ``MAX_NAME_CHARS`` long;
-    a known phase. ``check_unicode=False`` skips the surrogate scan, for callers that know the
-    source had no ``\\uD8xx`` escape (it is the one check that costs a pass over every text).
-    """
-    fields = _checked_fields(data, check_unicode=check_unicode)
-    if "kv_bytes_observed" in fields or "kv_bytes_used" in fields:
-        fields = dict(fields)
-        legacy_kv_fields(fields, fields.pop("kv_bytes_observed", None), fields.pop("kv_bytes_used", None))
-    held, reserved = fields.get("kv_bytes_held"), fields.get("kv_bytes_reserved")
-    if held is not None and reserved is not None and held > reserved:
-        # The bytes the tokens hold are part of what the runtime set aside: more is a damaged or forged line
-        raise ValueError(f"sample kv_bytes_held {held} is more than kv_bytes_reserved {reserved}")
-    if fields.get("event") == "switch" and fields.get("switch_key") is None:
-        fields.update(_legacy_switch_fields(str(fields.get("text", ""))))
-    return Sample(**fields)
-
-
-_LEGACY_SWITCH = re.compile(r"\s*(attention|attn-impl|cache): (\S+) -> (\S+)")
-
-
-def _legacy_switch_fields(text: str) -> dict[str, Any]:
-    """What a switch event of a recording made before switches were data said in words: the one place
-    the prose is read back, so that old recordings (the shipped demo) show like new ones."""
-    match = _LEGACY_SWITCH.match(text)
-    if match is None:
-        return {}
-    rerun = re.search(r"re-ran (\d+) tokens", text)
-    return {"switch_key": match[1], "switch_before": match[2], "switch_after": match[3],
-            "tokens_rerun": int(rerun[1]) if rerun and len(rerun[1]) < 12 else None}
-
-
-def _tables() -> tuple[dict[str, frozenset[type]], dict[str, float | int | None]]:
-    """Per Sample field: the JSON value types it accepts (json makes exactly int, float, str, bool,
-    list, dict, None) and its bound (numbers: the largest value; text: the longest, None for none).
-    Fields of a kind not checked (none today) accept any scalar."""
-    types: dict[str, frozenset[type]] = {}
-    bounds: dict[str, float | int | None] = {}
-    for name, (kind, nullable) in _KINDS.items():
-        allowed = {"int": {int}, "float": {int, float}, "str": {str}}.get(kind, {int, float, str, bool})
-        types[name] = frozenset(allowed | ({type(None)} if nullable else set()))
-        bounds[name] = (_INT_MAX.get(name, MAX_INT) if kind == "int" else _FLOAT_MAX.get(name, float(MAX_INT)) if kind == "float"
-                        else _STR_MAX.get(name, MAX_NAME_CHARS) if kind == "str" else MAX_INT)
-    return types, bounds
-
-
-_TYPES, _BOUNDS = _tables()
-
-
-def _checked_fields(data: Any, *, check_unicode: bool = True) -> dict[str, Any]:
-    """The Sample keyword arguments in ``data`` (unknown keys dropped), checked; ValueError if bad.
-
-    Runs once per line of files with millions of lines: one pass with a precomputed table of
-    types and bounds; the slower field-by-field pass (``_explain``) runs only to name a problem."""
-    if type(data) is not dict:
-        raise ValueError(f"a sample must be a JSON object, got {type(data).__name__}")
-    types, bounds = _TYPES, _BOUNDS
-    unknown = False
-    for key, value in data.items():
-        allowed = types.get(key)
-        if allowed is None:
-            unknown = True
-            continue
-        t = type(value)
-        if t not in allowed:
-            _explain(data)
-        if t is int or t is float:
-            if not 0 <= value <= bounds[key]:  # NaN fails every comparison
-                _explain(data)
-        elif t is str:
-            limit = bounds[key]
-            if (limit is not None and len(value) > limit) or (check_unicode and not _plain_text(value)):
-                _explain(data, check_unicode)
-    kwargs = {k: v for k, v in data.items() if k in types} if unknown else data
-    if len(kwargs) < len(_REQUIRED) or not all(name in kwargs for name in _REQUIRED):
-        _explain(data)
-    phase = kwargs["phase"]
-    if phase not in _PHASES:
-        raise ValueError(f"sample phase must be one of {', '.join(_PHASES)}, got {_short(phase)}")
-    return kwargs
-
-
-def _explain(data: dict[str, Any], check_unicode: bool = True) -> None:
-    """Raise ValueError naming the first problem of a sample dict (the fast pass found one)."""
-    missing = [name for name in _REQUIRED if name not in data]
-    if missing:
-        raise ValueError(f"sample is missing {', '.join(missing)}")
-    for key, (kind, nullable) in _KINDS.items():
-        if key not in data:
-            continue
-        value = data[key]
-        t = type(value)
-        if value is None:
-            if not nullable:
-                raise ValueError(f"sample field {key} must not be null")
-        elif kind == "int":
-            if t is not int:
-                raise ValueError(f"sample field {key} must be an integer, got {_short(value)}")
-            if not 0 <= value <= _BOUNDS[key]:
-                limit = "2**63-1" if _BOUNDS[key] == MAX_INT else str(_BOUNDS[key])
-                raise ValueError(f"sample field {key} must be from 0 to {limit}, got {_short(value)}")
-        elif kind == "float":
-            if t is not float and t is not int:
-                raise ValueError(f"sample field {key} must be a number, got {_short(value)}")
-            limit = _BOUNDS[key]
-            if not 0 <= value <= limit:
-                if t is float and not math.isfinite(value):
-                    if key == "time_s":
-                        raise ValueError(f"sample time must be a finite number, got {value!r}")
-                    raise ValueError(f"sample field {key} must be a finite number, got {value!r}")
-                raise ValueError(f"sample field {key} must be from 0 to {limit:g}, got {_short(value)}")
-        elif kind == "str":
-            if t is not str:
-                raise ValueError(f"sample field {key} must be text, got {_short(value)}")
-            limit = _BOUNDS[key]
-            if limit is not None and len(value) > limit:
-                raise ValueError(f"sample field {key} is longer than {limit} characters")
-            if check_unicode and not _plain_text(value):
-                raise ValueError(f"sample field {key} is not valid Unicode (it holds a lone surrogate)")
-        elif t not in (int, float, str, bool):
-            raise ValueError(f"sample field {key} must be a plain value, got {_short(value)}")
-    raise ValueError("sample is not valid")  # unreachable while _TYPES, _BOUNDS and _explain agree
 
 
 def elide(text: str, limit: int) -> str:
@@ -817,8 +625,6 @@ def spec_from_header(header: Mapping[str, Any]):
     query heads, 1 to that many KV heads, one layer type per layer, a dtype it knows). Raises
     RecordingError, one line, naming the field.
     """
-    from kvscope.core.model.spec import MAX_LAYERS, ModelSpec, SpecError, canonical_dtype
-
     model = header.get("model")
     if not isinstance(model, Mapping):
         raise RecordingError(f"bad header: model must be an object, got {type(model).__name__}")
@@ -840,7 +646,7 @@ def spec_from_header(header: Mapping[str, Any]):
     try:
         canonical_dtype(kwargs["dtype"])
     except SpecError:
-        raise RecordingError(f"bad header: model.dtype {_short(kwargs['dtype'])} "
+        raise RecordingError(f"bad header: model.dtype {short_repr(kwargs['dtype'])} "
                              "is not a dtype KV Scope knows") from None
     return ModelSpec(**kwargs)
 
@@ -851,9 +657,6 @@ def _model_fields(model: Mapping[str, Any], *, complete: bool) -> dict[str, Any]
     ints from 0 to ``MAX_INT``, ``layer_types`` a list of known kinds. Fields the spec does not
     have are left out. ``complete``: a required field missing is an error (the reader, which
     also reads minimal headers, checks only the fields present). RecordingError ``bad header: ...``."""
-    from kvscope.core.model.spec import LAYER_KINDS, ModelSpec
-    from kvscope.core.model.states import kv_shapes_from_json, states_from_json
-
     kinds = LAYER_KINDS
     kwargs: dict[str, Any] = {}
     for f in dataclasses.fields(ModelSpec):
@@ -884,17 +687,17 @@ def _model_fields(model: Mapping[str, Any], *, complete: bool) -> dict[str, Any]
             value = tuple(value)
         elif t.startswith("bool"):
             if type(value) is not bool:
-                raise RecordingError(f"bad header: model.{name} must be true or false, got {_short(value)}")
+                raise RecordingError(f"bad header: model.{name} must be true or false, got {short_repr(value)}")
         elif t.startswith("int"):
             if not _count(value):
                 raise RecordingError(f"bad header: model.{name} must be an integer from 0 to 2**63-1, "
-                                     f"got {_short(value)}")
+                                     f"got {short_repr(value)}")
         elif t.startswith("float"):
             if type(value) not in (int, float) or not 0 <= value <= MAX_INT:
-                raise RecordingError(f"bad header: model.{name} must be a finite number, got {_short(value)}")
+                raise RecordingError(f"bad header: model.{name} must be a finite number, got {short_repr(value)}")
         elif t.startswith("str"):
-            if not (_plain_text(value) and len(value) <= MAX_NAME_CHARS):
+            if not (is_plain_text(value) and len(value) <= MAX_NAME_CHARS):
                 raise RecordingError(f"bad header: model.{name} must be text of at most {MAX_NAME_CHARS} "
-                                     f"characters, got {_short(value)}")
+                                     f"characters, got {short_repr(value)}")
         kwargs[name] = value
     return kwargs

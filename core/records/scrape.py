@@ -45,6 +45,11 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 
 from kvscope.core.base.errors import UNAVAILABLE, KVScopeError
+from kvscope.core.base.safe_text import safe_text
+from kvscope.core.model.settings import RunSettings
+from kvscope.core.model.sources import load_spec
+from kvscope.core.model.spec import human_bytes, preset_names
+from kvscope.core.prediction.predict import kv_bytes
 
 #: The most a metrics page may be; a vLLM page with histograms is ~100 KiB.
 MAX_PAGE_BYTES = 8 << 20
@@ -421,7 +426,6 @@ def preset_for(served_name: str | None) -> str | None:
     -> ``llama-3-8b``), else None. No download: anything else needs ``--model``."""
     if not served_name:
         return None
-    from kvscope.core.model.spec import preset_names
 
     def norm(s: str) -> str:
         s = s.lower().rsplit("/", 1)[-1]
@@ -475,15 +479,12 @@ class Watcher:
         if preset is None:
             self._model_note = (f"model {name!r}: give --model for bytes" if name else "give --model for bytes")
             return
-        from kvscope.core.model.spec import load_spec
 
         self.spec = load_spec(preset)
 
     def _bytes(self, tokens: int | None, cache_dtype: str | None) -> int | None:
         if tokens is None or self.spec is None:
             return None
-        from kvscope.core.model.settings import RunSettings
-        from kvscope.core.prediction.predict import kv_bytes
 
         kv_dtype = "fp8" if cache_dtype and cache_dtype.startswith("fp8") else None
         return kv_bytes(self.spec, RunSettings(kv_dtype=kv_dtype), tokens) if tokens > 0 else 0
@@ -556,9 +557,6 @@ def _with_warning(now: ServerReading, before: ServerReading | None, warn_usage: 
 
 def render_reading(r: ServerReading) -> str:
     """One line for the terminal."""
-    from kvscope.core.base.safe_text import safe_text  # the server's names and words, escaped
-    from kvscope.core.model.spec import human_bytes
-
     stamp = time.strftime("%H:%M:%S", time.localtime(r.time_s))
     if r.status != OK:
         return safe_text(f"{stamp}  {r.url}  {r.status.upper()}: {r.problem}")

@@ -52,8 +52,6 @@ def get(name: str | None) -> RuntimeInfo:
     """The runtime called ``name`` (None: the default); SettingsError names the choices."""
     info = _REGISTRY.get(name or DEFAULT)
     if info is None:
-        from kvscope.core.model.attention import SettingsError
-
         raise SettingsError(f"unknown runtime {name!r}; choose one of {', '.join(_REGISTRY)}")
     return info
 
@@ -74,8 +72,6 @@ def open_runtime(request: Any, progress: Any = lambda text: None) -> Runtime:
     info = get(getattr(request, "runtime", None))
     problem = missing(info.name)
     if problem:
-        from kvscope.core.model.attention import SettingsError
-
         raise SettingsError(problem)
     return info.hook("open")(request, progress)
 

@@ -25,6 +25,7 @@ from typing import Any
 import psutil
 
 from kvscope.core.base.errors import UNAVAILABLE, KVScopeError
+from kvscope.core.records.outputs import OutputError, check_output_path, display_path, replacing
 
 #: NVML reports "not available" as the all-ones 64-bit value (``NVML_VALUE_NOT_AVAILABLE_ulonglong``).
 #: Recent pynvml already maps it to None in process lists; older ones pass the raw value through.
@@ -471,8 +472,6 @@ def allocator_snapshot_save(path: str | os.PathLike[str], stop: bool = True) -> 
     rule (the run checked it, with its --force, before loading): never a device or a folder, no
     folder created, written to a temporary file and renamed into place.
     """
-    from kvscope.core.records.outputs import OutputError, check_output_path, display_path, replacing
-
     torch = _torch()
     if not torch.cuda.is_available():
         raise ProbeError("allocator snapshots need CUDA; this machine has no CUDA device torch can use")

@@ -37,8 +37,12 @@ from typing import Any, Callable
 
 from kvscope.core.base.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
 from kvscope.core.model.attention import SettingsError, native_attention
+from kvscope.core.model.gguf import is_gguf_source, read_gguf
+from kvscope.core.model.gguf_write import embedded_gguf
 from kvscope.core.model.spec import human_bytes
 from kvscope.core.prediction.llamacpp import LlamaCppOptions, LlamaCppPlan, cells_held, plan
+from kvscope.core.runtimes.llamacpp.live import LlamaCppContext, Sampler
+from kvscope.core.runtimes.llamacpp.observe import memory_breakdown
 from kvscope.core.runtimes.llamacpp.switches import LLAMACPP_ATTENTION_KEYS, parse_llamacpp_switch_value
 
 RUNTIME = "llama.cpp"
@@ -64,11 +68,7 @@ class LlamaCppRunError(SettingsError):
 def resolve_model(source: str, progress: Callable[[str], None] | None = None) -> Path:
     """The GGUF a llama.cpp run loads: ``embedded`` is the embedded demo model converted (``embedded_gguf``);
     anything else must be a .gguf file."""
-    from kvscope.core.model.gguf import is_gguf_source
-
     if source in ("", "embedded"):
-        from kvscope.core.model.gguf_write import embedded_gguf
-
         return embedded_gguf(progress)
     path = Path(source).expanduser()
     if not is_gguf_source(str(path)) or not path.is_file():
@@ -120,8 +120,6 @@ def observed_compute_bytes(ctx: Any) -> int | None:
     ``llama_get_memory_breakdown`` (``kvscope.core.runtimes.llamacpp.observe``), summed over the buffer types. Read once per context
     (each call leaves a few hundred bytes of the returned map unfreed). None where this libllama does not export
     it or the map cannot be read: unknown, never a guess from the log's rounded MiB."""
-    from kvscope.core.runtimes.llamacpp.observe import memory_breakdown
-
     try:
         rows = memory_breakdown(ctx.ctx)
     except Exception:  # noqa: BLE001 - a map laid out otherwise: unknown
@@ -134,9 +132,6 @@ class LlamaCppEngine:
 
     def __init__(self, path: str | Path, options: LlamaCppOptions, seed: int = 0, n_threads: int | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
-        from kvscope.core.model.gguf import read_gguf
-        from kvscope.core.runtimes.llamacpp.live import Sampler
-
         self.path = Path(path)
         try:  # this process, for the RSS every sample carries (one handle, not one per token)
             import psutil
@@ -163,8 +158,6 @@ class LlamaCppEngine:
     # ------------------------------------------------------------------------------------ the context
 
     def _load(self, options: LlamaCppOptions) -> None:
-        from kvscope.core.runtimes.llamacpp.live import LlamaCppContext
-
         ctx = LlamaCppContext(self.path, options, n_threads=self.n_threads)
         try:
             allocation = allocation_of(ctx, self.gguf.n_swa)

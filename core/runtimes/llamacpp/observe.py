@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvscope.core.prediction.llamacpp import LlamaCppOptions
+from kvscope.core.runtimes.llamacpp.live import LlamaCppContext
 
 _COMPUTE_LINE = re.compile(r"(\S+) compute buffer size =\s*([\d.]+) MiB")
 _OUTPUT_LINE = re.compile(r"(\S+)\s+output buffer size =\s*([\d.]+) MiB")
@@ -75,8 +76,6 @@ def memory_breakdown(ctx) -> list[tuple[int, int, int]] | None:
 
 def observe_buffers(path: str | Path, options: LlamaCppOptions) -> ObservedBuffers:
     """Load ``path`` into llama.cpp with ``options`` and read back its compute and output buffers."""
-    from kvscope.core.runtimes.llamacpp.live import LlamaCppContext
-
     with LlamaCppContext(path, options) as ctx:
         rows = memory_breakdown(ctx.ctx)
         log = ctx.log

@@ -28,9 +28,10 @@ from typing import Any, Callable
 from kvscope.core.base.errors import RuntimeCrashed
 from kvscope.core.base.sample import PHASE_EVENT, Sample
 from kvscope.core.model.attention import SettingsError, native_attention
+from kvscope.core.model.gguf import is_gguf_source, read_gguf
 from kvscope.core.model.request import ModelInfo, RunRequest
-from kvscope.core.model.spec import human_bytes
-from kvscope.core.prediction.llamacpp import LlamaCppOptions, plan
+from kvscope.core.model.spec import human_bytes, parse_tokens
+from kvscope.core.prediction.llamacpp import CACHE_TYPES, LlamaCppOptions, plan
 from kvscope.core.runtimes.llamacpp.engine import OFFERED_CACHE_TYPES, RUNTIME as NAME, LlamaCppEngine, resolve_model
 
 #: How often a waiting call checks that the child is still alive (seconds).
@@ -55,7 +56,6 @@ def model_info(engine: LlamaCppEngine) -> ModelInfo:
         total = int(psutil.virtual_memory().total)
     except Exception:  # noqa: BLE001 - unknown is None
         pass
-    from kvscope.core.prediction.llamacpp import CACHE_TYPES
 
     cache_choices = tuple((t, None) for t in OFFERED_CACHE_TYPES if t in CACHE_TYPES)
     if engine.cache_key not in OFFERED_CACHE_TYPES:
@@ -195,8 +195,6 @@ class LlamaCppRuntime:
     name = NAME
 
     def __init__(self, request: RunRequest, progress: Callable[[str], None]) -> None:
-        from kvscope.core.model.gguf import read_gguf
-
         self.request = request
         self.progress = progress
         self.options: LlamaCppOptions = request.llamacpp or LlamaCppOptions()
@@ -382,9 +380,6 @@ def calc_text(args: Any, spec: Any, contexts: list[int], gpu_memory: int | None)
 def cli_options(args: Any) -> dict[str, Any]:
     """The RunRequest fields of ``run --runtime llama.cpp``'s own flags: the model must be a GGUF (or the
     embedded model, converted); ``-c`` defaults to 4096, and 0 is the file's trained context (llama-server's)."""
-    from kvscope.core.model.gguf import is_gguf_source
-    from kvscope.core.model.spec import parse_tokens
-
     if args.model != "embedded" and not is_gguf_source(args.model):
         raise SettingsError(f"--runtime llama.cpp runs a .gguf file, and {args.model} is not one (convert a "
                             "transformers model with llama.cpp's convert_hf_to_gguf.py, or leave --model out for the "

@@ -12,7 +12,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from kvscope.core.base.safe_text import NAME_LIMIT, safe_text
 from kvscope.core.model.spec import ModelSpec, dtype_bytes, human_bytes
+from kvscope.core.prediction.table import aligned, bytes_cell
 from kvscope.core.runtimes.mlx.predict import (KV, QUANTIZED, ROTATING, STEP, MlxCache, history, layer_cache, layers_of,
                                                parse_cache, quantize_problem, slot_bytes)
 
@@ -94,9 +96,6 @@ def render_mlx_json(r: MlxCalc) -> str:
 
 
 def render_mlx_table(r: MlxCalc) -> str:
-    from kvscope.core.base.safe_text import NAME_LIMIT, safe_text
-    from kvscope.core.prediction.table import aligned, bytes_cell
-
     lines = [f"{safe_text(r.model, limit=NAME_LIMIT)}: MLX runtime ({MLX_LM_VERSION}), KV of mlx-lm's caches",
              f"a context of n tokens: a {r.prompt_tokens:,}-token prompt fed as generate_step feeds it, then one token "
              "at a time", ""]

@@ -30,8 +30,9 @@ from typing import Any, Callable
 
 from kvscope.core.base.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
 from kvscope.core.model.attention import SettingsError, native_attention, parse_attention
+from kvscope.core.model.hf_config import read_config_json, spec_from_config
 from kvscope.core.model.request import ModelInfo
-from kvscope.core.model.spec import ModelSpec, human_bytes
+from kvscope.core.model.spec import ModelSpec, SpecError, human_bytes
 from kvscope.core.runtimes.mlx.predict import (KV, PREFILL_STEP, QUANTIZED, ROTATING, MlxCache, ModelTrack, layer_cache,
                                                layers_of, parse_cache, prefill_peak, prompt_chunks, quantize_problem)
 
@@ -118,8 +119,6 @@ class MlxEngine:
         import mlx.core as mx
         from mlx_lm.sample_utils import make_sampler
         from mlx_lm.utils import load_model, load_tokenizer
-
-        from kvscope.core.model.spec import SpecError, read_config_json, spec_from_config
 
         self.mx = mx
         self.folder = Path(folder)

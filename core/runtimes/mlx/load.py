@@ -13,16 +13,17 @@ from pathlib import Path
 from typing import Callable
 
 from kvscope.core.model.attention import SettingsError
-from kvscope.core.runtimes.mlx.switches import (MLX_ORGS,  # noqa: F401 - the scan's check, beside the loader's
-                                                mlx_format)
+from kvscope.core.model.embedded import embedded_model_dir
+from kvscope.core.model.hf_config import read_config_json
+from kvscope.core.model.spec import SpecError
+from kvscope.core.runtimes.mlx.switches import MLX_ORGS  # noqa: F401 - the scan's check, beside the loader's
+from kvscope.core.runtimes.mlx.switches import mlx_format
 
 
 def resolve_model(source: str, progress: Callable[[str], None] | None = None, trust_remote_code: bool = False) -> Path:
     """The folder an MLX run loads: ``embedded`` (or empty) is the embedded model's build; anything else must be a
     folder with config.json and safetensors weights. SettingsError, one line, otherwise."""
     if source in ("", "embedded", None):
-        from kvscope.core.model.embedded import embedded_model_dir
-
         return embedded_model_dir(progress)
     path = Path(str(source)).expanduser()
     if path.is_file() and path.name == "config.json":
@@ -39,7 +40,6 @@ def resolve_model(source: str, progress: Callable[[str], None] | None = None, tr
         pickles = sorted(path.glob("*.bin")) + sorted(path.glob("*.pt"))
         why = " (only pickle weights, which mlx-lm does not read)" if pickles else ""
         raise SettingsError(f"{source} has no model*.safetensors{why}: mlx-lm loads safetensors weights only")
-    from kvscope.core.model.spec import SpecError, read_config_json
 
     try:
         config = read_config_json(path / "config.json")

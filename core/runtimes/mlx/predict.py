@@ -28,6 +28,8 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable, Sequence
 
 from kvscope.core.model.attention import SettingsError
+from kvscope.core.model.caches import kv_layout
+from kvscope.core.model.spec import dtype_bytes
 
 #: ``KVCache.step`` (also QuantizedKVCache's and RotatingKVCache's) in mlx-lm 0.32.2.
 STEP = 256
@@ -349,9 +351,6 @@ def layers_of(spec, itemsize: int | None = None) -> tuple[LayerShape, ...]:
     """The K/V layers of a ``kvscope.core.model.spec.ModelSpec`` as mlx-lm's attention hands them to the cache.
 
     ``itemsize``: bytes per value of the arrays the model computes in (default: the spec's dtype)."""
-    from kvscope.core.model.caches import kv_layout
-    from kvscope.core.model.spec import dtype_bytes
-
     size = int(itemsize if itemsize is not None else dtype_bytes(spec.dtype))
     return tuple(LayerShape(heads=l.heads, k_dim=l.k_dim, v_dim=l.v_dim, itemsize=size, window=l.window)
                  for l in kv_layout(spec))

@@ -11,8 +11,11 @@ from typing import Any, Callable
 
 from kvscope.core.base.sample import PHASE_EVENT, Sample
 from kvscope.core.model.attention import SettingsError, native_attention
+from kvscope.core.model.hf_config import read_config_json, spec_from_config
 from kvscope.core.model.request import ModelInfo, RunRequest
-from kvscope.core.model.spec import SpecError, human_bytes, read_config_json, spec_from_config
+from kvscope.core.model.spec import SpecError, human_bytes
+from kvscope.core.runtimes.mlx.calc import MLX_LM_VERSION
+from kvscope.core.runtimes.mlx.engine import MlxEngine
 from kvscope.core.runtimes.mlx.load import resolve_model
 from kvscope.core.runtimes.mlx.predict import STEP, layers_of, quantize_problem
 from kvscope.core.runtimes.mlx.switches import MlxOptions, check_options
@@ -44,8 +47,6 @@ class MlxRuntime:
         self.t0 = time.perf_counter()
 
     def load(self) -> None:
-        from kvscope.core.runtimes.mlx.engine import MlxEngine
-
         device = str(self.request.device or "auto").lower()
         if device != "auto":
             import mlx.core as mx
@@ -62,7 +63,6 @@ class MlxRuntime:
 
     def settings(self, request: RunRequest) -> dict[str, Any]:
         e = self.engine
-        from kvscope.core.runtimes.mlx.calc import MLX_LM_VERSION
 
         return {"runtime": NAME, "attention": e.attention, "attn_impl": "mlx-sdpa", "cache": e.cache_key, "batch": 1,
                 "max_new_tokens": request.max_new_tokens, "max_context": e.spec.max_position_embeddings,

@@ -24,11 +24,13 @@ from kvscope.core.base.errors import (  # noqa: F401 - its old home: `from kvsco
     GenerationError)
 from kvscope.core.base.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
 from kvscope.core.model.attention import MLA, AttentionMode, SettingsError, Window, native_attention
-from kvscope.core.model.caches import CacheStrategy, Quantized, Static, TokenSelecting
+from kvscope.core.model.caches import CacheStrategy, Dynamic, Quantized, Static, TokenSelecting, kv_layout
 from kvscope.core.model.settings import RunSettings, effective_spec, parse_attn_impl, parse_switch_value
 from kvscope.core.model.spec import INDEXED_ATTENTION, SLIDING_ATTENTION, ModelSpec, SpecError
-from kvscope.core.prediction.predict import kv_bytes, predict
+from kvscope.core.prediction.predict import kv_bytes, kv_elem_bytes, predict, prefill_peak
+from kvscope.core.runtimes.transformers.kernels import measure_kernel
 from kvscope.core.runtimes.transformers.measure import cache_bytes, model_weight_bytes
+from kvscope.core.runtimes.transformers.peak import measure_peak
 
 TOP_K = 40
 
@@ -116,7 +118,7 @@ class Engine:
         # continuation bytes and control characters, which print as U+FFFD or nothing; its text reads
         # better without them (real models: untouched).
         self._suppressed = self._broken_byte_tokens() if loaded.label.startswith("embedded demo model") else None
-        from kvscope.core.runtimes.transformers import convert
+        from core import convert  # transformers, a 9 s import: not when serve() imports this module
 
         #: The model's own sliding/full layers, put back when a mode that changed them is left.
         self._native_pattern = convert.layer_pattern(self.base_model)
@@ -150,7 +152,7 @@ class Engine:
         """Refuse, before anything changes, a combination of attention mode, kernel and cache this model
         cannot run (SettingsError with the reason). What this does not foresee, the switch transaction
         catches: it tries the new state on one forward pass and undoes everything if that fails."""
-        from kvscope.core.runtimes.transformers import convert
+        from core import convert  # transformers, a 9 s import: not when serve() imports this module
 
         label = self.spec.label
         target = self.settings.with_(attention=mode, cache=strategy, attn_impl=impl)
@@ -201,9 +203,6 @@ class Engine:
         """A quantized cache quantizes everything it holds at its first update (``base`` tokens) and at each
         residual flush after it; quanto and hqq refuse tensors that their groups do not divide. Try every
         such moment up to the context limit with the predictor's formulas (they raise what the backends raise)."""
-        from kvscope.core.model.caches import kv_layout
-        from kvscope.core.prediction.predict import kv_elem_bytes
-
         if strategy.backend == "fp8" or base <= 0:
             return
         layout = kv_layout(eff)
@@ -276,7 +275,7 @@ class Engine:
 
     def _layer_pattern_model(self, eff: ModelSpec):
         """The base model with the sliding/full layers ``eff`` describes (a Llama gets a Mistral twin for a window)."""
-        from kvscope.core.runtimes.transformers import convert
+        from core import convert  # transformers, a 9 s import: not when serve() imports this module
 
         if eff.layer_types == self.spec.layer_types and eff.sliding_window == self.spec.sliding_window:
             convert.restore_layer_pattern(self.base_model, self._native_pattern)
@@ -292,7 +291,7 @@ class Engine:
         """Convert the model (and, when ``live``, the cache) to ``mode``. Returns what happened, for the event.
 
         Not atomic by itself: ``apply`` runs it inside a transaction that undoes it on failure."""
-        from kvscope.core.runtimes.transformers import convert
+        from core import convert  # transformers, a 9 s import: not when serve() imports this module
 
         previous = self.mode
         before = effective_spec(self.spec, self.settings)
@@ -411,7 +410,8 @@ class Engine:
         reason, so the run goes on as before. A switch to the current setting changes nothing and
         returns a ``note`` event that says so.
         """
-        from kvscope.core.runtimes.transformers.transaction import Snapshot
+        from kvscope.core.runtimes.transformers.transaction import (
+            Snapshot)  # transformers, a 9 s import: not when serve() imports this module
 
         t = self.clock()
         name, parsed, fields = self._asked(key, value)
@@ -469,8 +469,8 @@ class Engine:
         """Run one forward pass on the converted model and cache, then undo what it added to the cache:
         a switch that transformers would refuse at the next token is refused now, with nothing changed.
         The pass is profiled: ``self.kernel`` becomes the attention kernel PyTorch really dispatched."""
-        from kvscope.core.runtimes.transformers.kernels import measure_kernel
-        from kvscope.core.runtimes.transformers.transaction import CacheSnapshot
+        from kvscope.core.runtimes.transformers.transaction import (
+            CacheSnapshot)  # transformers, a 9 s import: not when serve() imports this module
 
         if self.cache is None or self.ids is None or not self.seq_len:
             return
@@ -487,7 +487,7 @@ class Engine:
             self.kernel = measured
 
     def _switch_cache(self, strategy: CacheStrategy) -> str:
-        from kvscope.core.runtimes.transformers import convert
+        from core import convert  # transformers, a 9 s import: not when serve() imports this module
 
         if self.cache is None or self.seq_len == 0:
             self.settings = self.settings.with_(cache=strategy)
@@ -602,8 +602,6 @@ class Engine:
     def _reference_rebuild(self) -> None:
         """A fresh full (dynamic) twin cache from every token so far, through the model as it is now (after the
         prefill, and after an attention switch changed the model)."""
-        from kvscope.core.model.caches import Dynamic
-
         self._reference_cache = None
         gc.collect()
         self._reference_cache = Dynamic().build(self.model.config, self.max_context())
@@ -635,9 +633,6 @@ class Engine:
         """Every token so far through the model into the (empty) cache, as generate()'s prefill calls it, with the
         allocator's peak above the start measured (kvscope.core.runtimes.transformers.peak) and predicted (kvscope.core.prediction.predict.prefill_peak) for the
         next Sample (``_take_peak``)."""
-        from kvscope.core.prediction.predict import prefill_peak
-        from kvscope.core.runtimes.transformers.peak import measure_peak
-
         out, reading = measure_peak(lambda: self.model(input_ids=self.ids, cache=self.cache, use_cache=True,
                                                        logits_to_keep=1), self.device)
         device = "cuda" if self.device.startswith("cuda") else self.device

@@ -32,9 +32,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kvscope.core.base.errors import UNAVAILABLE, KVScopeError
+from kvscope.core.model.embedded import EmbeddedBuildError, embedded_build
+from kvscope.core.model.hf import ensure_transformers
+from kvscope.core.model.hf_config import read_config_json, spec_from_config
 from kvscope.core.model.spec import (PRESETS_DIR, ModelSpec, SpecError, canonical_dtype, check_config,
-                                     is_transformers_refusal, path_kind, preset_names, read_config_json,
-                                     spec_from_config, transformers_refusal)
+                                     is_transformers_refusal, path_kind, preset_names, transformers_refusal)
 
 # The tokenizers library's Rust thread pool is created by the first encode on whatever thread does it
 # (the generation worker), takes that thread's name and outlives it. A prompt needs no pool.
@@ -497,8 +499,6 @@ def load_model(
     ``sdpa`` (switch it with set_attn_impl). ``progress`` receives short status lines.
     Raises LoadError with a one-line message for every failure it can name.
     """
-    from kvscope.core.model.hf import ensure_transformers
-
     ensure_transformers()
     say = progress or (lambda _msg: None)
     src = str(source if source is not None else "embedded").strip()
@@ -508,8 +508,6 @@ def load_model(
     folder: Path | None = None
     fallback_note: str | None = None  # the embedded model on random weights: why, said once loaded
     if is_embedded:
-        from kvscope.core.model.embedded import EmbeddedBuildError, embedded_build
-
         try:
             build = embedded_build(progress=say)
         except EmbeddedBuildError as exc:

@@ -57,7 +57,8 @@ def warm_backend(backend: str, nbits: int = 4) -> str | None:
     import torch
     from transformers.cache_utils import HQQQuantizedLayer, QuantoQuantizedLayer
 
-    from kvscope.core.runtimes.transformers.engine import _backend_problem
+    from kvscope.core.runtimes.transformers.engine import (
+        _backend_problem)  # torch: the engine process only (the window imports this module)
 
     problem = _backend_problem(backend)
     if problem:

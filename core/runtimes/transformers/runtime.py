@@ -16,13 +16,19 @@ from typing import Any, Callable
 
 import torch
 
+import kvscope.core.runtimes.transformers.loading  # called as kvscope.core.runtimes.transformers.loading.load_model: looked up when a run loads
 from kvscope.core.base.sample import Sample
 from kvscope.core.model.attention import SettingsError, Window
+from kvscope.core.model.embedded import embedded_model_dir
+from kvscope.core.model.hf import ensure_transformers
 from kvscope.core.model.request import ModelInfo, RunRequest
-from kvscope.core.model.settings import ATTN_IMPLS, attention_choices, cache_choices
-from kvscope.core.model.spec import ModelSpec, SpecError, human_bytes
+from kvscope.core.model.settings import ATTN_IMPLS, attention_choices, cache_choices, effective_spec
+from kvscope.core.model.sources import load_spec
+from kvscope.core.model.spec import ModelSpec, SpecError, declared_max_positions, human_bytes, path_kind
 from kvscope.core.prediction.forecast import budget_used
 from kvscope.core.prediction.predict import activation_bytes
+from kvscope.core.records.outputs import OutputError, check_output_path
+from kvscope.core.runtimes.probes import MemoryProbe, allocator_snapshot_save, allocator_snapshot_start
 from kvscope.core.runtimes.transformers.engine import Engine, GenerationError, is_oom
 from kvscope.core.runtimes.transformers.measure import cache_bytes
 
@@ -59,8 +65,6 @@ def encode_prompt(tokenizer: Any, prompt: str) -> torch.Tensor:
 def check_prompt_fits(n_tokens: int, spec: ModelSpec) -> None:
     """Refuse a prompt longer than the model's trained positions (transformers only warns, and runs it).
     Only where the config names its maximum: the 2,048 a spec assumes otherwise is no reason to refuse."""
-    from kvscope.core.model.spec import declared_max_positions
-
     limit = declared_max_positions(spec)
     if limit is not None and n_tokens > limit:
         raise GenerationError(f"the prompt is {n_tokens:,} tokens, more than {spec.label}'s maximum of {limit:,} "
@@ -76,8 +80,6 @@ def _check_prompt_before_loading(request: RunRequest, spec: ModelSpec) -> None:
     if len(request.prompt.encode("utf-8", "surrogatepass")) + 16 <= spec.max_position_embeddings:
         return
     if request.source == "embedded":
-        from kvscope.core.model.embedded import embedded_model_dir
-
         folder = embedded_model_dir()
     else:
         folder = Path(request.source).expanduser()
@@ -96,12 +98,7 @@ def _check_settings_before_loading(request: RunRequest) -> None:
 
     Only where the config is at hand (the embedded model, a local folder); a hub model's config comes
     with its weights, and the engine checks the same again once loaded."""
-    from kvscope.core.model.settings import effective_spec
-    from kvscope.core.model.spec import load_spec, path_kind
-
     if request.snapshot_path:
-        from kvscope.core.records.outputs import OutputError, check_output_path
-
         try:
             check_output_path(request.snapshot_path, force=request.overwrite, allow_stdout=False)
         except OutputError as exc:
@@ -146,12 +143,10 @@ class TransformersRuntime:
     # ------------------------------------------------------------------------------------ load
 
     def load(self) -> None:
-        from kvscope.core.runtimes.probes import MemoryProbe
-        from kvscope.core.runtimes.transformers.loading import load_model
-
         r = self.request
-        self.loaded = load_model(r.source, device=r.device, dtype=r.dtype, trust_remote_code=r.trust_remote_code,
-                                 allow_pickle=r.allow_pickle, progress=self.progress)
+        self.loaded = kvscope.core.runtimes.transformers.loading.load_model(r.source, device=r.device, dtype=r.dtype,
+                                              trust_remote_code=r.trust_remote_code, allow_pickle=r.allow_pickle,
+                                              progress=self.progress)
         self.spec = self.loaded.spec
         limit_cpu_threads(self.loaded.device)
         self.probe = MemoryProbe(device=self.loaded.device)
@@ -161,7 +156,6 @@ class TransformersRuntime:
             if not self.loaded.device.startswith("cuda"):
                 raise SettingsError("--snapshot records the CUDA allocator's history; this run is on "
                                     + self.loaded.device)
-            from kvscope.core.runtimes.probes import allocator_snapshot_start
 
             allocator_snapshot_start()
             self._snapshot = r.snapshot_path
@@ -266,8 +260,6 @@ class TransformersRuntime:
 
     def close(self) -> None:
         if self._snapshot:
-            from kvscope.core.runtimes.probes import allocator_snapshot_save
-
             snapshot, self._snapshot = self._snapshot, None
             allocator_snapshot_save(snapshot)
         if self.probe is not None:
@@ -278,8 +270,6 @@ class TransformersRuntime:
 def open_runtime(request: RunRequest, progress: Callable[[str], None]) -> TransformersRuntime:
     """Checks before the weights load (settings against the config, the prompt, the snapshot's path), then a
     TransformersRuntime to ``load()``."""
-    from kvscope.core.model.hf import ensure_transformers
-
     ensure_transformers()
     _check_settings_before_loading(request)
     return TransformersRuntime(request, progress)

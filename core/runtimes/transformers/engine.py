@@ -118,7 +118,7 @@ class Engine:
         # continuation bytes and control characters, which print as U+FFFD or nothing; its text reads
         # better without them (real models: untouched).
         self._suppressed = self._broken_byte_tokens() if loaded.label.startswith("embedded demo model") else None
-        from core import convert  # transformers, a 9 s import: not when serve() imports this module
+        from kvscope.core.runtimes.transformers import convert  # transformers, a 9 s import: not when serve() imports this module
 
         #: The model's own sliding/full layers, put back when a mode that changed them is left.
         self._native_pattern = convert.layer_pattern(self.base_model)
@@ -152,7 +152,7 @@ class Engine:
         """Refuse, before anything changes, a combination of attention mode, kernel and cache this model
         cannot run (SettingsError with the reason). What this does not foresee, the switch transaction
         catches: it tries the new state on one forward pass and undoes everything if that fails."""
-        from core import convert  # transformers, a 9 s import: not when serve() imports this module
+        from kvscope.core.runtimes.transformers import convert  # transformers, a 9 s import: not when serve() imports this module
 
         label = self.spec.label
         target = self.settings.with_(attention=mode, cache=strategy, attn_impl=impl)
@@ -275,7 +275,7 @@ class Engine:
 
     def _layer_pattern_model(self, eff: ModelSpec):
         """The base model with the sliding/full layers ``eff`` describes (a Llama gets a Mistral twin for a window)."""
-        from core import convert  # transformers, a 9 s import: not when serve() imports this module
+        from kvscope.core.runtimes.transformers import convert  # transformers, a 9 s import: not when serve() imports this module
 
         if eff.layer_types == self.spec.layer_types and eff.sliding_window == self.spec.sliding_window:
             convert.restore_layer_pattern(self.base_model, self._native_pattern)
@@ -291,7 +291,7 @@ class Engine:
         """Convert the model (and, when ``live``, the cache) to ``mode``. Returns what happened, for the event.
 
         Not atomic by itself: ``apply`` runs it inside a transaction that undoes it on failure."""
-        from core import convert  # transformers, a 9 s import: not when serve() imports this module
+        from kvscope.core.runtimes.transformers import convert  # transformers, a 9 s import: not when serve() imports this module
 
         previous = self.mode
         before = effective_spec(self.spec, self.settings)
@@ -487,7 +487,7 @@ class Engine:
             self.kernel = measured
 
     def _switch_cache(self, strategy: CacheStrategy) -> str:
-        from core import convert  # transformers, a 9 s import: not when serve() imports this module
+        from kvscope.core.runtimes.transformers import convert  # transformers, a 9 s import: not when serve() imports this module
 
         if self.cache is None or self.seq_len == 0:
             self.settings = self.settings.with_(cache=strategy)

@@ -58,6 +58,17 @@ def _backend_problem(backend: str) -> str | None:
     return None
 
 
+def _refuse(exc: BaseException) -> None:
+    """Raise a switch's failure as the SettingsError its refusal event carries (an out-of-memory error, or what
+    transformers raised, in one line); a SettingsError / SpecError as it is."""
+    if isinstance(exc, (SettingsError, SpecError)):
+        raise exc
+    first = (str(exc).strip().splitlines() or [""])[0][:200]
+    why = "not enough memory for the conversion" if is_oom(exc) else \
+        f"transformers could not run it ({type(exc).__name__}: {first})"
+    raise SettingsError(f"{why}; nothing was changed") from exc
+
+
 def is_oom(exc: BaseException) -> bool:
     """CUDA/MPS out-of-memory errors, and the CPU allocator's ("DefaultCPUAllocator: can't allocate memory")."""
     text = str(exc).lower()
@@ -66,7 +77,12 @@ def is_oom(exc: BaseException) -> bool:
 
 
 class Engine:
-    """A loaded model, its live cache and the tokens so far. Not thread-safe: one thread drives it."""
+    """A loaded model, its live cache and the tokens so far. Not thread-safe: one thread drives it (a switch's
+    re-run prepared by ``begin_switch`` runs on a shadow of it, with models of its own, on a thread of its own)."""
+
+    #: A shadow engine (``begin_switch``) leaves the re-run's forward pass to its background thread.
+    _defer_rerun = False
+    _rerun_why: str | None = None
 
     def __init__(self, loaded: Any, settings: RunSettings, probe: Any = None, seed: int = 0,
                  clock: Callable[[], float] = time.perf_counter, quality_probe: bool = False) -> None:
@@ -385,9 +401,15 @@ class Engine:
         return False
 
     def _rerun(self, why: str) -> str:
-        """Rebuild the cache by running every token so far through the current model (no new token)."""
+        """Rebuild the cache by running every token so far through the current model (no new token), in one
+        batched pass (a prefill). A shadow engine (``begin_switch``) only builds the fresh cache here and leaves
+        the pass to its background thread (``_fill``)."""
         self.cache = self._new_cache()
         self.cache_base_tokens = self.seq_len
+        if self._defer_rerun:
+            self._rerun_why = why
+            self._tokens_rerun = self.seq_len
+            return f"re-ran {self.seq_len} tokens: {why}"
         if self.ids is not None and self.seq_len:
             self.progress(f"re-running {self.seq_len:,} tokens ({why})\u2026")
             with torch.inference_mode(), self._forward_context():
@@ -421,27 +443,12 @@ class Engine:
         self._tokens_rerun = None
         self._peak_fields = {}  # a re-run of this switch measures its own
         self.progress(f"switching {label} to {wanted}\u2026")
-        mode = parsed if name == "attention" else self.mode
-        impl = parsed if name == "attn_impl" else self.settings.attn_impl
-        strategy = parsed if name == "cache" else self.settings.cache
-        eager_for = None
-        if name == "cache" and strategy.needs_attention_weights and impl != "eager":
-            eager_for, impl = impl, "eager"  # the switch takes the kernel along, and says so
+        mode, impl, strategy, eager_for = self._target_of(name, parsed)
         self._check_target(mode, impl, strategy)
         snapshot = Snapshot([self.base_model, self.model, self.mla_model], self.cache, self, self._SWITCH_STATE)
         try:
             with torch.inference_mode():
-                if name == "attention":
-                    detail = self._set_attention(parsed, live=True)
-                elif name == "attn_impl":
-                    self._set_attn_impl(parsed)
-                else:
-                    if eager_for is not None:
-                        self._set_attn_impl("eager")
-                    detail = self._switch_cache(parsed)
-                    if eager_for is not None:
-                        detail += (f"; attn-impl {eager_for} -> eager: {parsed.name} scores tokens by the attention "
-                                   "weights, which only eager attention returns")
+                detail = self._convert(name, parsed, eager_for)
                 self._trial_step()
                 if name == "attn_impl":
                     detail = f"kernel {self.kernel}"  # as measured on the trial pass
@@ -449,12 +456,7 @@ class Engine:
             snapshot.restore()
             del snapshot
             gc.collect()
-            if isinstance(exc, (SettingsError, SpecError)):
-                raise
-            first = (str(exc).strip().splitlines() or [""])[0][:200]
-            why = "not enough memory for the conversion" if is_oom(exc) else \
-                f"transformers could not run it ({type(exc).__name__}: {first})"
-            raise SettingsError(f"{why}; nothing was changed") from exc
+            _refuse(exc)
         del snapshot
         gc.collect()
         if name == "attention":
@@ -463,6 +465,46 @@ class Engine:
         text = f"{label}: {was} -> {now} ({detail})"
         return self._sample(PHASE_EVENT, text, event="switch", step_s=self.clock() - t,
                             **(fields | {"switch_after": now, "tokens_rerun": self._tokens_rerun}), **self._take_peak())
+
+    def begin_switch(self, key: str, value: Any) -> Any:
+        """Start a live switch whose re-run, if it needs one, runs off the token path (``core.rerun.begin``):
+        returns its event Sample when it applied at once, else a ``core.rerun.PreparedSwitch`` for
+        ``advance_switch``. SettingsError: refused, nothing changed."""
+        from core import rerun
+
+        return rerun.begin(self, key, value)
+
+    def advance_switch(self, prepared: Any) -> Sample | None:
+        """Between two tokens: the prepared switch's event Sample once it applies, else None (``core.rerun.advance``)."""
+        from core import rerun
+
+        return rerun.advance(self, prepared)
+
+    def _target_of(self, name: str, parsed: Any) -> tuple[AttentionMode, str, CacheStrategy, str | None]:
+        """The whole target of a switch (attention, kernel, cache) and the kernel it takes along (h2o needs eager)."""
+        mode = parsed if name == "attention" else self.mode
+        impl = parsed if name == "attn_impl" else self.settings.attn_impl
+        strategy = parsed if name == "cache" else self.settings.cache
+        eager_for = None
+        if name == "cache" and strategy.needs_attention_weights and impl != "eager":
+            eager_for, impl = impl, "eager"  # the switch takes the kernel along, and says so
+        return mode, impl, strategy, eager_for
+
+    def _convert(self, name: str, parsed: Any, eager_for: str | None) -> str:
+        """Convert the model and the cache to the switch's target (not atomic: the caller undoes on failure).
+        Returns what happened, for the event (the kernel's switch is described after the trial pass)."""
+        if name == "attention":
+            return self._set_attention(parsed, live=True)
+        if name == "attn_impl":
+            self._set_attn_impl(parsed)
+            return ""
+        if eager_for is not None:
+            self._set_attn_impl("eager")
+        detail = self._switch_cache(parsed)
+        if eager_for is not None:
+            detail += (f"; attn-impl {eager_for} -> eager: {parsed.name} scores tokens by the attention "
+                       "weights, which only eager attention returns")
+        return detail
 
     def _trial_step(self) -> None:
         """Run one forward pass on the converted model and cache, then undo what it added to the cache:

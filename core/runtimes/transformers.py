@@ -117,6 +117,29 @@ def _check_settings_before_loading(request: RunRequest) -> None:
     _check_prompt_before_loading(request, spec)
 
 
+#: Models loaded ahead of their run (``preload_model``), by what ``load_model`` is asked.
+_preloaded: dict[tuple, Any] = {}
+
+
+def _load_key(request: RunRequest) -> tuple:
+    return (request.source, request.device, request.dtype, request.trust_remote_code, request.allow_pickle)
+
+
+def preload_model(request: RunRequest) -> None:
+    """Load the model of a run about to be asked for (the window's first run, while the window is still starting:
+    ``core.engine_process.spawn_early``); that run's ``load`` takes it. A model that fails to load here is left
+    to the run, which says why."""
+    from core.loading import load_model
+
+    try:
+        _check_settings_before_loading(request)
+        _preloaded[_load_key(request)] = load_model(
+            request.source, device=request.device, dtype=request.dtype, trust_remote_code=request.trust_remote_code,
+            allow_pickle=request.allow_pickle)
+    except Exception:  # noqa: BLE001 - the run loads it again and reports the error itself
+        _preloaded.clear()
+
+
 class TransformersRuntime:
     """``core.engine.Engine`` as a ``core.runtimes.base.Runtime``."""
 
@@ -152,8 +175,11 @@ class TransformersRuntime:
         from core.probes import MemoryProbe
 
         r = self.request
-        self.loaded = load_model(r.source, device=r.device, dtype=r.dtype, trust_remote_code=r.trust_remote_code,
-                                 allow_pickle=r.allow_pickle, progress=self.progress)
+        self.loaded = _preloaded.pop(_load_key(r), None)  # loaded ahead (the window's first run), used once
+        _preloaded.clear()
+        if self.loaded is None:
+            self.loaded = load_model(r.source, device=r.device, dtype=r.dtype, trust_remote_code=r.trust_remote_code,
+                                     allow_pickle=r.allow_pickle, progress=self.progress)
         self.spec = self.loaded.spec
         limit_cpu_threads(self.loaded.device)
         self.probe = MemoryProbe(device=self.loaded.device)

@@ -123,6 +123,30 @@ def can_prepare(engine: "Engine") -> str | None:
     return None
 
 
+def may_rerun(engine: "Engine", name: str, parsed: Any) -> bool:
+    """Whether switch ``name=parsed`` may re-run the tokens so far, judged from the settings alone (the engine's
+    own conversions decide; this only spares the others a shadow: a switch judged False applies at once, as it
+    always did, and one judged True that turns out not to re-run does too)."""
+    from core.attention import MLA
+    from core.settings import effective_spec
+    from core.spec import INDEXED_ATTENTION
+
+    if name == "attn_impl":
+        return False
+    settings = engine.settings
+    if name == "attention":
+        if isinstance(parsed, MLA) != isinstance(engine.mode, MLA) or settings.cache.needs_attention_weights:
+            return True
+        before = effective_spec(engine.spec, settings)
+        after = effective_spec(engine.spec, settings.with_(attention=parsed))
+        if (before.layer_types, before.sliding_window) == (after.layer_types, after.sliding_window):
+            return False
+        return engine._tokens_lost(before, after) or bool(engine._tokens_dropped(before)) or bool(before.layer_states)
+    after = effective_spec(engine.spec, settings.with_(cache=parsed))
+    return (INDEXED_ATTENTION in engine.spec.layer_types or bool(after.layer_states) or bool(engine._tokens_dropped())
+            or parsed.needs_attention_weights)
+
+
 def begin(engine: "Engine", key: str, value: Any) -> "Sample | PreparedSwitch":
     """Start switch ``key=value``: the event Sample when it applies at once (no re-run needed, no change, or one
     that cannot be prepared off the token path), else a PreparedSwitch whose pass runs in the background.
@@ -131,8 +155,8 @@ def begin(engine: "Engine", key: str, value: Any) -> "Sample | PreparedSwitch":
 
     name, parsed, fields = engine._asked(key, value)
     label, was, wanted = fields["switch_key"], fields["switch_before"], fields["switch_after"]
-    if name == "attn_impl" or wanted == was or can_prepare(engine) is not None:
-        return engine.apply(key, value)  # a kernel switch never re-runs; "no change"; the old way
+    if wanted == was or can_prepare(engine) is not None or not may_rerun(engine, name, parsed):
+        return engine.apply(key, value)  # "no change"; the old way; a switch with no re-run, at once as always
     mode, impl, strategy, eager_for = engine._target_of(name, parsed)
     engine._check_target(mode, impl, strategy)
     try:

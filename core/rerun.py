@@ -42,6 +42,10 @@ if TYPE_CHECKING:
 #: the run), more while under CATCH_UP_S.
 CATCH_UP_MIN = 2
 CATCH_UP_S = 0.05
+#: Where a cache holds every token (dynamic or static, no sliding layer, no state beside K/V), the tokens generated
+#: meanwhile go through the new model together, up to this many between two of the run's tokens: the same bytes
+#: as one by one (the values equal to rounding), in the time of a few steps.
+CATCH_UP_CHUNK = 64
 #: The status line is refreshed at most this often while the pass runs.
 PROGRESS_EVERY_S = 0.25
 
@@ -224,6 +228,18 @@ def _fill(prep: PreparedSwitch) -> None:
         prep.done.set()
 
 
+def _holds_every_token(shadow: "Engine") -> bool:
+    """Whether the shadow's cache keeps every token as it comes, whatever the update's length (dynamic or static
+    layers, full attention, no state beside K/V): then a catch-up of several tokens at once holds what as many
+    single steps hold. Quantized (residual flushes), sink / h2o (eviction per update) and windows: one by one."""
+    from core.settings import effective_spec
+
+    if shadow.settings.cache.name not in ("dynamic", "static"):
+        return False
+    eff = effective_spec(shadow.spec, shadow.settings)
+    return not eff.num_sliding_layers and not eff.layer_states and eff.num_full_layers == eff.num_layers
+
+
 def advance(engine: "Engine", prep: PreparedSwitch) -> Sample | None:
     """Between two tokens: None while the switch is being prepared (the status line says how far), else the
     switch's event Sample once the shadow has caught up and passed its trial step; the engine then runs the
@@ -244,15 +260,16 @@ def advance(engine: "Engine", prep: PreparedSwitch) -> Sample | None:
         _refuse(error)
     deadline = now + CATCH_UP_S
     steps = 0
+    chunk = CATCH_UP_CHUNK if _holds_every_token(shadow) else 1
     with torch.inference_mode():
         while shadow.seq_len < engine.seq_len and (steps < CATCH_UP_MIN or engine.clock() < deadline):
             at = shadow.seq_len
-            token = engine.ids[:, at:at + 1]
+            token = engine.ids[:, at:at + chunk]
             with shadow._forward_context():
                 out = shadow.model(input_ids=token, cache=shadow.cache, use_cache=True, logits_to_keep=1)
             shadow.ids = torch.cat([shadow.ids, token], dim=1)
             shadow._next_logits = out.logits[:, -1, :].float()
-            steps += 1
+            steps += int(token.shape[1])
     prep.caught_up += steps
     behind = engine.seq_len - shadow.seq_len
     if behind > 0:
@@ -279,7 +296,7 @@ def advance(engine: "Engine", prep: PreparedSwitch) -> Sample | None:
     now_setting = engine._settings_now()[prep.axis.replace("-", "_")]
     detail = prep.detail
     if prep.caught_up:
-        detail += f"; {prep.caught_up:,} tokens generated meanwhile caught up, one by one"
+        detail += f"; {prep.caught_up:,} tokens generated meanwhile caught up"
         engine._tokens_rerun = prep.tokens + prep.caught_up
     text = f"{prep.axis}: {prep.fields['switch_before']} -> {now_setting} ({detail})"
     return engine._sample(PHASE_EVENT, text, event="switch", step_s=engine.clock() - prep.started,

@@ -193,8 +193,8 @@ def begin(engine: "Engine", key: str, value: Any) -> "Sample | PreparedSwitch":
     prep = PreparedSwitch(key=key, value=value, axis=label, wanted=wanted, fields=fields, shadow=shadow,
                           tokens=shadow.seq_len, layers=len(decoder_layers(shadow.model)), started=engine.clock(),
                           what=f"{label} {wanted}", detail=detail)
-    engine.progress(f"re-running {prep.tokens:,} tokens for {prep.what} in one pass, off the token path\u2026 "
-                    "0%; the run goes on meanwhile")
+    engine.progress(f"re-running {prep.tokens:,} tokens ({shadow._rerun_why}) for {prep.what} in one pass, off the "
+                    "token path\u2026 0%; the run goes on meanwhile")
     prep.thread = threading.Thread(target=_fill, args=(prep,), name="kvscope-rerun", daemon=True)
     prep.thread.start()
     return prep

@@ -418,14 +418,26 @@ def cmd_run(args: argparse.Namespace) -> int:
         exporter.stop()
 
 
-def cmd_gui(args: argparse.Namespace) -> int:
-    from kvscope.ui.app import display_problem, run_window
+def start_engine_early(request) -> None:
+    """Start the engine process (and its first run's model loading) before the window's own imports: on a small
+    machine torch and the model load meanwhile instead of after (``kvscope.core.live.engine_process.spawn_early``). Not when
+    the engine runs on a thread of this process (KVSCOPE_ENGINE=thread)."""
+    if os.environ.get("KVSCOPE_ENGINE", "").strip().lower() == "thread":
+        return
+    from kvscope.core.live.engine_process import spawn_early
 
+    spawn_early(preload=request)
+
+
+def cmd_gui(args: argparse.Namespace) -> int:
     request = _run_request(args)
     screenshot = args.screenshot
     if screenshot:
         # Checked before anything loads: an existing PNG needs --force, a device or folder never.
         screenshot = check_output_path(screenshot, inputs=(args.prompt_file,), force=args.force)
+    start_engine_early(request)
+    from kvscope.ui.app import display_problem, run_window
+
     problem = display_problem()
     collector, exporter = _start_metrics(args)
     observers = (collector.observe,) if collector is not None else ()
@@ -434,7 +446,10 @@ def cmd_gui(args: argparse.Namespace) -> int:
             return run_window(request, screenshot=screenshot, tokens=args.tokens, observers=observers, **_view(args))
         print(f"kvscope: {problem}: running the terminal view instead. "
               "Use QT_QPA_PLATFORM=offscreen with --screenshot to render the window without a display.", file=sys.stderr)
+        from kvscope.core.live.engine_process import discard_early
         from kvscope.core.live.terminal import run_terminal
+
+        discard_early()
 
         return run_terminal(request, observers=observers)
     finally:

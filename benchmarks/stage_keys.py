@@ -3,7 +3,8 @@ runs), how long each key takes to show its switch, and the longest gap between t
 30-key mash.
 
 * per key (1-5, F, C): from the key press to the badges / combos showing the engine's answer (the
-  switch applied, or refused and put back), with the run going on;
+  switch applied, or refused and put back), and the longest gap between two tokens meanwhile (a re-run,
+  MLA's or leaving a window's, is prepared off the token path: the run goes on until it applies);
 * a seeded 30-key mash of those keys: the longest gap between two arriving tokens until every answer
   is in, and how many answers (switch events) the engine gave per axis (presses coalesce: at most the
   one under way plus the last press per axis).
@@ -58,8 +59,10 @@ def main() -> int:
         return 1
     qt_key = {k: getattr(Qt.Key, f"Key_{k}") for k in KEYS}
     latencies: dict[str, float | None] = {}
+    key_gaps: dict[str, float | None] = {}
     for k in KEYS:
         before = len(answers)
+        first = len(arrivals)
         pressed = time.monotonic()
         QTest.keyClick(window, qt_key[k])
         if window.session.switches_pending == 0:  # nothing sent (no change, or nothing offered here)
@@ -68,9 +71,15 @@ def main() -> int:
         wait_until(lambda: window.session.switches_pending == 0, 600)
         shown = answers[before][0] if len(answers) > before else time.monotonic()
         latencies[k] = shown - pressed
-        print(f"key {k}: {latencies[k]:.2f} s to {answers[before][1].event if len(answers) > before else '?'}: "
-              f"{answers[before][1].text[:90] if len(answers) > before else ''}", flush=True)
         wait_until(lambda: False, 0.5)
+        # The run between the press and the answer: the longest gap between two tokens (a re-run prepared off
+        # the token path leaves the tokens coming; one made between two tokens was one gap of its length).
+        times = [pressed] + [t for t in arrivals[first:] if t <= shown + 0.5]
+        key_gaps[k] = max((b - a for a, b in zip(times, times[1:])), default=None)
+        gap = f"{key_gaps[k]:.2f} s" if key_gaps[k] is not None else "n/a"
+        print(f"key {k}: {latencies[k]:.2f} s to {answers[before][1].event if len(answers) > before else '?'} "
+              f"(longest token gap meanwhile {gap}, {len(times) - 1} tokens): "
+              f"{answers[before][1].text[:90] if len(answers) > before else ''}", flush=True)
     rng = random.Random(25)
     start = len(answers)
     first_token = len(arrivals)
@@ -88,7 +97,8 @@ def main() -> int:
         per_axis[s.switch_key] = per_axis.get(s.switch_key, 0) + 1
     print(f"30-key mash: answers per axis {per_axis}; all answered after {mash_end - mash_start:.2f} s; "
           f"{len(times)} tokens meanwhile; longest gap between two tokens {max(gaps):.2f} s")
-    print(json.dumps({"latency_s": latencies, "mash_longest_gap_s": max(gaps), "mash_answers": per_axis}))
+    print(json.dumps({"latency_s": latencies, "key_longest_gap_s": key_gaps, "mash_longest_gap_s": max(gaps),
+                      "mash_answers": per_axis}))
     window.stop_run()
     wait_until(lambda: window.state == "idle", 30)
     window.shutdown()

@@ -1,12 +1,17 @@
 """Start-up: seconds from launch to the window shown, to the first plotted token, and to a `calc` answer.
 
-Each figure is measured in fresh processes, side by side in one run, against the same step with torch
-and transformers imported first: what the window's process did before it stopped importing the ML
-stack (the engine process imports it; the window only draws). Run:
+Each figure is measured in fresh processes, side by side in one run:
+
+* window, before: the window starts the engine process when it is built (after its own imports: PySide6,
+  pyqtgraph and the panels), and the engine then imports torch and loads the model on the first run;
+* window, now: ``main.start_engine_early`` (what ``python main.py`` does first) spawns the engine process before
+  the window's imports, and the engine loads the first run's model while the window builds;
+* calc, with torch and transformers imported first (what calc did before presets carried their view) and now.
 
     .venv/bin/python benchmarks/startup.py [--repeats 3]
 
-Offscreen Qt; the embedded model must be built already (any earlier run builds it).
+Offscreen Qt; the embedded model must be built already (any earlier run builds it). Prints the load averages:
+on a shared machine, compare the rows of one run, not runs.
 """
 
 from __future__ import annotations
@@ -25,8 +30,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 WINDOW = """
 import json, os, sys, tempfile, time
-if os.environ.get("PRELOAD_ML"):
-    import torch, transformers  # noqa: F401 - the old window's process
+from kvscope import main as kvscope_main
+from kvscope.core.model.request import RunRequest
+early = getattr(kvscope_main, "start_engine_early", None)  # an older tree (--before) has none
+if early is not None and not os.environ.get("PRELOAD_ML"):  # 'before': the window starts the engine itself
+    early(RunRequest(max_new_tokens=8))
 from PySide6.QtCore import QEventLoop, QSettings, QTimer
 from PySide6.QtWidgets import QApplication
 
@@ -34,7 +42,6 @@ def main():
     launched = float(os.environ["LAUNCHED"])
     app = QApplication([])
     from kvscope.ui.main_window import MainWindow
-    from kvscope.core.model.request import RunRequest
     window = MainWindow(settings=QSettings(tempfile.mktemp(suffix=".ini"), QSettings.Format.IniFormat))
     window.show()
     app.processEvents()
@@ -64,13 +71,16 @@ print(json.dumps({"answer": time.time() - float(os.environ["LAUNCHED"]), "torch"
 """
 
 
-def measure(code: str, preload: bool) -> dict:
+def measure(code: str, preload: bool, tree: Path = ROOT) -> dict:
     env = dict(os.environ, QT_QPA_PLATFORM="offscreen", LAUNCHED=repr(time.time()))
+    # As installed (pip writes the bytecode): compiled modules are read, not the sources compiled at each start.
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env["PYTHONPATH"] = str(tree)
     if preload:
         env["PRELOAD_ML"] = "1"
     else:
         env.pop("PRELOAD_ML", None)
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=tree, env=env, capture_output=True,
                          text=True, timeout=600)
     if out.returncode != 0:
         raise SystemExit(f"benchmark child failed:\n{out.stderr[-3000:]}")
@@ -80,19 +90,36 @@ def measure(code: str, preload: bool) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--before", type=Path, default=None, metavar="TREE",
+                        help="the window 'before' from another checkout of KV Scope (e.g. `git archive 9360cdc | tar -x "
+                             "-C /tmp/before`); default: this tree with the engine started by the window")
     args = parser.parse_args()
+    before_tree = (args.before or ROOT).resolve()
     rows = []
+    for tree in {ROOT, before_tree}:  # untimed: writes the bytecode of each tree's modules, as an install has it
+        measure(WINDOW, tree != ROOT, tree)
+    if args.before:
+        print(f"window before: {before_tree}; now: {ROOT}")
+    print("load average %.2f %.2f %.2f; %d cores" % (*os.getloadavg(), os.cpu_count()))
     for name, code, keys in (("window", WINDOW, ("shown", "first_token")), ("calc llama-3-8b", CALC, ("answer",))):
+        runs: dict[bool, list] = {True: [], False: []}
+        for _ in range(args.repeats):  # interleaved: a shared machine's load falls on both alike
+            for preload in (True, False):
+                runs[preload].append(measure(code, preload, before_tree if preload and name == "window" else ROOT))
         for preload in (True, False):
-            runs = [measure(code, preload) for _ in range(args.repeats)]
             for key in keys:
-                values = [r[key] for r in runs]
+                values = [r[key] for r in runs[preload]]
                 rows.append((name, key, preload, statistics.median(values), min(values), max(values),
-                             any(r["torch"] for r in runs)))
-    print(f"{'what':18} {'to':12} {'process':32} {'median s':>9} {'min':>6} {'max':>6}")
+                             any(r["torch"] for r in runs[preload])))
+    print(f"{'what':18} {'to':12} {'process':40} {'median s':>9} {'min':>6} {'max':>6}")
     for name, key, preload, med, lo, hi, torch_loaded in rows:
-        how = "torch imported first (before)" if preload else ("now (torch: yes)" if torch_loaded else "now (no torch)")
-        print(f"{name:18} {key:12} {how:32} {med:9.2f} {lo:6.2f} {hi:6.2f}")
+        if name == "window":
+            how = ("before" + (" (that tree)" if args.before else ": engine started by the window")) if preload \
+                else "now: engine started first"
+        else:
+            how = "torch imported first (before)" if preload else ("now (torch: yes)" if torch_loaded else "now (no torch)")
+        print(f"{name:18} {key:12} {how:40} {med:9.2f} {lo:6.2f} {hi:6.2f}")
+    print("load average %.2f %.2f %.2f" % os.getloadavg())
     by = {(n, k, p): m for n, k, p, m, *_ in rows}
     for name, key in (("window", "shown"), ("window", "first_token"), ("calc llama-3-8b", "answer")):
         print(f"{name} {key}: {by[(name, key, True)] / by[(name, key, False)]:.1f}x sooner")

@@ -4,6 +4,8 @@
 #
 #   scripts/stage_check.sh [OUT_DIR] [WxH ...]      (default: stage-shots/, 1024x768 1280x720 1920x1080)
 #   STAGE_FRESH=1 scripts/stage_check.sh ...         also the first quantized cache on a fresh build (minutes)
+#   STAGE_RERUN=1 scripts/stage_check.sh ...         also the longest token gap around a re-run, before/after
+#                                                    (benchmarks/rerun_gap.py: MLA and h2o at tokens 100, 500, 2,000)
 #
 # Per screen size: time from launch to the window being mapped; then keys 1-5 (attention modes), F
 # (flash), C (cache), Space twice (pause, resume), F11 (presenter) and back, the calculator tab,
@@ -109,6 +111,9 @@ for mode in normal presenter; do
   echo "  --screenshot --size 1024x768 $mode: $(identify -format '%wx%h' "$OUT/screenshot-1024x768-$mode.png" 2>/dev/null || echo missing)"
 done
 "$PY" benchmarks/startup.py --repeats 1 2>&1 | sed 's/^/  /' || true
+if [ "${STAGE_RERUN:-0}" = 1 ]; then
+  "$PY" benchmarks/rerun_gap.py 2>&1 | grep -v "^USDT" | sed 's/^/  /' || true
+fi
 if [ "${STAGE_FRESH:-0}" = 1 ]; then
   "$PY" benchmarks/fresh_quantized.py 2>&1 | grep -v "^USDT" | sed 's/^/  /' || true
 fi

@@ -68,3 +68,61 @@ def test_a_quantized_switch_waits_for_its_backend_off_the_token_path(value, monk
     gaps = [b - a for a, b in zip(times, times[1:])]
     print(f"{value}: {len(times)} tokens while preparing; longest gap {max(gaps):.2f} s")
     assert max(gaps) < GAP_S
+
+
+def test_the_engine_started_early_loads_the_first_run_before_it_is_asked():
+    """Start-up (issue 25, item 6): main.py spawns the engine before the window's imports, with the first run's
+    request; the engine loads that model before it reads the "run" command, which then runs through the pipe the
+    window adopts; an early engine no window takes is ended by discard_early."""
+    from kvscope.core.live import engine_process
+    from kvscope.core.model.request import RunRequest
+
+    request = RunRequest(source="embedded", max_new_tokens=3)
+    engine_process.spawn_early(preload=request)
+    process, conn = engine_process.take_early()
+    assert engine_process.take_early() is None  # adopted once
+    try:
+        conn.send(("run", request, 7))
+        kinds = []
+        while "done" not in kinds:
+            assert conn.poll(300), kinds
+            kind, payload, run = conn.recv()
+            kinds.append(kind)
+            assert kind != "errored", payload
+            if kind == "samples":
+                assert run == 7
+        assert kinds[:2] == ["ready", "device"] and "loaded" in kinds and "samples" in kinds
+        conn.send(("quit",))
+        process.join(30)
+        assert process.exitcode == 0
+    finally:
+        if process.is_alive():
+            process.kill()
+        conn.close()
+    engine_process.spawn_early()
+    engine_process.discard_early()
+    assert engine_process.take_early() is None
+
+
+def test_a_preloaded_model_is_the_one_the_run_loads_once():
+    """kvscope.core.runtimes.transformers.runtime.preload_model: the run asking for the same model takes the one loaded ahead
+    (once); a run asking for another loads its own, and nothing loaded ahead is kept."""
+    from kvscope.core.model.request import RunRequest
+    from kvscope.core.runtimes.transformers import runtime as runtime_module
+
+    request = RunRequest(source="embedded", max_new_tokens=2)
+    runtime_module.preload_model(request)
+    ahead = runtime_module._preloaded[runtime_module._load_key(request)]
+    first = runtime_module.TransformersRuntime(request, lambda text: None)
+    first.load()
+    assert first.loaded is ahead and not runtime_module._preloaded
+    second = runtime_module.TransformersRuntime(request, lambda text: None)
+    second.load()
+    assert second.loaded is not ahead
+    runtime_module.preload_model(request)
+    other = RunRequest(source="embedded", max_new_tokens=2, dtype="float32" if ahead.dtype != "float32" else "bfloat16")
+    third = runtime_module.TransformersRuntime(other, lambda text: None)
+    third.load()
+    assert third.loaded is not ahead and not runtime_module._preloaded
+    for runtime in (first, second, third):
+        runtime.close()

@@ -22,7 +22,7 @@ from typing import Any
 
 from PySide6.QtCore import QCoreApplication, QObject, Signal, Slot
 
-from kvscope.core.live.engine_process import serve
+from kvscope.core.live.engine_process import serve, take_early
 from kvscope.workers.sampling_rate import DEFAULT_RATE_HZ, check_rate
 from kvscope.workers.threaded import RUN_MESSAGES, SAMPLER_MESSAGES, RunSignals, WorkerThread, relay
 
@@ -114,11 +114,15 @@ class EngineHost(QObject):
         if self.is_alive():
             return
         self._forget()
-        ctx = multiprocessing.get_context("spawn")
-        ours, theirs = ctx.Pipe(duplex=True)
-        process = ctx.Process(target=self._target, args=(theirs,), name="kvscope-engine", daemon=True)
-        process.start()
-        theirs.close()  # the child holds its end; ours sees EOF when the child is gone
+        early = take_early() if self._target is serve else None  # started by main.py before the window's imports
+        if early is not None:
+            process, ours = early
+        else:
+            ctx = multiprocessing.get_context("spawn")
+            ours, theirs = ctx.Pipe(duplex=True)
+            process = ctx.Process(target=self._target, args=(theirs,), name="kvscope-engine", daemon=True)
+            process.start()
+            theirs.close()  # the child holds its end; ours sees EOF when the child is gone
         self._process, self._conn = process, ours
         self.starts += 1
         self.run_done.set()

@@ -246,8 +246,48 @@ def _yield_cpu_to_the_window() -> None:
         pass
 
 
-def serve(conn: Any) -> None:
-    """The host process's main: answer commands from ``conn`` until ``quit`` or the window is gone."""
+_early: tuple[Any, Any] | None = None  # (process, the window's end of its pipe), from spawn_early
+
+
+def spawn_early(preload: Any = None) -> None:
+    """Start the engine process now, before the window's own imports (Qt and pyqtgraph: seconds on a small
+    machine): torch and transformers import there meanwhile, and with ``preload`` (the request of the run the
+    window starts with) its model loads too. ``kvscope.workers.engine_link.EngineHost`` adopts it (``take_early``)."""
+    global _early
+    import multiprocessing
+
+    if _early is not None:
+        return
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe(duplex=True)
+    process = ctx.Process(target=serve, args=(theirs, preload), name="kvscope-engine", daemon=True)
+    process.start()
+    theirs.close()  # the child holds its end; ours sees EOF when the child is gone
+    _early = (process, ours)
+
+
+def take_early() -> tuple[Any, Any] | None:
+    """The engine process ``spawn_early`` started, still running, and its pipe (once; None if there is none)."""
+    global _early
+    early, _early = _early, None
+    if early is not None and not early[0].is_alive():
+        early[1].close()
+        return None
+    return early
+
+
+def discard_early() -> None:
+    """End an engine process started early that no window will use (no display: the terminal view runs)."""
+    early = take_early()
+    if early is not None:
+        early[0].kill()
+        early[0].join(5.0)
+        early[1].close()
+
+
+def serve(conn: Any, preload: Any = None) -> None:
+    """The host process's main: answer commands from ``conn`` until ``quit`` or the window is gone.
+    ``preload``: a RunRequest whose model loads before the first command is read (``spawn_early``)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _yield_cpu_to_the_window()
     lock = threading.Lock()
@@ -268,6 +308,11 @@ def serve(conn: Any) -> None:
     ensure_transformers()  # the slow imports now, while the window starts
     send("ready", os.getpid())
     send("device", _auto_device())
+    if preload is not None and getattr(preload, "runtime", None) == "transformers":
+        # The run the window is about to ask for: its "run" command waits in the pipe meanwhile.
+        from kvscope.core.runtimes.transformers.runtime import preload_model
+
+        preload_model(preload)
     driver: RunDriver | None = None
     runner: threading.Thread | None = None
     sampler: _Sampler | None = None

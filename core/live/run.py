@@ -149,8 +149,14 @@ def _loop(request: RunRequest, runtime: Any, hooks: RunHooks, emit: Callable[[Sa
             break
         pending = [(k, v) for at, k, v in scripted if at == runtime.generated]
         scripted = [s for s in scripted if s[0] != runtime.generated]
-        for key, value in pending + list(hooks.poll()):
+        for key, value in pending:
             emit(runtime.apply(key, value))  # switch, refused or note: one kind of answer for every runtime
+        live = getattr(runtime, "apply_live", None)  # a runtime that prepares slow switches off the token path
+        for key, value in hooks.poll():
+            for sample in (live(key, value) if live is not None else [runtime.apply(key, value)]):
+                emit(sample)
+        for sample in (runtime.advance() if live is not None else ()):
+            emit(sample)  # a prepared switch applies here, at the first token after it is ready
         if hooks.should_stop():
             continue
         full = runtime.room()

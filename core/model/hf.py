@@ -38,8 +38,8 @@ def ensure_transformers() -> None:
         if _ready:
             return
         import transformers
-        from transformers import cache_utils  # noqa: F401
 
+        _import_cache_utils()
         for name in ("AutoConfig", "AutoModelForCausalLM", "AutoTokenizer", "DynamicCache", "StaticCache",
                      "QuantizedCache", "PreTrainedTokenizerFast", "GenerationConfig", "LlamaConfig",
                      "LlamaForCausalLM", "MistralConfig", "MistralForCausalLM", "DeepseekV3Config",
@@ -47,6 +47,37 @@ def ensure_transformers() -> None:
             getattr(transformers, name)
         freeze_long_lived()
         _ready = True
+
+
+class _LazyHQQQuantizer:
+    """hqq's ``Quantizer``, imported at its first use. transformers' cache module imports it at its own import
+    when hqq is installed, and hqq defines its classes under ``torch.compile``, which imports dynamo's backends
+    and inductor: about 1 s of CPU at every engine start (5.2 -> 4.1 s for torch and transformers here), for
+    a cache backend few runs use."""
+
+    def __getattr__(self, name: str) -> Any:
+        from hqq.core.quantize import Quantizer
+
+        return getattr(Quantizer, name)
+
+
+def _import_cache_utils() -> None:
+    """``transformers.cache_utils``, with hqq's quantizer left to its first use (``_LazyHQQQuantizer``)."""
+    import sys
+
+    if "transformers.cache_utils" in sys.modules:
+        return
+    from transformers import utils as hf_utils
+
+    real = hf_utils.is_hqq_available
+    hf_utils.is_hqq_available = lambda *args, **kwargs: False  # what cache_utils asks at its import only
+    try:
+        from transformers import cache_utils
+    finally:
+        hf_utils.is_hqq_available = real
+    cache_utils.is_hqq_available = real  # HQQQuantizedLayer asks it again when built
+    if not hasattr(cache_utils, "HQQQuantizer") and real():
+        cache_utils.HQQQuantizer = _LazyHQQQuantizer()
 
 
 def build_hf_config(cfg: dict[str, Any]):

@@ -61,6 +61,17 @@ def _backend_problem(backend: str) -> str | None:
     return None
 
 
+def _refuse(exc: BaseException) -> None:
+    """Raise a switch's failure as the SettingsError its refusal event carries (an out-of-memory error, or what
+    transformers raised, in one line); a SettingsError / SpecError as it is."""
+    if isinstance(exc, (SettingsError, SpecError)):
+        raise exc
+    first = (str(exc).strip().splitlines() or [""])[0][:200]
+    why = "not enough memory for the conversion" if is_oom(exc) else \
+        f"transformers could not run it ({type(exc).__name__}: {first})"
+    raise SettingsError(f"{why}; nothing was changed") from exc
+
+
 def is_oom(exc: BaseException) -> bool:
     """CUDA/MPS out-of-memory errors, and the CPU allocator's ("DefaultCPUAllocator: can't allocate memory")."""
     text = str(exc).lower()
@@ -69,7 +80,12 @@ def is_oom(exc: BaseException) -> bool:
 
 
 class Engine:
-    """A loaded model, its live cache and the tokens so far. Not thread-safe: one thread drives it."""
+    """A loaded model, its live cache and the tokens so far. Not thread-safe: one thread drives it (a switch's
+    re-run prepared by ``begin_switch`` runs on a shadow of it, with models of its own, on a thread of its own)."""
+
+    #: A shadow engine (``begin_switch``) leaves the re-run's forward pass to its background thread.
+    _defer_rerun = False
+    _rerun_why: str | None = None
 
     def __init__(self, loaded: Any, settings: RunSettings, probe: Any = None, seed: int = 0,
                  clock: Callable[[], float] = time.perf_counter, quality_probe: bool = False) -> None:
@@ -118,7 +134,8 @@ class Engine:
         # continuation bytes and control characters, which print as U+FFFD or nothing; its text reads
         # better without them (real models: untouched).
         self._suppressed = self._broken_byte_tokens() if loaded.label.startswith("embedded demo model") else None
-        from kvscope.core.runtimes.transformers import convert  # transformers, a 9 s import: not when serve() imports this module
+        from kvscope.core.runtimes.transformers import (
+            convert)  # transformers, a 9 s import: not when serve() imports this module
 
         #: The model's own sliding/full layers, put back when a mode that changed them is left.
         self._native_pattern = convert.layer_pattern(self.base_model)
@@ -152,7 +169,8 @@ class Engine:
         """Refuse, before anything changes, a combination of attention mode, kernel and cache this model
         cannot run (SettingsError with the reason). What this does not foresee, the switch transaction
         catches: it tries the new state on one forward pass and undoes everything if that fails."""
-        from kvscope.core.runtimes.transformers import convert  # transformers, a 9 s import: not when serve() imports this module
+        from kvscope.core.runtimes.transformers import (
+            convert)  # transformers, a 9 s import: not when serve() imports this module
 
         label = self.spec.label
         target = self.settings.with_(attention=mode, cache=strategy, attn_impl=impl)
@@ -275,7 +293,8 @@ class Engine:
 
     def _layer_pattern_model(self, eff: ModelSpec):
         """The base model with the sliding/full layers ``eff`` describes (a Llama gets a Mistral twin for a window)."""
-        from kvscope.core.runtimes.transformers import convert  # transformers, a 9 s import: not when serve() imports this module
+        from kvscope.core.runtimes.transformers import (
+            convert)  # transformers, a 9 s import: not when serve() imports this module
 
         if eff.layer_types == self.spec.layer_types and eff.sliding_window == self.spec.sliding_window:
             convert.restore_layer_pattern(self.base_model, self._native_pattern)
@@ -291,7 +310,8 @@ class Engine:
         """Convert the model (and, when ``live``, the cache) to ``mode``. Returns what happened, for the event.
 
         Not atomic by itself: ``apply`` runs it inside a transaction that undoes it on failure."""
-        from kvscope.core.runtimes.transformers import convert  # transformers, a 9 s import: not when serve() imports this module
+        from kvscope.core.runtimes.transformers import (
+            convert)  # transformers, a 9 s import: not when serve() imports this module
 
         previous = self.mode
         before = effective_spec(self.spec, self.settings)
@@ -385,9 +405,15 @@ class Engine:
         return False
 
     def _rerun(self, why: str) -> str:
-        """Rebuild the cache by running every token so far through the current model (no new token)."""
+        """Rebuild the cache by running every token so far through the current model (no new token), in one
+        batched pass (a prefill). A shadow engine (``begin_switch``) only builds the fresh cache here and leaves
+        the pass to its background thread (``_fill``)."""
         self.cache = self._new_cache()
         self.cache_base_tokens = self.seq_len
+        if self._defer_rerun:
+            self._rerun_why = why
+            self._tokens_rerun = self.seq_len
+            return f"re-ran {self.seq_len} tokens: {why}"
         if self.ids is not None and self.seq_len:
             self.progress(f"re-running {self.seq_len:,} tokens ({why})\u2026")
             with torch.inference_mode(), self._forward_context():
@@ -422,27 +448,12 @@ class Engine:
         self._tokens_rerun = None
         self._peak_fields = {}  # a re-run of this switch measures its own
         self.progress(f"switching {label} to {wanted}\u2026")
-        mode = parsed if name == "attention" else self.mode
-        impl = parsed if name == "attn_impl" else self.settings.attn_impl
-        strategy = parsed if name == "cache" else self.settings.cache
-        eager_for = None
-        if name == "cache" and strategy.needs_attention_weights and impl != "eager":
-            eager_for, impl = impl, "eager"  # the switch takes the kernel along, and says so
+        mode, impl, strategy, eager_for = self._target_of(name, parsed)
         self._check_target(mode, impl, strategy)
         snapshot = Snapshot([self.base_model, self.model, self.mla_model], self.cache, self, self._SWITCH_STATE)
         try:
             with torch.inference_mode():
-                if name == "attention":
-                    detail = self._set_attention(parsed, live=True)
-                elif name == "attn_impl":
-                    self._set_attn_impl(parsed)
-                else:
-                    if eager_for is not None:
-                        self._set_attn_impl("eager")
-                    detail = self._switch_cache(parsed)
-                    if eager_for is not None:
-                        detail += (f"; attn-impl {eager_for} -> eager: {parsed.name} scores tokens by the attention "
-                                   "weights, which only eager attention returns")
+                detail = self._convert(name, parsed, eager_for)
                 self._trial_step()
                 if name == "attn_impl":
                     detail = f"kernel {self.kernel}"  # as measured on the trial pass
@@ -450,12 +461,7 @@ class Engine:
             snapshot.restore()
             del snapshot
             gc.collect()
-            if isinstance(exc, (SettingsError, SpecError)):
-                raise
-            first = (str(exc).strip().splitlines() or [""])[0][:200]
-            why = "not enough memory for the conversion" if is_oom(exc) else \
-                f"transformers could not run it ({type(exc).__name__}: {first})"
-            raise SettingsError(f"{why}; nothing was changed") from exc
+            _refuse(exc)
         del snapshot
         gc.collect()
         if name == "attention":
@@ -464,6 +470,46 @@ class Engine:
         text = f"{label}: {was} -> {now} ({detail})"
         return self._sample(PHASE_EVENT, text, event="switch", step_s=self.clock() - t,
                             **(fields | {"switch_after": now, "tokens_rerun": self._tokens_rerun}), **self._take_peak())
+
+    def begin_switch(self, key: str, value: Any) -> Any:
+        """Start a live switch whose re-run, if it needs one, runs off the token path (``kvscope.core.runtimes.transformers.rerun.begin``):
+        returns its event Sample when it applied at once, else a ``kvscope.core.runtimes.transformers.rerun.PreparedSwitch`` for
+        ``advance_switch``. SettingsError: refused, nothing changed."""
+        from kvscope.core.runtimes.transformers import rerun
+
+        return rerun.begin(self, key, value)
+
+    def advance_switch(self, prepared: Any) -> Sample | None:
+        """Between two tokens: the prepared switch's event Sample once it applies, else None (``kvscope.core.runtimes.transformers.rerun.advance``)."""
+        from kvscope.core.runtimes.transformers import rerun
+
+        return rerun.advance(self, prepared)
+
+    def _target_of(self, name: str, parsed: Any) -> tuple[AttentionMode, str, CacheStrategy, str | None]:
+        """The whole target of a switch (attention, kernel, cache) and the kernel it takes along (h2o needs eager)."""
+        mode = parsed if name == "attention" else self.mode
+        impl = parsed if name == "attn_impl" else self.settings.attn_impl
+        strategy = parsed if name == "cache" else self.settings.cache
+        eager_for = None
+        if name == "cache" and strategy.needs_attention_weights and impl != "eager":
+            eager_for, impl = impl, "eager"  # the switch takes the kernel along, and says so
+        return mode, impl, strategy, eager_for
+
+    def _convert(self, name: str, parsed: Any, eager_for: str | None) -> str:
+        """Convert the model and the cache to the switch's target (not atomic: the caller undoes on failure).
+        Returns what happened, for the event (the kernel's switch is described after the trial pass)."""
+        if name == "attention":
+            return self._set_attention(parsed, live=True)
+        if name == "attn_impl":
+            self._set_attn_impl(parsed)
+            return ""
+        if eager_for is not None:
+            self._set_attn_impl("eager")
+        detail = self._switch_cache(parsed)
+        if eager_for is not None:
+            detail += (f"; attn-impl {eager_for} -> eager: {parsed.name} scores tokens by the attention "
+                       "weights, which only eager attention returns")
+        return detail
 
     def _trial_step(self) -> None:
         """Run one forward pass on the converted model and cache, then undo what it added to the cache:
@@ -487,7 +533,8 @@ class Engine:
             self.kernel = measured
 
     def _switch_cache(self, strategy: CacheStrategy) -> str:
-        from kvscope.core.runtimes.transformers import convert  # transformers, a 9 s import: not when serve() imports this module
+        from kvscope.core.runtimes.transformers import (
+            convert)  # transformers, a 9 s import: not when serve() imports this module
 
         if self.cache is None or self.seq_len == 0:
             self.settings = self.settings.with_(cache=strategy)

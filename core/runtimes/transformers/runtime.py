@@ -114,6 +114,29 @@ def _check_settings_before_loading(request: RunRequest) -> None:
     _check_prompt_before_loading(request, spec)
 
 
+#: Models loaded ahead of their run (``preload_model``), by what ``load_model`` is asked.
+_preloaded: dict[tuple, Any] = {}
+
+
+def _load_key(request: RunRequest) -> tuple:
+    return (request.source, request.device, request.dtype, request.trust_remote_code, request.allow_pickle)
+
+
+def preload_model(request: RunRequest) -> None:
+    """Load the model of a run about to be asked for (the window's first run, while the window is still starting:
+    ``kvscope.core.live.engine_process.spawn_early``); that run's ``load`` takes it. A model that fails to load here is left
+    to the run, which says why."""
+    from kvscope.core.runtimes.transformers.loading import load_model
+
+    try:
+        _check_settings_before_loading(request)
+        _preloaded[_load_key(request)] = load_model(
+            request.source, device=request.device, dtype=request.dtype, trust_remote_code=request.trust_remote_code,
+            allow_pickle=request.allow_pickle)
+    except Exception:  # noqa: BLE001 - the run loads it again and reports the error itself
+        _preloaded.clear()
+
+
 class TransformersRuntime:
     """``kvscope.core.runtimes.transformers.engine.Engine`` as a ``kvscope.core.runtimes.base.Runtime``."""
 
@@ -128,6 +151,8 @@ class TransformersRuntime:
         self.probe: Any = None
         self._snapshot: str | None = None
         self._kv_now: tuple[int, int, int] | None = None  # (seq_len, observed, predicted): the budget's "now"
+        self._prepared: Any = None  # a live switch whose re-run runs off the token path (kvscope.core.runtimes.transformers.rerun.PreparedSwitch)
+        self._held: dict[str, tuple[str, str]] = {}  # presses on other axes, waiting for it
 
     @classmethod
     def around(cls, engine: Engine, request: RunRequest) -> "TransformersRuntime":
@@ -144,9 +169,12 @@ class TransformersRuntime:
 
     def load(self) -> None:
         r = self.request
-        self.loaded = kvscope.core.runtimes.transformers.loading.load_model(r.source, device=r.device, dtype=r.dtype,
-                                              trust_remote_code=r.trust_remote_code, allow_pickle=r.allow_pickle,
-                                              progress=self.progress)
+        self.loaded = _preloaded.pop(_load_key(r), None)  # loaded ahead (the window's first run), used once
+        _preloaded.clear()
+        if self.loaded is None:
+            self.loaded = kvscope.core.runtimes.transformers.loading.load_model(
+                r.source, device=r.device, dtype=r.dtype, trust_remote_code=r.trust_remote_code,
+                allow_pickle=r.allow_pickle, progress=self.progress)
         self.spec = self.loaded.spec
         limit_cpu_threads(self.loaded.device)
         self.probe = MemoryProbe(device=self.loaded.device)
@@ -220,6 +248,55 @@ class TransformersRuntime:
         except (SettingsError, SpecError) as exc:  # the engine undid everything: one refused event, as every runtime
             return e.event("refused", f"{key}={value} refused: {exc}", **e.switch_fields(key, value))
 
+    def apply_live(self, key: str, value: str) -> list[Sample]:
+        """A switch pressed during the run: one that re-runs the tokens so far is prepared off the token path
+        (``kvscope.core.runtimes.transformers.rerun``: the run goes on under the current settings, the status line shows the progress, and
+        the switch applies at a later token, from ``advance``). While one is prepared, a press on its axis
+        replaces it (back to the running setting: cancelled, a "no change" answer) and a press on another
+        axis waits for it (the last per axis). Returns the event Samples to emit now."""
+        prepared = self._prepared
+        if prepared is not None:
+            asked = self.engine.switch_fields(key, value)
+            axis, wanted = asked["switch_key"], asked["switch_after"]
+            if axis != prepared.axis:
+                self._held.pop(axis, None)
+                self._held[axis] = (key, value)
+                return []
+            if wanted == prepared.wanted:
+                return []  # that very switch is under way
+            prepared.cancel()
+            self._prepared = None
+            self.progress(f"{prepared.what}: replaced by a newer press before it applied")
+        e = self.engine
+        try:
+            answer = e.begin_switch(key, value)
+        except (SettingsError, SpecError) as exc:
+            return [e.event("refused", f"{key}={value} refused: {exc}", **e.switch_fields(key, value))]
+        if isinstance(answer, Sample):
+            return [answer]
+        self._prepared = answer
+        return []
+
+    def advance(self) -> list[Sample]:
+        """Between two tokens: the prepared switch's answer once it applies (then the presses that waited for
+        it), else nothing."""
+        prepared = self._prepared
+        if prepared is None:
+            return []
+        e = self.engine
+        try:
+            answer = e.advance_switch(prepared)
+        except (SettingsError, SpecError) as exc:
+            answer = e.event("refused", f"{prepared.key}={prepared.value} refused: {exc}", **prepared.fields)
+        if answer is None:
+            return []
+        self._prepared = None
+        out = [answer]
+        held, self._held = self._held, {}
+        for key, value in held.values():
+            out += self.apply_live(key, value)
+        return out
+
     def event(self, kind: str, text: str, **fields: Any) -> Sample:
         return self.engine.event(kind, text, **fields)
 
@@ -259,6 +336,9 @@ class TransformersRuntime:
                 f"cache {e.settings.cache.key})")
 
     def close(self) -> None:
+        if self._prepared is not None:  # the run ended before the prepared switch applied
+            self._prepared.cancel()
+            self._prepared = None
         if self._snapshot:
             snapshot, self._snapshot = self._snapshot, None
             allocator_snapshot_save(snapshot)

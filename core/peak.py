@@ -11,6 +11,7 @@ Engine side only (imports torch).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -52,3 +53,40 @@ def measure_peak(call: Callable[[], Any], device: str) -> tuple[Any, PeakReading
         now += int(event.nbytes())
         peak = max(peak, now)
     return result, PeakReading(peak=peak, end=now)
+
+
+def matmul_scratch(dtype: torch.dtype, threads: int | None = None) -> Callable[..., int]:
+    """The CPU's per-call scratch of a matmul, asked of the library that allocates it: a function of
+    (batch, m, k, n, transposed) giving the bytes a ``[batch, m, k] @ [batch, k, n]`` product in ``dtype`` allocates
+    and frees inside the call beyond its output (0 where none); ``transposed``: B is the transpose of a contiguous
+    [n, k] (nn.Linear's weight, eager's keys), else contiguous [k, n] (eager's values).
+
+    Why asked, not computed: in bf16/fp16 on a CPU with oneDNN, PyTorch runs ``mm``/``bmm`` through oneDNN's
+    brgemm matmul (``aten/src/ATen/native/mkldnn/Matmul.cpp``, for m*k*n > 16**3), whose scratchpad (a bf16 copy
+    of B blocked 64 columns wide and an fp32 accumulator for C, per thread) is sized by a blocking heuristic that
+    reads the thread count, the ISA (AVX512-BF16, AMX) and the L2 cache size. The product runs once per shape
+    (memoised), on zeros of that shape, under the profiler (``measure_peak``); the answer is this machine's own."""
+    threads = threads or torch.get_num_threads()
+    return functools.partial(_matmul_scratch, dtype, threads)
+
+
+@functools.lru_cache(maxsize=4096)
+def _matmul_scratch(dtype: torch.dtype, threads: int, batch: int, m: int, k: int, n: int, transposed: bool = True) -> int:
+    if dtype == torch.float32 or m * k * n == 0:
+        return 0  # fp32 matmuls go to MKL's sgemm on the CPU, which takes no memory from PyTorch's allocator
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a = torch.zeros(batch, m, k, dtype=dtype) if batch > 1 else torch.zeros(m, k, dtype=dtype)
+        if transposed:  # nn.Linear's weight layout: [out, in], used transposed
+            b = torch.zeros(batch, n, k, dtype=dtype).transpose(1, 2)
+        else:
+            b = torch.zeros(batch, k, n, dtype=dtype)
+        if batch == 1:
+            b = b[0]
+        with torch.inference_mode():
+            torch.matmul(a, b)  # oneDNN builds (and caches) the primitive on its first call; measure the second
+            _, reading = measure_peak(lambda: torch.matmul(a, b), "cpu")
+    finally:
+        torch.set_num_threads(before)
+    return max(0, reading.peak - reading.end) if reading else 0

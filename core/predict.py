@@ -8,7 +8,7 @@ transient tensors of one forward pass, an estimate whose dominant term (eager's 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from core.caches import kv_layout
 from core.settings import RunSettings, effective_spec
@@ -253,7 +253,8 @@ def _sdpa_cpu_buffers(b: int, heads: int, q: int, kv: int, head_dim: int, dt: in
 
 
 def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, device: str = "cpu",
-                 cpu_threads: int = 1, past_tokens: int = 0) -> PrefillPeak:
+                 cpu_threads: int = 1, past_tokens: int = 0,
+                 matmul_scratch: Callable[..., int] | None = None) -> PrefillPeak:
     """The prefill's peak, in bytes above what was held before the forward call (the weights, the empty cache),
     for the call ``generate()`` makes: ``model(input_ids, cache=DynamicCache(), use_cache=True,
     logits_to_keep=1)``. With ``past_tokens``, the same for ``prompt_tokens`` new tokens (1: a decode step) on a
@@ -266,8 +267,10 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
     (eager: repeat_kv copies, scores x scaling + mask, an fp32 softmax and its cast back, kept alive to the end
     of the layer by the ``hidden_states, _ = self_attn(...)`` binding; sdpa on the CPU: its flash kernel's
     per-thread buffers, ``cpu_threads`` of them), o_proj, the residual add and the MLP; last the final norm and
-    lm_head on the last position. What this does not count: oneDNN's scratch memory inside a bf16/fp16
-    matmul on the CPU (its blocking depends on the CPU), and sub-kilobyte position tensors.
+    lm_head on the last position. ``matmul_scratch(batch, m, k, n, transposed)``, when given, is the scratch one
+    matmul of that shape allocates and frees inside the call (oneDNN's, in bf16/fp16 on the CPU: the engine asks
+    the library, ``core.peak.matmul_scratch``); without it none is counted (a GPU's cuBLAS workspace is not
+    PyTorch's allocator's, and fp32 on the CPU has none). Not counted: sub-kilobyte position tensors.
     """
     eff = effective_spec(spec, settings)
     b, s = settings.batch, prompt_tokens
@@ -282,6 +285,14 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
     # A decode step on sliding layers past their window: DynamicSlidingWindowLayer keeps W - 1 tokens, not replayed.
     exact = mt in _LLAMA_LIKE and not (past_tokens and eff.num_sliding_layers) and not (dt != FP32 and mt in _FP32_ROPE)
     heap = _Heap()
+
+    def mm(out: int, m: int, k: int, n: int, batch: int = 1, transposed: bool = True) -> int:
+        """A matmul's output (left allocated), and the scratch the library takes and gives back inside the call."""
+        o = heap.alloc(out)
+        if matmul_scratch is not None and dt != FP32:
+            heap.free(heap.alloc(matmul_scratch(batch, m, k, n, transposed)))
+        return o
+
     A = b * s * H * dt  # one hidden-state tensor
     A32 = b * s * H * FP32
     row32 = b * s * FP32  # one fp32 scalar per token (RMSNorm's variance)
@@ -380,7 +391,7 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
         """The MLP on a held normed input; returns its output's bytes (left allocated)."""
         inter = b * s * I * dt
         if mlp_kind == "dense":  # fc1 -> act -> fc2
-            up = heap.alloc(inter)
+            up = mm(inter, b * s, H, I)
             if gelu_formula:  # NewGELUActivation: 0.5*x*(1+tanh(c*(x+0.044715*x**3))), one temporary per op
                 half, cube = heap.alloc(inter), heap.alloc(inter)
                 scaled = heap.alloc(inter)
@@ -396,23 +407,23 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
             else:
                 act = heap.alloc(inter)
             heap.free(up)
-            down = heap.alloc(A)
+            down = mm(A, b * s, I, H)
             heap.free(act)
         elif mlp_kind == "gated-fused":  # gate_up_proj, chunk (views), up * act(gate), down_proj (Phi-3)
-            gu = heap.alloc(2 * inter)
+            gu = mm(2 * inter, b * s, H, 2 * I)
             act = heap.alloc(inter)
             prod = heap.alloc(inter)
             heap.free(act)
-            down = heap.alloc(A)
+            down = mm(A, b * s, I, H)
             heap.free(prod, gu)
         else:  # down_proj(act(gate_proj(x)) * up_proj(x))
-            gate = heap.alloc(inter)
+            gate = mm(inter, b * s, H, I)
             act = heap.alloc(inter)
             heap.free(gate)
-            up = heap.alloc(inter)
+            up = mm(inter, b * s, H, I)
             prod = heap.alloc(inter)
             heap.free(act, up)
-            down = heap.alloc(A)
+            down = mm(A, b * s, I, H)
             heap.free(prod)
         return down
 
@@ -426,12 +437,12 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
         heap.at = f"layer {layer + 1} attention"
         normed = norm()
         if fused_qkv:
-            qkv = heap.alloc(Q + 2 * K)
+            qkv = mm(Q + 2 * K, b * s, H, (heads + 2 * kvh) * hd)
             qe, ke = rope_partial(Q), rope_partial(K)
             q = k = v = 0
         else:
             qkv = 0
-            q, k, v = heap.alloc(Q), heap.alloc(K), heap.alloc(K)
+            q, k, v = mm(Q, b * s, H, heads * hd), mm(K, b * s, H, kvh * hd), mm(K, b * s, H, kvh * hd)
             qe, ke = rope_partial(Q), rope_partial(K)
             if locals_hold:  # Phi's query_pass/key_pass views keep q_proj's and k_proj's outputs alive
                 kept.extend((q, k))
@@ -447,7 +458,7 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
             reps = [heap.alloc(b * heads * kv * hd * kv_dt) for _ in range(2)] if groups > 1 else []
             S = b * heads * s * kv * dt
             heap.at = f"layer {layer + 1} scores"
-            scores = heap.alloc(S)
+            scores = mm(S, s, hd, kv, batch=b * heads)
             scaled = heap.alloc(S)
             heap.free(scores)
             masked = heap.alloc(S)
@@ -463,7 +474,7 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
                 weights = heap.alloc(S)
             heap.free(masked)
             heap.at = f"layer {layer + 1} attention"
-            o = heap.alloc(Q)  # attn_weights @ v
+            o = mm(Q, s, kv, hd, batch=b * heads, transposed=False)  # attn_weights @ v
             out = heap.alloc(Q)  # transpose(1, 2).contiguous()
             heap.free(o, *reps)
         else:
@@ -481,7 +492,7 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
                 heap.free(reduced, buf, lse)
             heap.free(float_mask, *reps)
             heap.at = f"layer {layer + 1} attention"
-        attn = heap.alloc(A)  # o_proj
+        attn = mm(A, b * s, heads * hd, H)  # o_proj
         # StableLM binds ``self_attn_output, _ = ...`` beside its normed input: both live to the end of the layer.
         layer_locals = [normed, attn] if attn_locals_kept else []
         heap.free(out, qe, qkv, *kept, *([] if attn_locals_kept else [normed]))
@@ -513,6 +524,6 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
     # The base model returns: its locals (embeddings, positions, masks, cos/sin, the last layer's output) go
     # before the causal-LM head runs lm_head on hidden_states[:, -1:, :] (logits_to_keep=1).
     heap.free(h, E, mask, sdpa_mask, cos_sin, s * 8)
-    heap.alloc(b * V * dt)
+    mm(b * V * dt, b, H, V)
     heap.free(normed)
     return PrefillPeak(peak=heap.peak, end=heap.now, where=heap.where, exact=exact)

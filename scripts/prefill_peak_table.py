@@ -21,6 +21,7 @@ from tests.test_prefill_peak import EXACT, _measure  # noqa: E402
 def main() -> int:
     import torch
 
+    from core.peak import matmul_scratch
     from core.predict import prefill_peak
     from core.settings import RunSettings
     from core.spec import spec_from_config
@@ -44,7 +45,8 @@ def main() -> int:
                 for n in lengths:
                     measured = _measure(model, n, impl)
                     predicted = prefill_peak(spec, RunSettings(weight_dtype=dtype, attn_impl=impl), n,
-                                             cpu_threads=torch.get_num_threads())
+                                             cpu_threads=torch.get_num_threads(),
+                                             matmul_scratch=matmul_scratch(getattr(torch, dtype)))
                     error = (predicted.peak - measured.peak) / measured.peak
                     row = f"{model_type} {impl} {dtype} {n}"
                     if abs(error) > abs(worst[0]):

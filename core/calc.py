@@ -87,13 +87,16 @@ class CalcResult:
 def prefill_peak_json(spec: ModelSpec, settings: RunSettings, context: int) -> dict[str, Any]:
     """``prefill_peak_bytes``: the most bytes the prefill of ``context`` tokens holds at once beyond the weights
     (KV written and last-position logits included; ``core.predict.prefill_peak``, as on a GPU: the CPU flash
-    kernel's per-thread buffers are left out; a model type the replay does not follow gets a Llama layer's).
-    Checked against the allocator on the CPU (tests/test_prefill_peak.py); not yet on a GPU."""
-    from core.predict import prefill_peak
+    kernel's per-thread buffers and oneDNN's matmul scratch are left out; a model type the replay does not follow
+    gets a Llama layer's). ``decode_peak_bytes``: the most bytes one decode step on a cache of ``context`` tokens
+    holds at once beyond the weights and that cache (``core.predict.decode_peak``). Both checked against the
+    allocator on the CPU (tests/test_prefill_peak.py, tests/test_decode_peak.py); not yet on a GPU."""
+    from core.predict import decode_peak, prefill_peak
 
     s = settings.with_(max_context=settings.max_context or context) if settings.cache.name == "static" else settings
     peak = prefill_peak(spec, s, context, device="cuda")
-    return {"prefill_peak_bytes": peak.peak}
+    step = decode_peak(spec, s, context, device="cuda")
+    return {"prefill_peak_bytes": peak.peak, "decode_peak_bytes": step.peak}
 
 
 def calculate(spec: ModelSpec, settings: RunSettings, contexts: list[int], gpu_memory: int | None = None,

@@ -27,9 +27,20 @@ class PeakReading:
     end: int
 
 
-def measure_peak(call: Callable[[], Any], device: str) -> tuple[Any, PeakReading | None]:
-    """Run ``call()`` once and return its result with the allocator's peak above the start (None on a
-    device whose allocator cannot be followed)."""
+#: An allocation of an odd size made and freed inside the profiler's session just before the call: the replay starts
+#: at its free (what ``adopt`` re-allocated before it stays counted as held, not as the call's).
+_MARKER_BYTES = 7_777_777
+
+
+def measure_peak(call: Callable[[], Any], device: str,
+                 adopt: Callable[[], None] | None = None) -> tuple[Any, PeakReading | None]:
+    """Run ``call()`` once and return its result with the allocator's peak above the start (None on a device whose
+    allocator cannot be followed).
+
+    On the CPU the profiler reports the free of a block only if it saw the block allocated (c10's
+    ``ProfiledCPUMemoryReporter`` keeps the sizes of blocks allocated while profiling). A call that frees tensors
+    made before it (a decode step's ``torch.cat`` replaces the cache's K/V) would look as if it kept them, so
+    ``adopt`` (run inside the session, before the call) re-allocates those tensors first: ``adopt_dynamic_cache``."""
     if device.startswith("cuda"):
         dev = torch.device(device)
         torch.cuda.synchronize(dev)
@@ -44,15 +55,41 @@ def measure_peak(call: Callable[[], Any], device: str) -> tuple[Any, PeakReading
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        if adopt is not None:
+            adopt()
+        marker = torch.empty(_MARKER_BYTES, dtype=torch.uint8)
+        del marker
         result = call()
     cpu = torch._C._autograd.DeviceType.CPU
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == cpu]
     events.sort(key=lambda e: e.start_ns())  # stable: same-instant events keep the allocator's order
+    started = False
     now = peak = 0
     for event in events:
+        if not started:
+            started = int(event.nbytes()) == -_MARKER_BYTES
+            continue
         now += int(event.nbytes())
         peak = max(peak, now)
     return result, PeakReading(peak=peak, end=now)
+
+
+def adopt_dynamic_cache(cache: Any) -> Callable[[], None] | None:
+    """For ``measure_peak``'s ``adopt``: a function that replaces every layer's K/V of a transformers dynamic cache by
+    a copy (so the profiler sees the step free them), or None when the cache has layers of another kind (sliding,
+    quantized, offloaded: not measured on the CPU). Costs one copy of the cache, one layer at a time."""
+    layers = getattr(cache, "layers", None)
+    if not layers or any(type(layer).__name__ != "DynamicLayer" for layer in layers):
+        return None
+
+    def adopt() -> None:
+        for layer in layers:
+            for name in ("keys", "values"):
+                tensor = getattr(layer, name, None)
+                if isinstance(tensor, torch.Tensor):
+                    setattr(layer, name, tensor.clone())
+
+    return adopt
 
 
 def matmul_scratch(dtype: torch.dtype, threads: int | None = None) -> Callable[..., int]:

@@ -209,6 +209,13 @@ class PrefillPeak:
     end: int
     where: str
     exact: bool
+    logits: int = 0  # of ``end``: the logits returned (the rest is the KV the pass added)
+
+    @property
+    def transient(self) -> int:
+        """The peak less the KV the pass added: bytes beyond the weights and the cache it leaves (its temporaries
+        at the peak, the logits included)."""
+        return self.peak - (self.end - self.logits)
 
 
 class _Heap:
@@ -524,6 +531,26 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
     # The base model returns: its locals (embeddings, positions, masks, cos/sin, the last layer's output) go
     # before the causal-LM head runs lm_head on hidden_states[:, -1:, :] (logits_to_keep=1).
     heap.free(h, E, mask, sdpa_mask, cos_sin, s * 8)
-    mm(b * V * dt, b, H, V)
+    logits = mm(b * V * dt, b, H, V)
     heap.free(normed)
-    return PrefillPeak(peak=heap.peak, end=heap.now, where=heap.where, exact=exact)
+    return PrefillPeak(peak=heap.peak, end=heap.now, where=heap.where, exact=exact, logits=logits)
+
+
+def decode_peak(spec: ModelSpec, settings: RunSettings, past_tokens: int, device: str = "cpu", cpu_threads: int = 1,
+                matmul_scratch: Callable[..., int] | None = None) -> PrefillPeak:
+    """One decode step's peak, in bytes above the weights and the cache of ``past_tokens`` it starts from: the same
+    replay as ``prefill_peak`` for one new token (the cache's cat holds one layer's K/V twice for a moment, the
+    1 x past scores in eager). ``exact`` is False where the replay does not follow the model or the cache."""
+    return prefill_peak(spec, settings, 1, device=device, cpu_threads=cpu_threads, past_tokens=past_tokens,
+                        matmul_scratch=matmul_scratch)
+
+
+def forward_activations(spec: ModelSpec, settings: RunSettings, new_tokens: int, past_tokens: int = 0,
+                        device: str = "cpu", cpu_threads: int = 1,
+                        matmul_scratch: Callable[..., int] | None = None) -> int:
+    """Bytes one forward pass of ``new_tokens`` on a cache of ``past_tokens`` holds at its peak beyond the weights
+    and the cache it leaves (``PrefillPeak.transient``): weights + KV after the pass + this is the predicted
+    total of that moment, what a device allocator's peak counter reads for the step. A prefill: ``past_tokens``
+    0; a decode step: ``new_tokens`` 1."""
+    return prefill_peak(spec, settings, new_tokens, device=device, cpu_threads=cpu_threads, past_tokens=past_tokens,
+                        matmul_scratch=matmul_scratch).transient

@@ -192,8 +192,8 @@ _LAYER_NORM = frozenset({"gpt_neox", "phi", "starcoder2", "stablelm"})
 _PARALLEL = frozenset({"gpt_neox", "phi"})
 _FUSED_GATE_UP = frozenset({"phi3", "glm"})
 _DENSE_MLP = frozenset({"gpt_neox", "phi", "starcoder2"})
-#: Rotary applied to fp32 copies of q and k (and LayerNorms in fp32): followed in fp32 only, where the copies are
-#: the tensors themselves; in bf16 their peak is in the rotary (Cohere -22%, OLMo -11% at 16-740 tokens).
+#: Rotary in fp32 on q and k of a bf16/fp16 model (``rope_upcast``): OLMo's fp32 cos/sin promote the products, Cohere
+#: copies q and k with .float() first; each mixed-dtype multiply casts its other operand in a temporary.
 _FP32_ROPE = frozenset({"cohere", "olmo"})
 
 
@@ -290,7 +290,8 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
     eager = kernel == "eager"
     mt = spec.model_type
     # A decode step on sliding layers past their window: DynamicSlidingWindowLayer keeps W - 1 tokens, not replayed.
-    exact = mt in _LLAMA_LIKE and not (past_tokens and eff.num_sliding_layers) and not (dt != FP32 and mt in _FP32_ROPE)
+    exact = mt in _LLAMA_LIKE and not (past_tokens and eff.num_sliding_layers)
+    fp32_rope = mt in _FP32_ROPE and dt != FP32
     heap = _Heap()
 
     def mm(out: int, m: int, k: int, n: int, batch: int = 1, transposed: bool = True) -> int:
@@ -329,7 +330,9 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
     emb = heap.alloc(b * s * rotary * FP32)
     cs32 = [heap.alloc(b * s * rotary * FP32) for _ in range(2)]  # cos() and sin() x attention_scaling
     cos_sin = 2 * b * s * rotary * dt
-    if dt != FP32:
+    if mt == "olmo":  # OlmoRotaryEmbedding returns cos and sin in fp32 (no cast to the model's dtype)
+        cos_sin = sum(cs32)
+    elif dt != FP32:
         heap.alloc(cos_sin)
         heap.free(*cs32)
     heap.free(emb, freqs)
@@ -376,10 +379,46 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
         sdpa_mask = heap.alloc(b * s * kv)  # a window that bites: sdpa gets a boolean mask, not is_causal
 
     def norm() -> int:
+        if mt == "olmo":  # OlmoLayerNorm: F.layer_norm on an fp32 copy, no weight, cast back
+            up = heap.alloc(A32) if dt != FP32 else 0
+            out32 = heap.alloc(A32)
+            heap.free(heap.alloc(row32), heap.alloc(row32))  # native_layer_norm's mean and rstd rows
+            heap.free(up)
+            if dt == FP32:
+                return out32
+            out = heap.alloc(A)
+            heap.free(out32)
+            return out
         if not layer_norm:
             return rms_norm(0)
         out = heap.alloc(A)  # native_layer_norm's output, and its mean and rstd rows
         heap.free(heap.alloc(row32), heap.alloc(row32))
+        return out
+
+    def rope_upcast(nq: int, nk: int) -> tuple[int, int]:
+        """Rotary in fp32 on q and k of the model's dtype (``nq``, ``nk`` bytes), cast back at the return: OLMo's
+        apply_rotary_pos_emb (q * fp32 cos promotes; rotate_half stays in the model's dtype), Cohere's (q.float() and
+        k.float() first, its interleaved rotate_half on the fp32 copies)."""
+        up = dt and FP32 // dt
+        copies = [heap.alloc(n * up) for n in (nq, nk)] if mt == "cohere" else []
+        embeds = []
+        for n in (nq, nk):
+            half = n * up // 2 if copies else n // 2  # -x2 (and the cat/stack) in the dtype rotate_half gets
+            # A mixed-dtype multiply casts its other-dtype operand to fp32 in a temporary inside the op: OLMo's
+            # q/k (and the rotated halves), Cohere's cos/sin.
+            cast = b * s * rotary * FP32 if copies else n * up
+            a = heap.alloc(n * up)  # x * cos, fp32
+            heap.free(heap.alloc(cast))
+            neg = heap.alloc(half)
+            cat = heap.alloc(2 * half)
+            heap.free(neg)
+            c = heap.alloc(n * up)  # rotate_half(x) * sin, fp32
+            heap.free(heap.alloc(cast))
+            heap.free(cat)
+            embeds.append(heap.alloc(n * up))  # the sum
+            heap.free(c, a)
+        out = heap.alloc(nq), heap.alloc(nk)  # q_embed.to(q_type), k_embed.to(k_type)
+        heap.free(*embeds, *copies)
         return out
 
     def rope_partial(n: int) -> int:
@@ -450,7 +489,7 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
         else:
             qkv = 0
             q, k, v = mm(Q, b * s, H, heads * hd), mm(K, b * s, H, kvh * hd), mm(K, b * s, H, kvh * hd)
-            qe, ke = rope_partial(Q), rope_partial(K)
+            qe, ke = rope_upcast(Q, K) if fp32_rope else (rope_partial(Q), rope_partial(K))
             if locals_hold:  # Phi's query_pass/key_pass views keep q_proj's and k_proj's outputs alive
                 kept.extend((q, k))
             else:

@@ -23,7 +23,7 @@ from tests import archs
 torch = pytest.importorskip("torch")
 
 from core.peak import adopt_dynamic_cache, matmul_scratch, measure_peak  # noqa: E402
-from core.predict import _FP32_ROPE as FP32_ROPE, decode_peak, prefill_peak  # noqa: E402
+from core.predict import decode_peak, prefill_peak  # noqa: E402
 from core.settings import RunSettings  # noqa: E402
 from core.spec import spec_from_config  # noqa: E402
 
@@ -70,10 +70,6 @@ def _measure(model, n: int, impl: str):
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 @pytest.mark.parametrize("model_type", EXACT)
 def test_prefill_peak_matches_the_allocator(models, model_type: str, impl: str, dtype: str, n: int) -> None:
-    if dtype != "float32" and model_type in FP32_ROPE:
-        spec = spec_from_config(archs.tiny_config(model_type).to_dict(), model_type)
-        assert not prefill_peak(spec, RunSettings(weight_dtype=dtype, attn_impl=impl), n).exact
-        pytest.skip(f"{model_type} runs its rotary on fp32 copies of q and k: replayed in fp32 only (exact=False)")
     model = models(model_type, dtype)
     spec = spec_from_config(model.config.to_dict(), model_type)
     measured = _measure(model, n, impl)

@@ -185,7 +185,7 @@ def last_true(holds, lo: int, hi: int) -> int:
 #: Model types whose decoder layers this replay follows op by op (transformers 5.24's modeling code);
 #: others get the Llama layer, the nearest shape (``PrefillPeak.exact`` is False for them).
 _LLAMA_LIKE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt_neox", "phi", "olmo", "granite",
-                         "starcoder2", "stablelm", "cohere", "glm", "helium"})
+                         "starcoder2", "stablelm", "cohere", "glm", "helium", "gemma2", "olmo2"})
 
 _FUSED_QKV = frozenset({"gpt_neox", "phi3"})
 _LAYER_NORM = frozenset({"gpt_neox", "phi", "starcoder2", "stablelm"})
@@ -194,7 +194,9 @@ _FUSED_GATE_UP = frozenset({"phi3", "glm"})
 _DENSE_MLP = frozenset({"gpt_neox", "phi", "starcoder2"})
 #: Rotary in fp32 on q and k of a bf16/fp16 model (``rope_upcast``): OLMo's fp32 cos/sin promote the products, Cohere
 #: copies q and k with .float() first; each mixed-dtype multiply casts its other operand in a temporary.
-_FP32_ROPE = frozenset({"cohere", "olmo"})
+_FP32_ROPE = frozenset({"cohere", "olmo", "olmo2"})
+#: Norms after the attention and after the MLP, on their outputs (Gemma 2: beside the two before; OLMo 2: instead).
+_POST_NORMS = frozenset({"gemma2", "olmo2"})
 
 
 @dataclass(frozen=True)
@@ -301,8 +303,8 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
             heap.free(heap.alloc(matmul_scratch(batch, m, k, n, transposed)))
         return o
 
-    A = b * s * H * dt  # one hidden-state tensor
-    A32 = b * s * H * FP32
+    A = A_ = b * s * H * dt  # one hidden-state tensor
+    A32 = A32_ = b * s * H * FP32
     row32 = b * s * FP32  # one fp32 scalar per token (RMSNorm's variance)
     Q, K = b * heads * s * hd * dt, b * kvh * s * hd * dt
     Kc = b * kvh * kv * hd * kv_dt  # the cache's new tensor of one layer's keys (values the same)
@@ -320,9 +322,11 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
     mask = 0
     if eager:
         heap.at = "causal mask"
-        tmp = heap.alloc(b * s * kv)  # the boolean mask
-        mask = heap.alloc(b * s * kv * dt)  # torch.where into the additive float mask
-        heap.free(tmp)
+        # a model with both kinds of layers builds a full and a sliding mask (Gemma 2's causal_mask_mapping)
+        for _ in range(2 if eff.num_sliding_layers and eff.num_full_layers else 1):
+            tmp = heap.alloc(b * s * kv)  # the boolean mask
+            mask += heap.alloc(b * s * kv * dt)  # torch.where into the additive float mask
+            heap.free(tmp)
     heap.at = "rotary embedding"
     pos32, inv32 = heap.alloc(b * s * FP32), heap.alloc(b * (rotary // 2) * FP32)
     freqs = heap.alloc(b * s * (rotary // 2) * FP32)
@@ -330,15 +334,17 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
     emb = heap.alloc(b * s * rotary * FP32)
     cs32 = [heap.alloc(b * s * rotary * FP32) for _ in range(2)]  # cos() and sin() x attention_scaling
     cos_sin = 2 * b * s * rotary * dt
-    if mt == "olmo":  # OlmoRotaryEmbedding returns cos and sin in fp32 (no cast to the model's dtype)
+    if mt in ("olmo", "olmo2"):  # their rotary embeddings return cos and sin in fp32 (no cast to the model's dtype)
         cos_sin = sum(cs32)
     elif dt != FP32:
         heap.alloc(cos_sin)
         heap.free(*cs32)
     heap.free(emb, freqs)
 
-    def rms_norm(_: int) -> int:
-        """LlamaRMSNorm on a held [b, s, H] tensor; returns the bytes of its output (left allocated)."""
+    def rms_norm(n: int = 0) -> int:
+        """LlamaRMSNorm on a held [b, s, n / s] tensor of ``n`` bytes (default one hidden state); returns the bytes of
+        its output (left allocated). OLMo 2 multiplies by the weight in fp32 and casts last."""
+        A, A32 = (n, n // dt * FP32) if n else (A_, A32_)  # noqa: N806
         up = heap.alloc(A32) if dt != FP32 else 0  # hidden_states.to(float32)
         sq = heap.alloc(A32)  # pow(2)
         var = heap.alloc(row32)  # mean
@@ -350,6 +356,15 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
         heap.free(r)
         if up:
             heap.free(up)
+        if mt == "olmo2":  # (self.weight * hidden_states).to(input_dtype)
+            if dt == FP32:
+                out = heap.alloc(A)
+            else:
+                weighted = heap.alloc(A32)
+                out = heap.alloc(A)
+                heap.free(weighted)
+            heap.free(normed32, var)
+            return out
         down = heap.alloc(A) if dt != FP32 else 0  # .to(input_dtype)
         out = heap.alloc(A)  # weight * hidden
         heap.free(down, normed32, var)
@@ -368,6 +383,8 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
         return out
 
     fused_qkv = mt in _FUSED_QKV
+    post_norms = mt in _POST_NORMS
+    softcap = _cfg(spec, "attn_logit_softcapping")
     layer_norm = mt in _LAYER_NORM
     parallel = bool(_cfg(spec, "use_parallel_residual", default=mt == "phi")) if mt in _PARALLEL else False
     mlp_kind = "gated-fused" if mt in _FUSED_GATE_UP else ("dense" if mt in _DENSE_MLP else "gated")
@@ -481,14 +498,23 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
     h = E  # the layer's input, held by the caller's binding for the whole layer
     for layer in range(eff.num_layers):
         heap.at = f"layer {layer + 1} attention"
-        normed = norm()
+        normed = norm() if mt != "olmo2" else 0  # OLMo 2 projects the layer's input itself
         if fused_qkv:
             qkv = mm(Q + 2 * K, b * s, H, (heads + 2 * kvh) * hd)
             qe, ke = rope_partial(Q), rope_partial(K)
             q = k = v = 0
         else:
             qkv = 0
-            q, k, v = mm(Q, b * s, H, heads * hd), mm(K, b * s, H, kvh * hd), mm(K, b * s, H, kvh * hd)
+            if mt == "olmo2":  # q_norm(q_proj(x)), k_norm(k_proj(x)): RMSNorms over all heads, before the split
+                q = mm(Q, b * s, H, heads * hd)
+                qn = rms_norm(Q)
+                heap.free(q)
+                k = mm(K, b * s, H, kvh * hd)
+                kn = rms_norm(K)
+                heap.free(k)
+                q, k, v = qn, kn, mm(K, b * s, H, kvh * hd)
+            else:
+                q, k, v = mm(Q, b * s, H, heads * hd), mm(K, b * s, H, kvh * hd), mm(K, b * s, H, kvh * hd)
             qe, ke = rope_upcast(Q, K) if fp32_rope else (rope_partial(Q), rope_partial(K))
             if locals_hold:  # Phi's query_pass/key_pass views keep q_proj's and k_proj's outputs alive
                 kept.extend((q, k))
@@ -507,6 +533,11 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
             scores = mm(S, s, hd, kv, batch=b * heads)
             scaled = heap.alloc(S)
             heap.free(scores)
+            if softcap:  # / softcap, tanh, * softcap: each a new tensor, the one before freed
+                for _ in range(3):
+                    nxt = heap.alloc(S)
+                    heap.free(scaled)
+                    scaled = nxt
             masked = heap.alloc(S)
             heap.free(scaled)
             heap.at = f"layer {layer + 1} softmax"
@@ -544,7 +575,19 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
         heap.free(out, qe, qkv, *kept, *([] if attn_locals_kept else [normed]))
         kept.clear()
         heap.at = f"layer {layer + 1} mlp"
-        if parallel:  # x + attn(ln1(x)) + mlp(ln2(x)) (GPT-NeoX, Phi)
+        if post_norms:  # h2 = h + post_attention_layernorm(attn); h3 = h2 + post_feedforward_layernorm(mlp(...))
+            post = norm()
+            heap.free(attn)
+            h2 = heap.alloc(A)
+            heap.free(post)
+            normed = norm() if mt != "olmo2" else 0
+            down = mlp()
+            heap.free(normed)
+            post = norm()
+            heap.free(down)
+            h3 = heap.alloc(A)
+            heap.free(post)
+        elif parallel:  # x + attn(ln1(x)) + mlp(ln2(x)) (GPT-NeoX, Phi)
             normed = norm()
             down = mlp()
             heap.free(normed)
@@ -572,6 +615,12 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
     heap.free(h, E, mask, sdpa_mask, cos_sin, s * 8)
     logits = mm(b * V * dt, b, H, V)
     heap.free(normed)
+    if _cfg(spec, "final_logit_softcapping"):  # / cap, tanh, * cap on the logits, each freeing the one before
+        heap.at = "final logit softcapping"
+        for _ in range(3):
+            nxt = heap.alloc(logits)
+            heap.free(logits)
+            logits = nxt
     return PrefillPeak(peak=heap.peak, end=heap.now, where=heap.where, exact=exact, logits=logits)
 
 

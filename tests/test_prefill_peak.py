@@ -30,7 +30,7 @@ from core.spec import spec_from_config  # noqa: E402
 #: Replayed op by op: the prediction equals the allocator's peak to within the position scalars.
 #: GPT-NeoX and Phi through their traits: fused QKV, partial rotary, LayerNorm, parallel residual, the GELU formula.
 EXACT = ("llama", "qwen2", "mistral", "gemma", "qwen3", "phi3", "starcoder2", "gpt_neox", "phi", "olmo", "granite",
-         "cohere", "helium", "stablelm", "glm")
+         "cohere", "helium", "stablelm", "glm", "gemma2", "olmo2")
 EXACT_SLACK = 64  # bytes: sub-kilobyte int64/float scalars the replay does not follow one by one
 TOLERANCE = 0.05
 
@@ -72,7 +72,11 @@ def _measure(model, n: int, impl: str):
 def test_prefill_peak_matches_the_allocator(models, model_type: str, impl: str, dtype: str, n: int) -> None:
     model = models(model_type, dtype)
     spec = spec_from_config(model.config.to_dict(), model_type)
-    measured = _measure(model, n, impl)
+    try:
+        measured = _measure(model, n, impl)
+    except ValueError as e:  # Gemma 2 has no sdpa in transformers: nothing to measure
+        assert impl == "sdpa" and "does not support" in str(e), e
+        pytest.skip(f"{model_type}: transformers refuses {impl}")
     predicted = prefill_peak(spec, RunSettings(weight_dtype=dtype, attn_impl=impl), n,
                              cpu_threads=torch.get_num_threads(), matmul_scratch=matmul_scratch(getattr(torch, dtype)))
     # What the pass leaves behind is the KV it wrote and the last position's logits, exactly, everywhere.

@@ -3,8 +3,10 @@
 CUDA: torch's own counters (``reset_peak_memory_stats`` before, ``max_memory_allocated`` after, less the
 bytes allocated at the start). The CPU allocator keeps no counter, so on the CPU the call runs under the
 PyTorch profiler with ``profile_memory=True``: every allocation and free of the CPU allocator comes as a
-``[memory]`` event with its signed size, and replaying them in order gives the high-water mark. Other
-devices (MPS): not measured (None).
+``[memory]`` event with its signed size, and replaying them in order gives the high-water mark (a call that
+frees tensors made before the session, a decode step's cache, has them copied in first: ``adopt_dynamic_cache``).
+Other devices (MPS): not measured (None). ``matmul_scratch`` asks oneDNN what a bf16/fp16 matmul of a shape takes
+from the allocator inside the call, for ``core.predict.prefill_peak``'s replay.
 
 Engine side only (imports torch).
 """

@@ -552,7 +552,8 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
             heap.free(masked)
             heap.at = f"layer {layer + 1} attention"
             o = mm(Q, s, kv, hd, batch=b * heads, transposed=False)  # attn_weights @ v
-            out = heap.alloc(Q)  # transpose(1, 2).contiguous()
+            # transpose(1, 2).contiguous(): a copy unless the swapped dims leave it contiguous (one token, or one head)
+            out = heap.alloc(Q) if s > 1 and heads > 1 else 0
             heap.free(o, *reps)
         else:
             # transformers' use_gqa_in_sdpa: with a mask, K/V are repeated to the query heads first.

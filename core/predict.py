@@ -615,13 +615,19 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
     # before the causal-LM head runs lm_head on hidden_states[:, -1:, :] (logits_to_keep=1).
     heap.free(h, E, mask, sdpa_mask, cos_sin, s * 8)
     logits = mm(b * V * dt, b, H, V)
-    heap.free(normed)
+    # the scaling and softcapping below run in the causal LM's forward, while its outputs (the normed states) live
+    if mt in ("granite", "cohere"):  # logits / logits_scaling (Granite), logits * logit_scale (Cohere): a new tensor
+        heap.at = "logit scaling"
+        nxt = heap.alloc(logits)
+        heap.free(logits)
+        logits = nxt
     if _cfg(spec, "final_logit_softcapping"):  # / cap, tanh, * cap on the logits, each freeing the one before
         heap.at = "final logit softcapping"
         for _ in range(3):
             nxt = heap.alloc(logits)
             heap.free(logits)
             logits = nxt
+    heap.free(normed)
     return PrefillPeak(peak=heap.peak, end=heap.now, where=heap.where, exact=exact, logits=logits)
 
 

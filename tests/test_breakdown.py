@@ -109,6 +109,15 @@ def test_totals_are_compared_like_with_like() -> None:
     assert forward_peak_totals(cpu) is None
     prefill = cpu.replace(phase="prefill", peak_bytes_observed=3 * MiB, peak_bytes_predicted=3 * MiB - 12)
     assert forward_peak_totals(prefill) == (13 * MiB, 13 * MiB - 12)
+    # a decode step's peak (measured now and then) sits above the cache it started from: not a Total-plot marker
+    assert forward_peak_totals(prefill.replace(phase="decode")) is None
+    # llama.cpp: its compute buffer read back from llama.cpp is compared with the predicted one, beside model + KV
+    llama = cpu.replace(activations_observed=7 * MiB, activations_predicted=7 * MiB - 5, kv_bytes_reserved=2 * MiB,
+                        kv_bytes_predicted=2 * MiB)
+    assert comparable_totals(llama) == (19 * MiB, 19 * MiB - 5)
+    # no allocator peak: never the allocated bytes after the step against a total that counts the step's peak
+    after = gpu.replace(allocator_peak=None)
+    assert comparable_totals(after)[0] == after.weights_bytes + after.kv_bytes_reserved
 
 
 @pytest.mark.parametrize("seed", [1, 2])

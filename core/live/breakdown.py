@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvscope.core.base.sample import Sample
+from kvscope.core.base.sample import PHASE_DECODE, Sample
+from kvscope.core.live.compare import observed_and_predicted_total
 
 MEASURED = "measured"
 PREDICTED = "predicted"
@@ -125,26 +126,17 @@ def memory_breakdown(s: Sample) -> Breakdown:
 
 
 def comparable_totals(s: Sample) -> tuple[int | None, int | None]:
-    """An observed total and the prediction of the same quantity (like with like), for the Total plot's curves.
-
-    - A device allocator with a peak counter (CUDA; the engine resets it before each forward pass): the step's
-      peak (weights, KV and the pass's transients) against predicted weights + KV + activation peak.
-    - Otherwise (the CPU, where the resident set also holds Python, libraries and freed-but-cached blocks): the
-      weights and KV tensors, walked, against predicted weights + KV. Never the RSS against a prediction.
-    """
-    if s.allocator_peak is not None and s.total_predicted is not None:
-        return s.allocator_peak, s.total_predicted
-    kv_observed = s.kv_bytes_reserved
-    observed = s.weights_bytes + kv_observed if s.weights_bytes is not None and kv_observed is not None else None
-    predicted = (s.weights_predicted + s.kv_bytes_predicted
-                 if s.weights_predicted is not None and s.kv_bytes_predicted is not None else None)
-    return observed, predicted
+    """An observed total and the prediction of the same quantity (like with like), for the Total plot's curves:
+    ``kvscope.core.live.compare.observed_and_predicted_total`` (the rules are written there, once)."""
+    return observed_and_predicted_total(s)
 
 
 def forward_peak_totals(s: Sample) -> tuple[int, int] | None:
     """For a prefill or a switch's re-run: weights + the forward pass's peak above them, observed (the allocator,
-    kvscope.core.runtimes.transformers.peak) and predicted (weights + kvscope.core.prediction.predict.prefill_peak); None for other samples."""
-    if s.peak_bytes_observed is None or s.peak_bytes_predicted is None:
+    kvscope.core.runtimes.transformers.peak) and predicted (weights + kvscope.core.prediction.predict.prefill_peak); None for other samples (a decode step's peak,
+    measured now and then, is above the weights and the cache it started from: the Sample carries it, the Total
+    plot's markers do not)."""
+    if s.phase == PHASE_DECODE or s.peak_bytes_observed is None or s.peak_bytes_predicted is None:
         return None
     if s.weights_bytes is None or s.weights_predicted is None:
         return None

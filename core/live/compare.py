@@ -9,18 +9,25 @@ from kvscope.core.base.sample import Sample
 def observed_and_predicted_total(s: Sample) -> tuple[int | None, int | None]:
     """Observed total and the prediction of the same quantity (like with like).
 
-    With a device allocator (CUDA/MPS) the observed total is what it has allocated, compared with the
-    predicted weights + KV + activations. Without one, it is the measured weights + KV tensors,
-    compared with the predicted weights + KV.
+    - A device allocator with a peak counter (CUDA; the engine resets it before each forward pass): the step's
+      peak (weights, KV and the pass's temporaries) against ``total_predicted`` (weights + KV + the pass's
+      activation peak beyond them, ``kvscope.core.prediction.predict.forward_activations``). Not the allocated bytes after the step:
+      by then the temporaries are gone and the prediction counts them.
+    - llama.cpp (its compute buffer read back from llama.cpp, ``activations_observed``): the model buffers + KV
+      reserved + compute buffer against the predicted three (the output buffer is not read back, so it is in
+      neither).
+    - Otherwise (the CPU, where the resident set also holds Python, libraries and freed-but-cached blocks): the
+      weights and KV tensors, walked, against predicted weights + KV. Never the RSS against a prediction.
     """
-    if s.allocator_allocated is not None:
-        return s.allocator_allocated, s.total_predicted
-    observed = None
-    if s.weights_bytes is not None and s.kv_bytes_observed is not None:
-        observed = s.weights_bytes + s.kv_bytes_observed
-    predicted = None
-    if s.weights_predicted is not None and s.kv_bytes_predicted is not None:
-        predicted = s.weights_predicted + s.kv_bytes_predicted
+    if s.allocator_peak is not None and s.total_predicted is not None:
+        return s.allocator_peak, s.total_predicted
+    kv_observed = s.kv_bytes_reserved
+    observed = s.weights_bytes + kv_observed if s.weights_bytes is not None and kv_observed is not None else None
+    predicted = (s.weights_predicted + s.kv_bytes_predicted
+                 if s.weights_predicted is not None and s.kv_bytes_predicted is not None else None)
+    if s.activations_observed is not None and s.activations_predicted is not None:
+        observed = observed + s.activations_observed if observed is not None else None
+        predicted = predicted + s.activations_predicted if predicted is not None else None
     return observed, predicted
 
 

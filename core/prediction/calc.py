@@ -13,7 +13,7 @@ from kvscope.core.model.settings import RunSettings, effective_spec
 from kvscope.core.model.spec import ModelSpec, human_bytes
 from kvscope.core.prediction.parallel import (Parallelism, ParallelPrediction, describe, gpu_rows, max_context_per_gpu,
                                               predict_parallel)
-from kvscope.core.prediction.predict import (Prediction, kv_bytes, kv_elem_bytes, kv_overtakes_weights_at,
+from kvscope.core.prediction.predict import (Prediction, decode_peak, kv_bytes, kv_elem_bytes, kv_overtakes_weights_at,
                                              max_context_that_fits, predict, prefill_peak)
 from kvscope.core.prediction.serving import ServingCapacity, render as render_serving
 from kvscope.core.prediction.table import aligned, bytes_cell
@@ -90,11 +90,14 @@ class CalcResult:
 def prefill_peak_json(spec: ModelSpec, settings: RunSettings, context: int) -> dict[str, Any]:
     """``prefill_peak_bytes``: the most bytes the prefill of ``context`` tokens holds at once beyond the weights
     (KV written and last-position logits included; ``kvscope.core.prediction.predict.prefill_peak``, as on a GPU: the CPU flash
-    kernel's per-thread buffers are left out; a model type the replay does not follow gets a Llama layer's).
-    Checked against the allocator on the CPU (tests/test_prefill_peak.py); not yet on a GPU."""
+    kernel's per-thread buffers and oneDNN's matmul scratch are left out; a model type the replay does not follow
+    gets a Llama layer's). ``decode_peak_bytes``: the most bytes one decode step on a cache of ``context`` tokens
+    holds at once beyond the weights and that cache (``kvscope.core.prediction.predict.decode_peak``). Both checked
+    against the allocator on the CPU (tests/test_prefill_peak.py); not yet on a GPU."""
     s = settings.with_(max_context=settings.max_context or context) if settings.cache.name == "static" else settings
     peak = prefill_peak(spec, s, context, device="cuda")
-    return {"prefill_peak_bytes": peak.peak}
+    step = decode_peak(spec, s, context, device="cuda")
+    return {"prefill_peak_bytes": peak.peak, "decode_peak_bytes": step.peak}
 
 
 def calculate(spec: ModelSpec, settings: RunSettings, contexts: list[int], gpu_memory: int | None = None,

@@ -8,7 +8,7 @@ transient tensors of one forward pass, an estimate whose dominant term (eager's 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from kvscope.core.model.caches import kv_layout
 from kvscope.core.model.settings import RunSettings, effective_spec
@@ -185,16 +185,18 @@ def last_true(holds, lo: int, hi: int) -> int:
 #: Model types whose decoder layers this replay follows op by op (transformers 5.24's modeling code);
 #: others get the Llama layer, the nearest shape (``PrefillPeak.exact`` is False for them).
 _LLAMA_LIKE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt_neox", "phi", "olmo", "granite",
-                         "starcoder2", "stablelm", "cohere", "glm", "helium"})
+                         "starcoder2", "stablelm", "cohere", "glm", "helium", "gemma2", "olmo2"})
 
 _FUSED_QKV = frozenset({"gpt_neox", "phi3"})
 _LAYER_NORM = frozenset({"gpt_neox", "phi", "starcoder2", "stablelm"})
 _PARALLEL = frozenset({"gpt_neox", "phi"})
 _FUSED_GATE_UP = frozenset({"phi3", "glm"})
 _DENSE_MLP = frozenset({"gpt_neox", "phi", "starcoder2"})
-#: Rotary applied to fp32 copies of q and k (and LayerNorms in fp32): followed in fp32 only, where the copies are
-#: the tensors themselves; in bf16 their peak is in the rotary (Cohere -22%, OLMo -11% at 16-740 tokens).
-_FP32_ROPE = frozenset({"cohere", "olmo"})
+#: Rotary in fp32 on q and k of a bf16/fp16 model (``rope_upcast``): OLMo's fp32 cos/sin promote the products, Cohere
+#: copies q and k with .float() first; each mixed-dtype multiply casts its other operand in a temporary.
+_FP32_ROPE = frozenset({"cohere", "olmo", "olmo2"})
+#: Norms after the attention and after the MLP, on their outputs (Gemma 2: beside the two before; OLMo 2: instead).
+_POST_NORMS = frozenset({"gemma2", "olmo2"})
 
 
 @dataclass(frozen=True)
@@ -209,6 +211,13 @@ class PrefillPeak:
     end: int
     where: str
     exact: bool
+    logits: int = 0  # of ``end``: the logits returned (the rest is the KV the pass added)
+
+    @property
+    def transient(self) -> int:
+        """The peak less the KV the pass added: bytes beyond the weights and the cache it leaves (its temporaries
+        at the peak, the logits included)."""
+        return self.peak - (self.end - self.logits)
 
 
 class _Heap:
@@ -253,7 +262,8 @@ def _sdpa_cpu_buffers(b: int, heads: int, q: int, kv: int, head_dim: int, dt: in
 
 
 def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, device: str = "cpu",
-                 cpu_threads: int = 1, past_tokens: int = 0) -> PrefillPeak:
+                 cpu_threads: int = 1, past_tokens: int = 0,
+                 matmul_scratch: Callable[..., int] | None = None) -> PrefillPeak:
     """The prefill's peak, in bytes above what was held before the forward call (the weights, the empty cache),
     for the call ``generate()`` makes: ``model(input_ids, cache=DynamicCache(), use_cache=True,
     logits_to_keep=1)``. With ``past_tokens``, the same for ``prompt_tokens`` new tokens (1: a decode step) on a
@@ -266,8 +276,10 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
     (eager: repeat_kv copies, scores x scaling + mask, an fp32 softmax and its cast back, kept alive to the end
     of the layer by the ``hidden_states, _ = self_attn(...)`` binding; sdpa on the CPU: its flash kernel's
     per-thread buffers, ``cpu_threads`` of them), o_proj, the residual add and the MLP; last the final norm and
-    lm_head on the last position. What this does not count: oneDNN's scratch memory inside a bf16/fp16
-    matmul on the CPU (its blocking depends on the CPU), and sub-kilobyte position tensors.
+    lm_head on the last position. ``matmul_scratch(batch, m, k, n, transposed)``, when given, is the scratch one
+    matmul of that shape allocates and frees inside the call (oneDNN's, in bf16/fp16 on the CPU: the engine asks
+    the library, ``kvscope.core.runtimes.transformers.peak.matmul_scratch``); without it none is counted (a GPU's cuBLAS workspace is not
+    PyTorch's allocator's, and fp32 on the CPU has none). Not counted: sub-kilobyte position tensors.
     """
     eff = effective_spec(spec, settings)
     b, s = settings.batch, prompt_tokens
@@ -280,10 +292,19 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
     eager = kernel == "eager"
     mt = spec.model_type
     # A decode step on sliding layers past their window: DynamicSlidingWindowLayer keeps W - 1 tokens, not replayed.
-    exact = mt in _LLAMA_LIKE and not (past_tokens and eff.num_sliding_layers) and not (dt != FP32 and mt in _FP32_ROPE)
+    exact = mt in _LLAMA_LIKE and not (past_tokens and eff.num_sliding_layers)
+    fp32_rope = mt in _FP32_ROPE and dt != FP32
     heap = _Heap()
-    A = b * s * H * dt  # one hidden-state tensor
-    A32 = b * s * H * FP32
+
+    def mm(out: int, m: int, k: int, n: int, batch: int = 1, transposed: bool = True) -> int:
+        """A matmul's output (left allocated), and the scratch the library takes and gives back inside the call."""
+        o = heap.alloc(out)
+        if matmul_scratch is not None and dt != FP32:
+            heap.free(heap.alloc(matmul_scratch(batch, m, k, n, transposed)))
+        return o
+
+    A = A_ = b * s * H * dt  # one hidden-state tensor
+    A32 = A32_ = b * s * H * FP32
     row32 = b * s * FP32  # one fp32 scalar per token (RMSNorm's variance)
     Q, K = b * heads * s * hd * dt, b * kvh * s * hd * dt
     Kc = b * kvh * kv * hd * kv_dt  # the cache's new tensor of one layer's keys (values the same)
@@ -301,9 +322,11 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
     mask = 0
     if eager:
         heap.at = "causal mask"
-        tmp = heap.alloc(b * s * kv)  # the boolean mask
-        mask = heap.alloc(b * s * kv * dt)  # torch.where into the additive float mask
-        heap.free(tmp)
+        # a model with both kinds of layers builds a full and a sliding mask (Gemma 2's causal_mask_mapping)
+        for _ in range(2 if eff.num_sliding_layers and eff.num_full_layers else 1):
+            tmp = heap.alloc(b * s * kv)  # the boolean mask
+            mask += heap.alloc(b * s * kv * dt)  # torch.where into the additive float mask
+            heap.free(tmp)
     heap.at = "rotary embedding"
     pos32, inv32 = heap.alloc(b * s * FP32), heap.alloc(b * (rotary // 2) * FP32)
     freqs = heap.alloc(b * s * (rotary // 2) * FP32)
@@ -311,13 +334,17 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
     emb = heap.alloc(b * s * rotary * FP32)
     cs32 = [heap.alloc(b * s * rotary * FP32) for _ in range(2)]  # cos() and sin() x attention_scaling
     cos_sin = 2 * b * s * rotary * dt
-    if dt != FP32:
+    if mt in ("olmo", "olmo2"):  # their rotary embeddings return cos and sin in fp32 (no cast to the model's dtype)
+        cos_sin = sum(cs32)
+    elif dt != FP32:
         heap.alloc(cos_sin)
         heap.free(*cs32)
     heap.free(emb, freqs)
 
-    def rms_norm(_: int) -> int:
-        """LlamaRMSNorm on a held [b, s, H] tensor; returns the bytes of its output (left allocated)."""
+    def rms_norm(n: int = 0) -> int:
+        """LlamaRMSNorm on a held [b, s, n / s] tensor of ``n`` bytes (default one hidden state); returns the bytes of
+        its output (left allocated). OLMo 2 multiplies by the weight in fp32 and casts last."""
+        A, A32 = (n, n // dt * FP32) if n else (A_, A32_)  # noqa: N806
         up = heap.alloc(A32) if dt != FP32 else 0  # hidden_states.to(float32)
         sq = heap.alloc(A32)  # pow(2)
         var = heap.alloc(row32)  # mean
@@ -329,6 +356,15 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
         heap.free(r)
         if up:
             heap.free(up)
+        if mt == "olmo2":  # (self.weight * hidden_states).to(input_dtype)
+            if dt == FP32:
+                out = heap.alloc(A)
+            else:
+                weighted = heap.alloc(A32)
+                out = heap.alloc(A)
+                heap.free(weighted)
+            heap.free(normed32, var)
+            return out
         down = heap.alloc(A) if dt != FP32 else 0  # .to(input_dtype)
         out = heap.alloc(A)  # weight * hidden
         heap.free(down, normed32, var)
@@ -347,6 +383,8 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
         return out
 
     fused_qkv = mt in _FUSED_QKV
+    post_norms = mt in _POST_NORMS
+    softcap = _cfg(spec, "attn_logit_softcapping")
     layer_norm = mt in _LAYER_NORM
     parallel = bool(_cfg(spec, "use_parallel_residual", default=mt == "phi")) if mt in _PARALLEL else False
     mlp_kind = "gated-fused" if mt in _FUSED_GATE_UP else ("dense" if mt in _DENSE_MLP else "gated")
@@ -358,10 +396,46 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
         sdpa_mask = heap.alloc(b * s * kv)  # a window that bites: sdpa gets a boolean mask, not is_causal
 
     def norm() -> int:
+        if mt == "olmo":  # OlmoLayerNorm: F.layer_norm on an fp32 copy, no weight, cast back
+            up = heap.alloc(A32) if dt != FP32 else 0
+            out32 = heap.alloc(A32)
+            heap.free(heap.alloc(row32), heap.alloc(row32))  # native_layer_norm's mean and rstd rows
+            heap.free(up)
+            if dt == FP32:
+                return out32
+            out = heap.alloc(A)
+            heap.free(out32)
+            return out
         if not layer_norm:
             return rms_norm(0)
         out = heap.alloc(A)  # native_layer_norm's output, and its mean and rstd rows
         heap.free(heap.alloc(row32), heap.alloc(row32))
+        return out
+
+    def rope_upcast(nq: int, nk: int) -> tuple[int, int]:
+        """Rotary in fp32 on q and k of the model's dtype (``nq``, ``nk`` bytes), cast back at the return: OLMo's
+        apply_rotary_pos_emb (q * fp32 cos promotes; rotate_half stays in the model's dtype), Cohere's (q.float() and
+        k.float() first, its interleaved rotate_half on the fp32 copies)."""
+        up = dt and FP32 // dt
+        copies = [heap.alloc(n * up) for n in (nq, nk)] if mt == "cohere" else []
+        embeds = []
+        for n in (nq, nk):
+            half = n * up // 2 if copies else n // 2  # -x2 (and the cat/stack) in the dtype rotate_half gets
+            # A mixed-dtype multiply casts its other-dtype operand to fp32 in a temporary inside the op: OLMo's
+            # q/k (and the rotated halves), Cohere's cos/sin.
+            cast = b * s * rotary * FP32 if copies else n * up
+            a = heap.alloc(n * up)  # x * cos, fp32
+            heap.free(heap.alloc(cast))
+            neg = heap.alloc(half)
+            cat = heap.alloc(2 * half)
+            heap.free(neg)
+            c = heap.alloc(n * up)  # rotate_half(x) * sin, fp32
+            heap.free(heap.alloc(cast))
+            heap.free(cat)
+            embeds.append(heap.alloc(n * up))  # the sum
+            heap.free(c, a)
+        out = heap.alloc(nq), heap.alloc(nk)  # q_embed.to(q_type), k_embed.to(k_type)
+        heap.free(*embeds, *copies)
         return out
 
     def rope_partial(n: int) -> int:
@@ -380,7 +454,7 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
         """The MLP on a held normed input; returns its output's bytes (left allocated)."""
         inter = b * s * I * dt
         if mlp_kind == "dense":  # fc1 -> act -> fc2
-            up = heap.alloc(inter)
+            up = mm(inter, b * s, H, I)
             if gelu_formula:  # NewGELUActivation: 0.5*x*(1+tanh(c*(x+0.044715*x**3))), one temporary per op
                 half, cube = heap.alloc(inter), heap.alloc(inter)
                 scaled = heap.alloc(inter)
@@ -396,23 +470,23 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
             else:
                 act = heap.alloc(inter)
             heap.free(up)
-            down = heap.alloc(A)
+            down = mm(A, b * s, I, H)
             heap.free(act)
         elif mlp_kind == "gated-fused":  # gate_up_proj, chunk (views), up * act(gate), down_proj (Phi-3)
-            gu = heap.alloc(2 * inter)
+            gu = mm(2 * inter, b * s, H, 2 * I)
             act = heap.alloc(inter)
             prod = heap.alloc(inter)
             heap.free(act)
-            down = heap.alloc(A)
+            down = mm(A, b * s, I, H)
             heap.free(prod, gu)
         else:  # down_proj(act(gate_proj(x)) * up_proj(x))
-            gate = heap.alloc(inter)
+            gate = mm(inter, b * s, H, I)
             act = heap.alloc(inter)
             heap.free(gate)
-            up = heap.alloc(inter)
+            up = mm(inter, b * s, H, I)
             prod = heap.alloc(inter)
             heap.free(act, up)
-            down = heap.alloc(A)
+            down = mm(A, b * s, I, H)
             heap.free(prod)
         return down
 
@@ -424,15 +498,24 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
     h = E  # the layer's input, held by the caller's binding for the whole layer
     for layer in range(eff.num_layers):
         heap.at = f"layer {layer + 1} attention"
-        normed = norm()
+        normed = norm() if mt != "olmo2" else 0  # OLMo 2 projects the layer's input itself
         if fused_qkv:
-            qkv = heap.alloc(Q + 2 * K)
+            qkv = mm(Q + 2 * K, b * s, H, (heads + 2 * kvh) * hd)
             qe, ke = rope_partial(Q), rope_partial(K)
             q = k = v = 0
         else:
             qkv = 0
-            q, k, v = heap.alloc(Q), heap.alloc(K), heap.alloc(K)
-            qe, ke = rope_partial(Q), rope_partial(K)
+            if mt == "olmo2":  # q_norm(q_proj(x)), k_norm(k_proj(x)): RMSNorms over all heads, before the split
+                q = mm(Q, b * s, H, heads * hd)
+                qn = rms_norm(Q)
+                heap.free(q)
+                k = mm(K, b * s, H, kvh * hd)
+                kn = rms_norm(K)
+                heap.free(k)
+                q, k, v = qn, kn, mm(K, b * s, H, kvh * hd)
+            else:
+                q, k, v = mm(Q, b * s, H, heads * hd), mm(K, b * s, H, kvh * hd), mm(K, b * s, H, kvh * hd)
+            qe, ke = rope_upcast(Q, K) if fp32_rope else (rope_partial(Q), rope_partial(K))
             if locals_hold:  # Phi's query_pass/key_pass views keep q_proj's and k_proj's outputs alive
                 kept.extend((q, k))
             else:
@@ -447,9 +530,14 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
             reps = [heap.alloc(b * heads * kv * hd * kv_dt) for _ in range(2)] if groups > 1 else []
             S = b * heads * s * kv * dt
             heap.at = f"layer {layer + 1} scores"
-            scores = heap.alloc(S)
+            scores = mm(S, s, hd, kv, batch=b * heads)
             scaled = heap.alloc(S)
             heap.free(scores)
+            if softcap:  # / softcap, tanh, * softcap: each a new tensor, the one before freed
+                for _ in range(3):
+                    nxt = heap.alloc(S)
+                    heap.free(scaled)
+                    scaled = nxt
             masked = heap.alloc(S)
             heap.free(scaled)
             heap.at = f"layer {layer + 1} softmax"
@@ -463,8 +551,9 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
                 weights = heap.alloc(S)
             heap.free(masked)
             heap.at = f"layer {layer + 1} attention"
-            o = heap.alloc(Q)  # attn_weights @ v
-            out = heap.alloc(Q)  # transpose(1, 2).contiguous()
+            o = mm(Q, s, kv, hd, batch=b * heads, transposed=False)  # attn_weights @ v
+            # transpose(1, 2).contiguous(): a copy unless the swapped dims leave it contiguous (one token, or one head)
+            out = heap.alloc(Q) if s > 1 and heads > 1 else 0
             heap.free(o, *reps)
         else:
             # transformers' use_gqa_in_sdpa: with a mask, K/V are repeated to the query heads first.
@@ -481,13 +570,25 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
                 heap.free(reduced, buf, lse)
             heap.free(float_mask, *reps)
             heap.at = f"layer {layer + 1} attention"
-        attn = heap.alloc(A)  # o_proj
+        attn = mm(A, b * s, heads * hd, H)  # o_proj
         # StableLM binds ``self_attn_output, _ = ...`` beside its normed input: both live to the end of the layer.
         layer_locals = [normed, attn] if attn_locals_kept else []
         heap.free(out, qe, qkv, *kept, *([] if attn_locals_kept else [normed]))
         kept.clear()
         heap.at = f"layer {layer + 1} mlp"
-        if parallel:  # x + attn(ln1(x)) + mlp(ln2(x)) (GPT-NeoX, Phi)
+        if post_norms:  # h2 = h + post_attention_layernorm(attn); h3 = h2 + post_feedforward_layernorm(mlp(...))
+            post = norm()
+            heap.free(attn)
+            h2 = heap.alloc(A)
+            heap.free(post)
+            normed = norm() if mt != "olmo2" else 0
+            down = mlp()
+            heap.free(normed)
+            post = norm()
+            heap.free(down)
+            h3 = heap.alloc(A)
+            heap.free(post)
+        elif parallel:  # x + attn(ln1(x)) + mlp(ln2(x)) (GPT-NeoX, Phi)
             normed = norm()
             down = mlp()
             heap.free(normed)
@@ -513,6 +614,38 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
     # The base model returns: its locals (embeddings, positions, masks, cos/sin, the last layer's output) go
     # before the causal-LM head runs lm_head on hidden_states[:, -1:, :] (logits_to_keep=1).
     heap.free(h, E, mask, sdpa_mask, cos_sin, s * 8)
-    heap.alloc(b * V * dt)
+    logits = mm(b * V * dt, b, H, V)
+    # the scaling and softcapping below run in the causal LM's forward, while its outputs (the normed states) live
+    if mt in ("granite", "cohere"):  # logits / logits_scaling (Granite), logits * logit_scale (Cohere): a new tensor
+        heap.at = "logit scaling"
+        nxt = heap.alloc(logits)
+        heap.free(logits)
+        logits = nxt
+    if _cfg(spec, "final_logit_softcapping"):  # / cap, tanh, * cap on the logits, each freeing the one before
+        heap.at = "final logit softcapping"
+        for _ in range(3):
+            nxt = heap.alloc(logits)
+            heap.free(logits)
+            logits = nxt
     heap.free(normed)
-    return PrefillPeak(peak=heap.peak, end=heap.now, where=heap.where, exact=exact)
+    return PrefillPeak(peak=heap.peak, end=heap.now, where=heap.where, exact=exact, logits=logits)
+
+
+def decode_peak(spec: ModelSpec, settings: RunSettings, past_tokens: int, device: str = "cpu", cpu_threads: int = 1,
+                matmul_scratch: Callable[..., int] | None = None) -> PrefillPeak:
+    """One decode step's peak, in bytes above the weights and the cache of ``past_tokens`` it starts from: the same
+    replay as ``prefill_peak`` for one new token (the cache's cat holds one layer's K/V twice for a moment, the
+    1 x past scores in eager). ``exact`` is False where the replay does not follow the model or the cache."""
+    return prefill_peak(spec, settings, 1, device=device, cpu_threads=cpu_threads, past_tokens=past_tokens,
+                        matmul_scratch=matmul_scratch)
+
+
+def forward_activations(spec: ModelSpec, settings: RunSettings, new_tokens: int, past_tokens: int = 0,
+                        device: str = "cpu", cpu_threads: int = 1,
+                        matmul_scratch: Callable[..., int] | None = None) -> int:
+    """Bytes one forward pass of ``new_tokens`` on a cache of ``past_tokens`` holds at its peak beyond the weights
+    and the cache it leaves (``PrefillPeak.transient``): weights + KV after the pass + this is the predicted
+    total of that moment, what a device allocator's peak counter reads for the step. A prefill: ``past_tokens``
+    0; a decode step: ``new_tokens`` 1."""
+    return prefill_peak(spec, settings, new_tokens, device=device, cpu_threads=cpu_threads, past_tokens=past_tokens,
+                        matmul_scratch=matmul_scratch).transient

@@ -256,7 +256,10 @@ class LlamaCppEngine:
             weights_bytes=self.weights, process_rss=rss,
             kv_bytes_predicted=self.plan.kv_bytes, weights_predicted=weights_predicted,
             activations_observed=self.compute_observed, activations_predicted=self.plan.compute_bytes,
-            total_predicted=(weights_predicted + self.plan.kv_bytes) if weights_predicted is not None else None,
+            # every buffer llama.cpp allocates for the context: model, KV, compute and output (a part the plan cannot
+            # predict is left out of the sum, not guessed)
+            total_predicted=(weights_predicted + self.plan.kv_bytes + (self.plan.compute_bytes or 0)
+                             + (self.plan.output_bytes or 0)) if weights_predicted is not None else None,
             tokens_per_s=self.tokens_per_s if phase == PHASE_DECODE else None, event=event,
             context_tokens=len(self.tokens), runtime=RUNTIME, **fields)
 

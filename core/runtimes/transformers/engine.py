@@ -27,7 +27,7 @@ from kvscope.core.model.attention import MLA, AttentionMode, SettingsError, Wind
 from kvscope.core.model.caches import CacheStrategy, Dynamic, Quantized, Static, TokenSelecting, kv_layout
 from kvscope.core.model.settings import RunSettings, effective_spec, parse_attn_impl, parse_switch_value
 from kvscope.core.model.spec import INDEXED_ATTENTION, SLIDING_ATTENTION, ModelSpec, SpecError
-from kvscope.core.prediction.predict import kv_bytes, kv_elem_bytes, predict, prefill_peak
+from kvscope.core.prediction.predict import kv_bytes, kv_elem_bytes, predict
 from kvscope.core.runtimes.transformers.kernels import measure_kernel
 from kvscope.core.runtimes.transformers.measure import cache_bytes, model_weight_bytes
 from kvscope.core.runtimes.transformers.peak import measure_peak
@@ -622,13 +622,13 @@ class Engine:
         self._reset_peak()
         t = self.clock()
         with torch.inference_mode(), self._forward_context():
-            out = self.model(input_ids=token, cache=self.cache, use_cache=True, logits_to_keep=1)
+            out, profiled = self._decode_forward(token)
         _sync(self.device)
         dt = self.clock() - t
         self.ids = torch.cat([self.ids, token], dim=1)
         self._next_logits = out.logits[:, -1, :].float()
         self.generated += 1
-        rate = 1.0 / dt if dt > 0 else None
+        rate = 1.0 / dt if dt > 0 and not profiled else None  # a profiled step's time is the profiler's too
         if rate is not None:
             self.tokens_per_s = rate if self.tokens_per_s is None else 0.8 * self.tokens_per_s + 0.2 * rate
         if self.quality_probe:  # untimed: tokens/s is the cache's own
@@ -636,7 +636,8 @@ class Engine:
                 self._reference_rebuild()
             else:
                 self._reference_logits = self._reference_forward(token)
-        return self._sample(PHASE_DECODE, self._text_piece(int(token[0, 0])), step_s=dt, **self._quality_now())
+        return self._sample(PHASE_DECODE, self._text_piece(int(token[0, 0])), step_s=dt, **self._quality_now(),
+                            **self._take_peak())
 
     # ---------------------------------------------------------------------------------- quality probe
 
@@ -682,15 +683,70 @@ class Engine:
         next Sample (``_take_peak``)."""
         out, reading = measure_peak(lambda: self.model(input_ids=self.ids, cache=self.cache, use_cache=True,
                                                        logits_to_keep=1), self.device)
-        device = "cuda" if self.device.startswith("cuda") else self.device
-        try:
-            predicted = prefill_peak(self.spec, self._prediction_settings(), self.seq_len, device=device,
-                                     cpu_threads=torch.get_num_threads()).peak
-        except (SettingsError, SpecError, ValueError, ZeroDivisionError):
-            predicted = None  # a spec the replay cannot follow: the measurement still stands
         self._peak_fields = {"peak_bytes_observed": reading.peak if reading else None,
-                             "peak_bytes_predicted": predicted}
+                             "peak_bytes_predicted": self._predicted_peak(self.seq_len, 0)}
+        self._decode_peak_due = True  # the next decode step is measured too
         return out
+
+    #: On the CPU a decode step's peak is measured (under the profiler, kvscope.core.runtimes.transformers.peak) at the first step after each
+    #: prefill or re-run and every this many tokens after; on CUDA, every step (the allocator's counters cost nothing).
+    DECODE_PEAK_EVERY = 64
+
+    def _decode_forward(self, token: torch.Tensor) -> tuple[Any, bool]:
+        """One decode step, its allocator peak above the start measured and predicted (kvscope.core.prediction.predict.decode_peak) for
+        the step's Sample when due; returns the output and whether the profiler ran."""
+        from kvscope.core.runtimes.transformers.peak import adopt_dynamic_cache, measure_peak
+
+        call = lambda: self.model(input_ids=token, cache=self.cache, use_cache=True, logits_to_keep=1)  # noqa: E731
+        cuda = self.device.startswith("cuda")
+        due = cuda or (self.device == "cpu" and (getattr(self, "_decode_peak_due", False)
+                                                 or self.generated % self.DECODE_PEAK_EVERY == 0))
+        adopt = None if cuda else adopt_dynamic_cache(self.cache)
+        if not due or (not cuda and adopt is None):  # a cache the CPU measurement cannot follow: not measured
+            return call(), False
+        self._decode_peak_due = False
+        out, reading = measure_peak(call, self.device, adopt=adopt)
+        self._peak_fields = {"peak_bytes_observed": reading.peak if reading else None,
+                             "peak_bytes_predicted": self._predicted_peak(1, self.seq_len)}
+        return out, not cuda
+
+    def _predicted_peak(self, new_tokens: int, past_tokens: int) -> int | None:
+        """kvscope.core.prediction.predict.prefill_peak for this engine's model, settings, device and threads (None: a spec the replay
+        cannot follow)."""
+        from kvscope.core.prediction.predict import prefill_peak
+
+        try:
+            return prefill_peak(self.spec, self._prediction_settings(), new_tokens, past_tokens=past_tokens,
+                                **self._peak_context()).peak
+        except (SettingsError, SpecError, ValueError, ZeroDivisionError):
+            return None
+
+    def _peak_context(self) -> dict[str, Any]:
+        """What the replay needs of the machine: the device, the CPU's threads and oneDNN's matmul scratch."""
+        from kvscope.core.runtimes.transformers.peak import matmul_scratch
+
+        cpu = self.device == "cpu"
+        return {"device": "cuda" if self.device.startswith("cuda") else self.device,
+                "cpu_threads": torch.get_num_threads(),
+                "matmul_scratch": matmul_scratch(self.model.dtype) if cpu else None}
+
+    def _predicted_activations(self, phase: str, n: int, rerun: bool, pred: Any) -> int:
+        """Bytes the forward pass that made this Sample held at its peak beyond the weights and the KV it left
+        (kvscope.core.prediction.predict.forward_activations: the prefill or re-run of ``n`` tokens, else one decode step on n - 1),
+        so that weights + KV + this is the predicted total of the step, what a device allocator's peak counter
+        reads. oneDNN's matmul scratch is left out here (asking oneDNN costs a profiled matmul per new shape, and
+        eager's decode shapes change every token; at most ~200 KB); the old estimate where the replay cannot go."""
+        from kvscope.core.prediction.predict import forward_activations
+
+        if n == 0:
+            return 0  # no forward pass yet (the load event)
+        full = phase == PHASE_PREFILL or rerun
+        try:
+            return forward_activations(self.spec, self._prediction_settings(), n if full else 1,
+                                       0 if full else max(n - 1, 0),
+                                       **(self._peak_context() | {"matmul_scratch": None}))
+        except (SettingsError, SpecError, ValueError, ZeroDivisionError):
+            return pred.activations_prefill if phase == PHASE_PREFILL else pred.activations_decode
 
     def _take_peak(self) -> dict[str, Any]:
         """The last measured forward pass's peak fields, once (the prefill's or the switch's re-run)."""
@@ -720,7 +776,7 @@ class Engine:
         pred = predict(self.spec, self._prediction_settings(), max(n, 1),
                        prompt_tokens=min(self.cache_base_tokens, max(n, 1)) or None)
         kv_pred = pred.breakdown.kv_cache if self.cache is not None and n > 0 else 0
-        act = pred.activations_prefill if phase == PHASE_PREFILL else pred.activations_decode
+        act = self._predicted_activations(phase, n, bool(switch.get("tokens_rerun")), pred)
         return Sample(
             token=self.generated,
             phase=phase,

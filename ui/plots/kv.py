@@ -11,8 +11,12 @@ from PySide6.QtCore import Qt
 
 from core.sample import Sample
 from ui.axes import BytesAxis, format_slope
-from ui.plots.panel import Marker, PlotPanel, mix
+from ui.plots.panel import Marker, PlotPanel, headroom, label_height, mix
 from ui.theme import Theme
+
+
+#: The curves of the run being shown: a label never covers them.
+LIVE = ("kv_observed", "kv_predicted", "kv_reserved", "kv_used")
 
 
 class KVPlot(PlotPanel):
@@ -140,16 +144,22 @@ class KVPlot(PlotPanel):
         self.plot.addItem(line, ignoreBounds=True)
         return [(self.plot, line)]
 
+    def label_band(self) -> float:
+        """The height (px) a switch marker's label takes: the KV range keeps that much free above the curves."""
+        return label_height(self.type.label_pt + 1) + 6
+
     def declutter(self) -> int:
-        """Place the switch markers' labels so that none prints over another: each (in token order) at the
+        """Place the switch markers' labels so that none prints over another or over a live curve: each (in token
+        order) at the
         highest row of ``MARKER_ROWS`` where its rectangle meets nothing placed; where no row is free it is
         hidden and its text joins the tooltip of the label before it (its line stays, and the events table
         lists it). Measured in the scene, at the current zoom and size. Returns the labels shown (-1: nothing
         moved since the last placement)."""
         view = self.plot.getViewBox()
         (x0, x1), _ = view.viewRange()
+        # (and again every 16 tokens: the newest marker's label reaches over the tokens still to come)
         key = (x0, x1, view.width(), view.height(), len(self.markers), self.markers[-1].token if self.markers else None,
-               self.type)
+               self.type, view.viewRange()[1][1], len(self.tokens) // 16)
         if key == self._marker_layout_key:
             return -1
         self._marker_layout_key = key
@@ -170,7 +180,8 @@ class KVPlot(PlotPanel):
                 label.setPosition(row)
                 label.updateTransform(force=True)  # else its rectangle is the one of its last paint
                 rect = label.sceneBoundingRect().adjusted(-2, -1, 2, 1)
-                if area.contains(rect.adjusted(2, 1, -2, -1)) and not any(rect.intersects(o) for o in taken):
+                if (area.contains(rect.adjusted(2, 1, -2, -1)) and not any(rect.intersects(o) for o in taken)
+                        and not self.over_curves(rect, LIVE)):
                     spot = rect
                     break
             label.setVisible(spot is not None)
@@ -199,7 +210,7 @@ class KVPlot(PlotPanel):
         if top is not None and self.previous:  # the held runs' curves fit too
             top = max([top] + [float(p[1].max()) for p in self.previous])
         if top is not None:
-            self.set_y(frame, self.plot, 0.0, top, 1.15)
+            self.set_y(frame, self.plot, 0.0, top, headroom(self.plot.getViewBox(), self.label_band() if self.markers else 0))
         kl_top = self.top(("quality_kl",))
         if kl_top is not None:
             self.set_y(frame, self.quality_view, 0.0, max(kl_top, 0.1), 1.2)

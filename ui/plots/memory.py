@@ -11,7 +11,7 @@ from PySide6.QtGui import QFont
 
 from core.sample import Sample
 from ui.axes import BytesAxis, format_bytes
-from ui.plots.panel import MAX_MARKS, PlotPanel, mix
+from ui.plots.panel import MAX_MARKS, PlotPanel, headroom, label_height, mix
 from ui.ringbuffer import RingBuffer
 from ui.theme import Theme
 
@@ -152,7 +152,8 @@ class MemoryPlot(PlotPanel):
     def add_spike(self, time_s: float, after: int, rise: int, cause: str = "") -> SpikeMark:
         """Mark a spike at ``time_s`` (plot seconds): a triangle at ``after`` bytes, '+rise' beside it."""
         point = pg.ScatterPlotItem([time_s], [after], symbol="t1", size=14)
-        text = pg.TextItem(f"+{format_bytes(rise)}", anchor=(-0.15, 0.5))
+        # Above the peak, right of the triangle: beside it, the label covered the line that stays at the peak.
+        text = pg.TextItem(f"+{format_bytes(rise)}", anchor=(-0.05, 1.0))
         text.setPos(time_s, after)
         line = pg.InfiniteLine(movable=False, pos=time_s, angle=90)
         for item in (line, point, text):
@@ -177,13 +178,16 @@ class MemoryPlot(PlotPanel):
         width_px = max(view.width(), 1.0)
         per_px = (x1 - x0) / width_px if x1 > x0 else 0.0
         char_px = 0.62 * self.type.label_pt * 96 / 72
+        area = view.sceneBoundingRect()
+        drawn = tuple(k for k, c in self.curves.items() if c.item.isVisible() and c.item.getViewBox() is view)
         taken: list[tuple[float, float]] = []
         shown = 0
         for mark in sorted(self.spikes, key=lambda m: -m.rise):
             text = mark.items[2]
             left = mark.time_s
             right = left + (len(text.toPlainText()) + 2) * char_px * per_px
-            fits = per_px > 0 and x0 <= left and right <= x1 and all(right < a or left > b for a, b in taken)
+            fits = (per_px > 0 and x0 <= left and right <= x1 and all(right < a or left > b for a, b in taken)
+                    and area.contains(_shown_rect(text)) and not self.over_curves(_shown_rect(text).adjusted(2, 2, -2, -4), drawn))
             if fits:
                 taken.append((left - 8 * per_px, right))
                 shown += 1
@@ -234,7 +238,9 @@ class MemoryPlot(PlotPanel):
         top = self.top(("device_used", "process_gpu", "process_rss", "reserved", "allocated", "weights")
                        + tuple(f"sampled_{key}" for key in SAMPLED))
         if top is not None:
-            self.set_y(frame, self.plot, 0.0, top, 1.2)  # room for the spike labels above the peaks
+            # room for the spike labels above the peaks
+            self.set_y(frame, self.plot, 0.0, top, headroom(self.plot.getViewBox(), label_height(self.type.label_pt)
+                                                            if self.spikes else 0, least=1.2))
         kv_top = self.top(("kv_share",))
         if kv_top is not None:
             self.set_y(frame, self.kv_view, 0.0, kv_top, 1.2)
@@ -253,3 +259,12 @@ class MemoryPlot(PlotPanel):
 
 #: The right axis (the KV cache's scale) is sized for this.
 BYTES_RIGHT = "88.8 MiB"
+
+
+def _shown_rect(text: pg.TextItem):
+    """A spike label's rectangle in the scene as it would be shown (a hidden one is measured as shown)."""
+    was = text.isVisible()
+    text.setVisible(True)
+    rect = text.sceneBoundingRect()
+    text.setVisible(was)
+    return rect

@@ -113,6 +113,15 @@ def view_of(plot: pg.PlotItem | pg.ViewBox) -> pg.ViewBox:
     return plot if isinstance(plot, pg.ViewBox) else plot.getViewBox()
 
 
+def headroom(view: pg.ViewBox, band_px: float, least: float = 1.15) -> float:
+    """The factor a y range keeps above the data so that a band of ``band_px`` at the top of ``view`` stays free
+    (for labels that must not cover a curve), at least ``least``, at most 2.5."""
+    height = view.height()
+    if band_px <= 0 or height <= band_px + 8:
+        return least if band_px <= 0 else 2.5
+    return min(max(least, height / (height - band_px)), 2.5)
+
+
 def text_width(text: str, pt: float, bold: bool = False) -> float:
     font = QFont()
     font.setPointSizeF(pt)
@@ -346,6 +355,24 @@ class PlotPanel(pg.GraphicsLayoutWidget):
 
     def fit_ranges(self, frame: FrameBudget) -> None:
         """Set this panel's view ranges (``set_x``, ``set_y``)."""
+
+    def over_curves(self, rect, keys: tuple[str, ...]) -> bool:
+        """Whether any of these curves, as drawn, passes through ``rect`` (scene coordinates)."""
+        for key in keys:
+            item = self.curves[key].item
+            view = item.getViewBox()
+            if not item.isVisible() or view is None:
+                continue
+            x, y = item.getData()
+            if x is None or not len(x):
+                continue
+            r = view.mapSceneToView(rect).boundingRect()
+            lo, hi = np.searchsorted(x, r.left()), np.searchsorted(x, r.right(), side="right") + 1
+            seg = y[max(lo, 0):min(hi, len(y))]
+            seg = seg[np.isfinite(seg)]
+            if seg.size and seg.min() <= r.bottom() and seg.max() >= r.top():
+                return True
+        return False
 
     def declutter(self) -> None:
         """Place labels after the ranges changed."""

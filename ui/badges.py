@@ -179,7 +179,7 @@ class BadgeRow(QWidget):
     point_size = 0
     shown_pt = 0
     #: The smallest type a badge steps down to before its text is cut.
-    FLOOR_PT = 9
+    FLOOR_PT = 8
 
     def _fit_type(self) -> None:
         """The settings and state badges whole where the row has room: the REC badge first shrinks to its dot
@@ -192,14 +192,18 @@ class BadgeRow(QWidget):
         extras = self.loading_bar.width() + layout.spacing() if not self.loading_bar.isHidden() else 0
         room = self.width() - layout.spacing() * len(self.badges) - extras - 4
 
-        def need(pt: int) -> int:
+        def widths(pt: int, reserved: bool = True) -> dict[str, int]:
             font = QFont(self.badges[keys[0]].font())
             font.setPointSize(pt)
             font.setBold(True)
             metrics = QFontMetrics(font)
             # what each badge asks for at that size: its text, or the room reserved for its longest choice
-            return sum(max(metrics.horizontalAdvance(self.badges[k].text()) + _extra(self.badges[k]),
-                           round(getattr(self.badges[k], "reserved_full", 0) * pt / self.point_size)) for k in keys)
+            return {k: max(metrics.horizontalAdvance(self.badges[k].text()) + _extra(self.badges[k]),
+                           round(getattr(self.badges[k], "reserved_full", 0) * pt / self.point_size) if reserved else 0)
+                    for k in keys}
+
+        def need(pt: int) -> int:
+            return sum(widths(pt).values())
 
         rec_on = not self.recording.isHidden()
         metrics = QFontMetrics(self.recording.font())
@@ -209,13 +213,21 @@ class BadgeRow(QWidget):
             self.recording._elide()
         if rec_on:
             room -= metrics.horizontalAdvance(self.recording.text()[:1] if compact else self.recording.text()) + 24
+        # The room reserved for longer choices yields first (each badge keeps at least its text), then the type.
         pt = self.point_size
-        while pt > self.FLOOR_PT and need(pt) > room:
+        while pt > self.FLOOR_PT and sum(widths(pt, reserved=False).values()) > room:
             pt -= 1
         if pt != self.shown_pt:
             self.shown_pt = pt
             for k in keys:
                 self._restyle(k)
+        short = need(pt) > room
+        whole = widths(pt, reserved=False)
+        fits = sum(whole.values()) <= room
+        for k in keys:
+            least = whole[k] if short and fits else 0
+            if self.badges[k].minimumWidth() != least:
+                self.badges[k].setMinimumWidth(least)
 
     def _restyle(self, key: str) -> None:
         """A badge's own style: its colour (the state's) and, where the row is short, a smaller type."""

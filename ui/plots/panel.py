@@ -186,6 +186,7 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         self.ci.layout.setVerticalSpacing(2)
         self.header = self.ci.addLayout(row=0, col=0)
         self.header.layout.setContentsMargins(0, 0, 0, 0)
+        self.header.layout.setSpacing(0)
         self.title_label = pg.LabelItem("", justify="center")
         self.readout_label = pg.LabelItem("", justify="right")
         self.header.addItem(self.title_label, row=0, col=0)
@@ -525,9 +526,11 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         return [(s.item.getAxis("right"), s.right_sample) for s in self.plots
                 if s.right_sample is not None and s.item.getAxis("right").isVisible()]
 
-    def _layout_for(self, t: PlotType, width: float, height: float, shown: list[PlotSpec]) -> dict | None:
-        """How the panel lays out in type ``t`` within width x height px showing the plots ``shown``, or None
-        where something would clip."""
+    def _layout_for(self, t: PlotType, width: float, height: float, shown: list[PlotSpec],
+                    labels: bool = True) -> dict | None:
+        """How the panel lays out in type ``t`` within width x height px showing the plots ``shown`` (and their
+        bottom axes' labels, with ``labels``), or None where something would clip."""
+        self._labels = labels
         room = width - 2 * MARGIN - 4
         if room <= 0:
             return None
@@ -560,19 +563,22 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         if need > height:
             return None
         return {"title": title, "below": below, "left": math.ceil(ticks), "right": math.ceil(right),
-                "columns": columns, "shown": shown}
+                "columns": columns, "shown": shown, "labels": labels}
 
     def _axis_height(self, t: PlotType, spec: PlotSpec, shown: list[PlotSpec]) -> int:
         """The bottom axis's height: its tick values and its label, set (not left to pyqtgraph, which
         measures the values only when it paints them)."""
         values = line_height(t.axis_pt) + 6 if self._values(spec, shown) else 2
-        return math.ceil(values + (label_height(t.axis_pt) if self._bottom_label(spec, shown) else 0))
+        # (pyqtgraph nudges the label 5 px down, into the room under the axis)
+        return math.ceil(values + (label_height(t.axis_pt) + 5 if self._bottom_label(spec, shown) else 0))
 
     def _values(self, spec: PlotSpec, shown: list[PlotSpec]) -> bool:
         """Tick values on this plot's bottom axis: its own choice, and always on the lowest plot shown."""
         return spec.bottom_values or spec is shown[-1]
 
     def _bottom_label(self, spec: PlotSpec, shown: list[PlotSpec]) -> str:
+        if not getattr(self, "_labels", True):
+            return ""  # too short for them: the ticks stay ("token" and "time (s)" are in the tooltip)
         return spec.bottom_label or (self.plots[-1].bottom_label if spec is shown[-1] else "")
 
     def _readout_pt(self, t: PlotType) -> int:
@@ -586,33 +592,48 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         if key == self._fit_key and not force:
             return
         self._fit_key = key
-        t, layout = PlotType.of(self.theme), None
         every, needed = list(self.plots), [s for s in self.plots if not s.optional]
+        # The theme's type before the optional plots, and they before the axes' labels: where both cannot be
+        # had, the type stays. Each candidate the estimate lets through is applied and checked against the
+        # layout's real minimum (the labels, axes and data areas as Qt sizes them).
+        t = PlotType.of(self.theme)
         for step in range(0, 16):
             t = PlotType.of(self.theme, step)
-            # The theme's type before the optional plots: where both cannot be had, the type stays.
-            layout = self._layout_for(t, width, height, every) or (
-                self._layout_for(t, width, height, needed) if needed != every else None)
-            if layout is not None or t == PlotType.of(self.theme, step + 1):
+            for shown, labels in ((every, True), (needed, True), (needed, False)):
+                if shown is needed and needed == every and labels:
+                    continue
+                layout = self._layout_for(t, width, height, shown, labels)
+                if layout is not None:
+                    self._apply_type(t, layout)
+                    least = self.ci.effectiveSizeHint(Qt.SizeHint.MinimumSize)
+                    if least.height() <= height + 0.5 and least.width() <= width + 0.5:
+                        return
+            if t == PlotType.of(self.theme, step + 1):
                 break
-        if layout is None:  # too small even for the smallest type: the title that fits, the smallest type
-            room = width - 2 * MARGIN - 4
-            layout = {"title": next((x for x in self.titles() if _rich_width(x, t.title_pt) <= room), self.titles()[-1]),
-                      "below": bool(self.readout_text), "columns": 1, "shown": needed,
-                      "left": math.ceil(text_width(BYTES_TICK_SAMPLE, t.axis_pt) + 12), "right": 0}
-        self._apply_type(t, layout)
+        # Too small even for the smallest type: the title that fits, the smallest type, what room there is.
+        room = width - 2 * MARGIN - 4
+        self._apply_type(t, {"title": next((x for x in self.titles() if _rich_width(x, t.title_pt) <= room),
+                                           self.titles()[-1]),
+                             "below": bool(self.readout_text), "columns": 1, "shown": needed, "labels": False,
+                             "fits": False, "left": math.ceil(text_width(BYTES_TICK_SAMPLE, t.axis_pt) + 12),
+                             "right": 0})
 
     def _apply_type(self, t: PlotType, layout: dict) -> None:
         theme = self.theme
+        self._labels = layout["labels"]
         self.type = t
         axis_font = QFont()
         axis_font.setPointSize(t.axis_pt)
         label_style = {"color": theme.muted, "font-size": f"{t.axis_pt}pt"}
         for spec in self.plots:
+            # The layout shares out the height by stretch and would squeeze one plot below its readable
+            # minimum while another has room to spare: each data area asks for its minimum (where it fits).
+            spec.item.getViewBox().setMinimumHeight(spec.min_height if layout.get("fits", True) else 0)
             if spec.item.isVisible() != (spec in layout["shown"]):
                 spec.item.setVisible(spec in layout["shown"])
-                # A hidden plot gives its row back (a hidden item keeps its place in a layout otherwise).
-                self.ci.layout.setRowMaximumHeight(self.plots.index(spec) + 1, 1e6 if spec in layout["shown"] else 0)
+                # A hidden plot gives its row back (a hidden item keeps its place, and its minimum, otherwise).
+                spec.item.setMinimumHeight(0)
+                spec.item.setMaximumHeight(1e6 if spec in layout["shown"] else 0)
             for side in ("left", "bottom", "right"):
                 spec.item.getAxis(side).setTickFont(axis_font)
             # A fixed axis width: tick labels that change width would re-lay out the plot every frame.

@@ -221,13 +221,16 @@ class BadgeRow(QWidget):
             self.shown_pt = pt
             for k in keys:
                 self._restyle(k)
+        # Where the reserved room does not fit, it is given up (each badge asks for its text alone): never a
+        # minimum width here, which would feed back into the window's minimum and resize it again.
         short = need(pt) > room
-        whole = widths(pt, reserved=False)
-        fits = sum(whole.values()) <= room
         for k in keys:
-            least = whole[k] if short and fits else 0
-            if self.badges[k].minimumWidth() != least:
-                self.badges[k].setMinimumWidth(least)
+            label = self.badges[k]
+            want = 0 if short else getattr(label, "reserved_full", 0)
+            scaled = round(want * (self.shown_pt or self.point_size) / max(self.point_size, 1))
+            if label.reserved != scaled:
+                label.reserved = scaled
+                label.updateGeometry()
 
     def _restyle(self, key: str) -> None:
         """A badge's own style: its colour (the state's) and, where the row is short, a smaller type."""

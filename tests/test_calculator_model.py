@@ -1,4 +1,4 @@
-"""The calculator's model (``kvscope.core.prediction.calculator``), without Qt: its figures are what ``python main.py calc`` prints.
+"""The calculator's model (``kvscope.core.runtimes.calculator``), without Qt: its figures are what ``python main.py calc`` prints.
 
 A seeded matrix of presets x contexts x runtimes x GPU layouts x caches: each case runs the real command line
 (``main.main(["calc", ...])``) and reads its table back, then asks the model; the rows, the largest context that
@@ -18,7 +18,7 @@ from kvscope import main
 from kvscope.core.model.attention import SettingsError
 from kvscope.core.model.sources import load_spec
 from kvscope.core.model.spec import preset_names
-from kvscope.core.prediction.calculator import GPU_LAYOUTS, CalcInputs, Calculator, context_values, offered, rules_for
+from kvscope.core.runtimes.calculator import GPU_LAYOUTS, CalcInputs, Calculator, context_values, offered, rules_for
 
 GIB = 1 << 30
 CELL = re.compile(r"([\d,]+) B \(")
@@ -139,8 +139,8 @@ def test_the_chart_climbs_with_the_context():
 
 
 def test_the_model_imports_no_qt():
-    code = ("import sys, kvscope.core.prediction.calculator, kvscope.core.runtimes.transformers.calc, kvscope.core.runtimes.llamacpp.calc; "
-            "from kvscope.core.prediction.calculator import offered; offered(); "
+    code = ("import sys, kvscope.core.runtimes.calculator, kvscope.core.runtimes.transformers.calc, kvscope.core.runtimes.llamacpp.calc; "
+            "from kvscope.core.runtimes.calculator import offered; offered(); "
             "bad = [m for m in ('PySide6', 'pyqtgraph', 'torch', 'llama_cpp') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

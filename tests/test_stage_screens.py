@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 from PySide6.QtCore import QPoint, QRect
-from PySide6.QtWidgets import QAbstractScrollArea, QWidget
+from PySide6.QtWidgets import QAbstractScrollArea, QLabel, QWidget
 
+from kvscope.core.live.breakdown import memory_breakdown
 from kvscope.ui.main_window import MainWindow
 from tests.synthetic import synthetic_samples
 
@@ -101,4 +102,148 @@ def test_the_calculator_fits_1024_px_without_a_sideways_scroll(qtbot, settings):
     assert "1,635,930" in w.calculator.fits_label.text() or w.calculator.state.max_fit > 4096
     scroll = w.tabs.currentWidget()
     assert not scroll.horizontalScrollBar().isVisible(), (w.calculator.minimumSizeHint().width(), scroll.viewport().width())
+    w.close()
+
+
+# ---- every plot whole (issue 25, item 4): measured in the scene of each panel, at every size, both modes
+
+PLOT_SIZES = [(1024, 768), (1280, 720), (1920, 1080)]
+
+
+def _tick_texts(axis):
+    """The scene rectangles of an axis's tick labels, as it paints them now."""
+    from PySide6.QtGui import QImage, QPainter
+
+    if not axis.isVisible() or not axis.style["showValues"]:
+        return []
+    image = QImage(8, 8, QImage.Format.Format_ARGB32)
+    painter = QPainter(image)
+    try:
+        specs = axis.generateDrawSpecs(painter)
+    finally:
+        painter.end()
+    if specs is None:
+        return []
+    return [axis.mapRectToScene(rect) for rect, _flags, text in specs[2] if text]
+
+
+def _clips(w) -> list[str]:
+    """What is cut or printed over something in the live plots: each text whole inside its panel, titles,
+    readouts, legends and tick labels apart, no legend or label over a plot's data area or a live curve."""
+    from PySide6.QtCore import QRectF
+
+    problems = []
+    for panel in w.plots.panels:
+        inside = QRectF(0, 0, panel.width(), panel.height())
+        texts = [("title", panel.title_label.item.sceneBoundingRect())]
+        if panel.readout_label.isVisible() and panel.readout_text:
+            texts.append(("readout", panel.readout_label.item.sceneBoundingRect()))
+        if panel.legend.isVisible() and panel.legend.items:
+            texts.append(("legend", panel.legend.sceneBoundingRect()))
+        views = []
+        for spec in panel.plots:
+            if not spec.item.isVisible():
+                continue
+            vb = spec.item.getViewBox()
+            views.append(vb.sceneBoundingRect())
+            if vb.height() < 30 or vb.width() < 80:
+                problems.append(f"{panel.key}: a data area of {vb.width():.0f}x{vb.height():.0f} px")
+            for side in ("left", "bottom", "right"):
+                texts += [(f"{side} tick", r) for r in _tick_texts(spec.item.getAxis(side))]
+            axis = spec.item.getAxis("bottom")
+            if axis.label.isVisible():
+                texts.append(("bottom label", axis.label.sceneBoundingRect()))
+        for name, rect in texts:
+            if not inside.contains(rect.adjusted(1, 1, -1, -1)):
+                problems.append(f"{panel.key}: {name} cut {rect.getRect()} outside {inside.getRect()}")
+        whole = [(n, r) for n, r in texts if "tick" not in n]  # ticks meet their own axis line by design
+        for i, (a, ra) in enumerate(texts):
+            for b, rb in texts[i + 1:]:
+                if ra.adjusted(1, 1, -1, -1).intersects(rb.adjusted(1, 1, -1, -1)) and not (
+                        "tick" in a and "tick" in b and a == b):
+                    problems.append(f"{panel.key}: {a} over {b}")
+        for name, rect in whole:
+            for view in views:
+                if rect.adjusted(1, 1, -1, -1).intersects(view):
+                    problems.append(f"{panel.key}: {name} over a data area")
+    kv = w.plots.kv
+    from kvscope.ui.plots.kv import LIVE
+
+    for marker in w.plots.markers:
+        label = marker.lines[0].label
+        if label.isVisible() and kv.over_curves(label.sceneBoundingRect(), LIVE):
+            problems.append(f"kv: the marker label {marker.label!r} over a live curve")
+    return problems
+
+
+def _plots_window(qtbot, settings, size, presenter):
+    w = MainWindow(settings=settings, start_engine=False)
+    qtbot.addWidget(w)
+    w.show()
+    if presenter:
+        w.set_presenter(True, fullscreen=False)
+    w.resize(*size)
+    qtbot.wait(50)
+    # A run that grows, then drops (a window), then grows: the legends' old corner is where the line goes.
+    w.add_samples(synthetic_samples(300, switches={80: "gqa:2", 81: "mqa", 200: "window:256"}))
+    w.add_samples([s.replace(attention="window:256", kernel="sdpa-flash-cpu", cache="static")
+                   for s in synthetic_samples(3, start_token=300)])
+    w.plots.redraw(settle=True)
+    qtbot.wait(50)
+    w.plots.redraw(settle=True)
+    return w
+
+
+@pytest.mark.parametrize("presenter", [False, True], ids=["normal", "presenter"])
+@pytest.mark.parametrize("size", PLOT_SIZES, ids=[f"{w}x{h}" for w, h in PLOT_SIZES])
+def test_every_plot_is_whole_and_nothing_prints_over_another(qtbot, settings, size, presenter):
+    w = _plots_window(qtbot, settings, size, presenter)
+    assert not _clips(w)
+    # The badges say their settings whole (the type steps down before a badge elides).
+    for key in ("attention", "kernel", "cache", "state"):
+        badge = w.badge_row.badges[key]
+        assert QLabel.text(badge) == badge.text(), (key, QLabel.text(badge), badge.text())
+    # The breakdown's rows lie inside its box, one under the other, never printed over each other.
+    box = w.breakdown_view
+    w.breakdown_view.show_breakdown(memory_breakdown(synthetic_samples(3)[-1]))
+    qtbot.wait(20)
+    rows = [box.rows[n][1] for n in box.rows if box.rows[n][1].isVisibleTo(box)]
+    spans = sorted((r.mapTo(box, QPoint(0, 0)).y(), r.height()) for r in rows)
+    assert all(a + h <= b + 1 for (a, h), (b, _) in zip(spans, spans[1:])), spans
+    assert all(y >= 0 and y + h <= box.height() for y, h in spans), (spans, box.height())
+    w.close()
+
+
+@pytest.mark.parametrize("size", PLOT_SIZES, ids=[f"{w}x{h}" for w, h in PLOT_SIZES])
+def test_presenter_mode_and_back_leaves_every_plot_whole(qtbot, settings, size):
+    """The Total panel's error text was cut after F11 and back: its label kept the presenter type's place."""
+    w = _plots_window(qtbot, settings, size, False)
+    before = w.plots.total.readout_label.item.sceneBoundingRect().width()
+    w.set_presenter(True, fullscreen=False)
+    w.resize(*size)
+    qtbot.wait(50)
+    w.plots.redraw(settle=True)
+    assert not _clips(w)
+    w.set_presenter(False, fullscreen=False)
+    qtbot.wait(50)  # (the window's own size comes back on the next turn of the event loop)
+    w.resize(*size)
+    qtbot.wait(50)
+    w.plots.redraw(settle=True)
+    assert not _clips(w)
+    assert w.plots.total.readout_label.item.sceneBoundingRect().width() == pytest.approx(before, abs=1)
+    w.close()
+
+
+def test_a_recording_run_keeps_the_settings_badges_whole(qtbot, settings):
+    """The REC badge took the settings badges' room (1024 px, presenter type): it shrinks to its dot instead."""
+    w = _plots_window(qtbot, settings, (1024, 768), True)
+    w.files.recording_now = "/tmp/run.jsonl"
+    w.session.mode = "live"
+    w.session.set_state("running")
+    qtbot.wait(20)
+    rec = w.badge_row.recording
+    assert rec.isVisible() and rec.text() == "\u25cf REC" and "/tmp/run.jsonl" in rec.toolTip()
+    for key in ("attention", "kernel", "cache", "state"):
+        badge = w.badge_row.badges[key]
+        assert QLabel.text(badge) == badge.text(), (key, QLabel.text(badge), badge.text())
     w.close()

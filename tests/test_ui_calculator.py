@@ -205,8 +205,8 @@ def test_a_runtime_registered_with_calculator_rules_is_offered_without_a_ui_edit
     from dataclasses import replace as with_
 
     from kvscope.core import runtimes
-    from kvscope.core.prediction.calculator import CalcFigures, CalcRow
     from kvscope.core.prediction.predict import kv_bytes
+    from kvscope.core.runtimes.calculator import CalcFigures, CalcRow
 
     class ChunkRules:
         label, tip, unused_note, default_cache = "chunks (tests)", "a cache in 256-token chunks", "(chunks: not used)", "chunk:256"

@@ -58,7 +58,7 @@ def test_not_available_is_a_hidden_curve_and_a_label_never_zero(plots):
     assert not plots.curve_visible("device_used")
     assert not plots.curve_visible("allocated")
     assert plots.curve_visible("process_rss")
-    assert "no GPU" in plots.mem_plot.titleLabel.text
+    assert "no GPU" in plots.memory.title_label.text  # the panel's header, over the plot item
     # Observed total falls back to measured weights + KV, compared with predicted weights + KV.
     _, err = plots.curve_data("error_total")
     assert np.all(err == 0.0)

@@ -87,6 +87,31 @@ class ElidedLabel(QLabel):
         self.setToolTip(self._tip)
 
 
+def _extra(label: ElidedLabel) -> int:
+    """What a badge's width adds to its text's (as its ``sizeHint`` counts): margins, padding, border."""
+    m = label.contentsMargins()
+    return m.left() + m.right() + label.pad + 2
+
+
+class RecBadge(ElidedLabel):
+    """The REC badge: its whole text, or where the row is short only its dot (``compact``), so that it never
+    takes the settings badges' room; ``text()`` and the tooltip keep the whole."""
+
+    compact = False
+
+    def _elide(self) -> None:
+        shown = self._full[:1] if self.compact else self._full
+        if shown != QLabel.text(self):
+            QLabel.setText(self, shown)
+            self.updateGeometry()
+
+    def sizeHint(self) -> QSize:  # noqa: N802 - Qt's name: what it shows
+        return QLabel.sizeHint(self)
+
+    def minimumSizeHint(self) -> QSize:  # noqa: N802
+        return QLabel.minimumSizeHint(self)
+
+
 class BadgeRow(QWidget):
     """``badges[key]`` for model, attention, kernel, cache and state; ``loading_bar``; ``recording``."""
 
@@ -141,7 +166,7 @@ class BadgeRow(QWidget):
         self.loading_bar.setToolTip("Loading the model in the engine process")
         self.loading_bar.setVisible(False)
         row.addWidget(self.loading_bar, 0, Qt.AlignmentFlag.AlignVCenter)
-        self.recording = QLabel("\u25cf REC")
+        self.recording = RecBadge("\u25cf REC")
         self.recording.setObjectName("recording")
         self.recording.setVisible(False)
         row.addWidget(self.recording)
@@ -150,8 +175,79 @@ class BadgeRow(QWidget):
         super().resizeEvent(event)
         self._fit_names()
 
+    #: The type size of the badges as the theme has it (``reserve`` says it), and as shown (``_fit_type``).
+    point_size = 0
+    shown_pt = 0
+    #: The smallest type a badge steps down to before its text is cut.
+    FLOOR_PT = 8
+
+    def _fit_type(self) -> None:
+        """The settings and state badges whole where the row has room: the REC badge first shrinks to its dot
+        (its tooltip says the rest), then the badges' type steps down a point at a time (presenter type on
+        1024 px cut 'static' to '…'), down to ``FLOOR_PT``; below that they elide."""
+        if not self.point_size:
+            return
+        layout = self.layout()
+        keys = [k for k in self.badges if k != "model"]
+        extras = self.loading_bar.width() + layout.spacing() if not self.loading_bar.isHidden() else 0
+        room = self.width() - layout.spacing() * len(self.badges) - extras - 4
+
+        def widths(pt: int, reserved: bool = True) -> dict[str, int]:
+            font = QFont(self.badges[keys[0]].font())
+            font.setPointSize(pt)
+            font.setBold(True)
+            metrics = QFontMetrics(font)
+            # what each badge asks for at that size: its text, or the room reserved for its longest choice
+            return {k: max(metrics.horizontalAdvance(self.badges[k].text()) + _extra(self.badges[k]),
+                           round(getattr(self.badges[k], "reserved_full", 0) * pt / self.point_size) if reserved else 0)
+                    for k in keys}
+
+        def need(pt: int) -> int:
+            return sum(widths(pt).values())
+
+        rec_on = not self.recording.isHidden()
+        metrics = QFontMetrics(self.recording.font())
+        compact = rec_on and need(self.point_size) + metrics.horizontalAdvance(self.recording.text()) + 24 > room
+        if compact != self.recording.compact:
+            self.recording.compact = compact
+            self.recording._elide()
+        if rec_on:
+            room -= metrics.horizontalAdvance(self.recording.text()[:1] if compact else self.recording.text()) + 24
+        # The room reserved for longer choices yields first (each badge keeps at least its text), then the type.
+        pt = self.point_size
+        while pt > self.FLOOR_PT and sum(widths(pt, reserved=False).values()) > room:
+            pt -= 1
+        if pt != self.shown_pt:
+            self.shown_pt = pt
+            for k in keys:
+                self._restyle(k)
+        # Where the reserved room does not fit, it is given up (each badge asks for its text alone): never a
+        # minimum width here, which would feed back into the window's minimum and resize it again.
+        short = need(pt) > room
+        for k in keys:
+            label = self.badges[k]
+            want = 0 if short else getattr(label, "reserved_full", 0)
+            scaled = round(want * (self.shown_pt or self.point_size) / max(self.point_size, 1))
+            if label.reserved != scaled:
+                label.reserved = scaled
+                label.updateGeometry()
+
+    def _restyle(self, key: str) -> None:
+        """A badge's own style: its colour (the state's) and, where the row is short, a smaller type."""
+        parts = [f"color: {self._colors[key]};"] if key in self._colors else []
+        if self.shown_pt and self.shown_pt != self.point_size:
+            parts.append(f"font-size: {self.shown_pt}pt;")
+        label = self.badges[key]
+        label.setStyleSheet(" ".join(parts))
+        full = getattr(label, "reserved_full", label.reserved)
+        label.reserved = round(full * (self.shown_pt or self.point_size) / max(self.point_size, 1))
+        label.updateGeometry()
+
+    _colors: dict[str, str] = {}
+
     def _fit_names(self) -> None:
         """Show the names only when the row can give every value its whole text and each name its own."""
+        self._fit_type()
         layout = self.layout()
         values = sum(b.sizeHint().width() for k, b in self.badges.items() if k != "model")
         extras = sum(w.sizeHint().width() for w in (self.loading_bar, self.recording) if w.isVisible())
@@ -176,8 +272,12 @@ class BadgeRow(QWidget):
         label = self.badges[key]
         label.setMinimumWidth(0)
         label.reserved = min(widest + label.pad + 4, most) if widest else 0
+        label.reserved_full = label.reserved
         label.floor = BADGE_FLOOR + label.pad
         label.updateGeometry()
+        if point_size != self.point_size:
+            self.point_size, self.shown_pt = point_size, 0
+            self._fit_names()
 
     def show_settings(self, s: Sample) -> None:
         self.badges["attention"].setText(s.attention.upper())
@@ -187,8 +287,10 @@ class BadgeRow(QWidget):
 
     def show_state(self, state: str, color: str) -> None:
         self.badges["state"].setText(STATE_TEXT[state])
-        self.badges["state"].setStyleSheet(f"color: {color};")
+        self._colors = {**self._colors, "state": color}
+        self._restyle("state")
         self.loading_bar.setVisible(state == "loading")
+        self._fit_names()
 
     def show_model(self, info) -> None:
         name = safe_text(info.label, limit=NAME_LIMIT)  # from a file, a config or a recording: escaped
@@ -206,3 +308,4 @@ class BadgeRow(QWidget):
         elif armed:
             self.recording.setText("\u25cb REC next run")
             self.recording.setToolTip(f"the next run will be recorded to {armed}")
+        self._fit_names()

@@ -106,19 +106,54 @@ class BreakdownView(QGroupBox):
             self.swatches[name] = swatch
         grid.setColumnStretch(1, 1)
         layout.addLayout(grid)
+        self.grid = grid
         self.breakdown: Breakdown | None = None
+        self._wanted: set[str] = set(PARTS)  # the rows the breakdown has something for
+        self._tip = self.toolTip()
         # Never what sets the window's minimum (a 720p projector, presenter type): an explicit minimum keeps the
-        # layout's own out of the window's; when the column is short the legend's last rows are cut, not the plots.
+        # layout's own out of the window's. When the column is short, rows go whole (n/a ones first, then the
+        # smallest parts; the tooltip names them), never squeezed over each other.
         self.setMinimumSize(1, 1)
         self._show_unattributed(False)
+
+    def resizeEvent(self, event) -> None:  # noqa: N802 - Qt's name
+        super().resizeEvent(event)
+        self._fit_rows()
+
+    def _row_height(self) -> int:
+        return max(w.sizeHint().height() for w in self.rows[PARTS[0]]) + self.grid.verticalSpacing()
+
+    def _fit_rows(self) -> None:
+        """Show the rows that fit in the box's height, whole: where they do not all fit, n/a rows go first, then
+        the smallest parts; the tooltip lists what is not shown."""
+        layout = self.layout()
+        top = self.contentsRect().height() - layout.contentsMargins().top() - layout.contentsMargins().bottom()
+        label_h, bar_h = self.total_label.sizeHint().height(), self.bar.sizeHint().height()
+        # Shorter still: the bar goes, then the total's line (the tooltip and the numbers panel say it).
+        self.bar.setVisible(top >= label_h + bar_h + layout.spacing())
+        self.total_label.setVisible(top >= label_h)
+        used = label_h + bar_h + 2 * layout.spacing()
+        room = max(int((top - used) // max(self._row_height(), 1)), 0)
+        wanted = [name for name in (*PARTS, UNATTRIBUTED) if name in self._wanted]
+        sizes = {p.name: p.bytes for p in self.breakdown.parts} if self.breakdown is not None else {}
+        if self.breakdown is not None and self.breakdown.unattributed:
+            sizes[UNATTRIBUTED] = abs(self.breakdown.unattributed)
+        keep = set(sorted(wanted, key=lambda n: -(sizes.get(n) if sizes.get(n) is not None else -1))[:room])
+        for name in (*PARTS, UNATTRIBUTED):
+            on = name in keep
+            for w in (*self.rows[name], self.swatches[name]):
+                if w.isVisibleTo(self) != on:
+                    w.setVisible(on)
+        dropped = [SHORT_LABELS.get(n, "unattributed") for n in wanted if n not in keep]
+        self.setToolTip(self._tip + (f"\nNot shown for lack of room: {', '.join(dropped)}." if dropped else ""))
 
     def apply_theme(self, theme: Theme) -> None:
         self.bar.background = theme.panel
         self.bar.update()
 
     def _show_unattributed(self, on: bool) -> None:
-        for w in (*self.rows[UNATTRIBUTED], self.swatches[UNATTRIBUTED]):
-            w.setVisible(on)
+        (self._wanted.add if on else self._wanted.discard)(UNATTRIBUTED)
+        self._fit_rows()
 
     def show_breakdown(self, b: Breakdown | None) -> None:
         """Show ``b`` (None: nothing observed yet)."""

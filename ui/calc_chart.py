@@ -1,7 +1,7 @@
 """The calculator's chart: predicted memory against context (log scale), stacked weights, KV and activations,
 with the GPU's memory, this context, the largest that fits and the trained maximum as lines.
 
-It draws a ``kvscope.core.prediction.calculator.Chart`` and a ``CalcFigures``; it computes nothing.
+It draws a ``kvscope.core.runtimes.calculator.Chart`` and a ``CalcFigures``; it computes nothing.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QColor, QFont
 
 from kvscope.core.model.spec import ModelSpec, human_bytes
-from kvscope.core.prediction.calculator import CalcFigures, Chart, chart_start, context_ceiling
+from kvscope.core.runtimes.calculator import CalcFigures, Chart, chart_start, context_ceiling
 from kvscope.ui.axes import BytesAxis, format_tokens
 from kvscope.ui.theme import Theme
 

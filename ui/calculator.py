@@ -1,6 +1,6 @@
 """The calculator tab: what a context costs for any model, from the predictor alone (no weights).
 
-A view of ``kvscope.core.prediction.calculator`` (the model, no Qt): the inputs become a ``CalcInputs``, the model answers with a
+A view of ``kvscope.core.runtimes.calculator`` (the model, no Qt): the inputs become a ``CalcInputs``, the model answers with a
 ``CalcFigures`` (the rows, the total, what fits, the formula) and a ``Chart``, and this tab renders them. Which
 runtimes it offers, which inputs each reads and which rows it shows are the registry's answers
 (``kvscope.core.runtimes.calculators``). Specs load in the background (``kvscope.workers.spec_loader``); the models on this
@@ -20,10 +20,9 @@ from kvscope.core.base.safe_text import NAME_LIMIT, safe_text
 from kvscope.core.model.attention import native_attention
 from kvscope.core.model.settings import RunSettings, attention_choices
 from kvscope.core.model.spec import ModelSpec, SpecError, human_bytes, parse_size, preset_names
-from kvscope.core.prediction.calculator import (GPU_LAYOUTS, KV_DTYPES, WEIGHT_DTYPES, CalcFigures, CalcInputs,
-                                                Calculator, context_stops, context_values, gpus_text, offered,
-                                                rules_for)
 from kvscope.core.prediction.parallel import Parallelism
+from kvscope.core.runtimes.calculator import (GPU_LAYOUTS, KV_DTYPES, WEIGHT_DTYPES, CalcFigures, CalcInputs,
+                                              Calculator, context_stops, context_values, gpus_text, offered, rules_for)
 from kvscope.ui.axes import format_count, format_tokens
 from kvscope.ui.calc_chart import CalcChart
 from kvscope.ui.forms import form_box
@@ -457,7 +456,7 @@ class CalculatorTab(FollowsInstalled, QWidget):
         return Parallelism(tensor=tp, pipeline=pp)
 
     def inputs(self) -> CalcInputs:
-        """What the inputs say, for the model (``kvscope.core.prediction.calculator``)."""
+        """What the inputs say, for the model (``kvscope.core.runtimes.calculator``)."""
         parallel = self.parallelism()
         return CalcInputs(context=int(self.context.value() or 4096), runtime=self.runtime, batch=self.batch.value(),
                           weight_dtype=self.dtype.value(), kv_dtype=self.kv_dtype.value(),

@@ -150,6 +150,8 @@ class LiveTab(QSplitter):
         if stacked:
             self.centre_splitter.setSizes([8000, 2000])  # the plots take 80 % of the height, the events the rest
             self.plots.splitter.setSizes([3000, 5000])  # the KV plot over the two others
+        else:
+            self.plots.splitter.setSizes([3000, 2000])  # the KV plot 3:2 over the row of the others, as built
         if compact:
             total = max(sum(self.sizes()), width)
             self.setSizes([left, max(total - left - right, 1), right])

@@ -1,3 +1,3 @@
 """Prediction from a spec alone, before anything loads: the formula and the predictor, ``calc``'s figures and
-tables, the calculator tab's model, parallelism, serving capacity under vLLM's rules, llama.cpp's KV and compute
+tables, parallelism, serving capacity under vLLM's rules, llama.cpp's KV and compute
 buffers, and the OOM forecast."""

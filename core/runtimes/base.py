@@ -132,7 +132,7 @@ class RuntimeInfo:
     cache_switch_reloads: bool = False
     #: The KV cache is reserved for the whole context at load (the window's numbers panel says "prepaid").
     reserves_at_load: bool = False
-    #: ``calculator``: the Calculator tab's rules for this runtime (``kvscope.core.prediction.calculator.CalcRules``: its rows, caches,
+    #: ``calculator``: the Calculator tab's rules for this runtime (``kvscope.core.runtimes.calculator.CalcRules``: its rows, caches,
     #: the inputs it reads); None: the tab does not offer it. Must not import the ML stack.
     calculator: "str | Any | None" = None
     #: ``switch_problem(spec, device, now, key, value, tokens) -> str | None``: why a live switch cannot run from the

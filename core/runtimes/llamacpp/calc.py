@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from kvscope.core.model.settings import RunSettings
 from kvscope.core.model.spec import ModelSpec
-from kvscope.core.prediction.calculator import CalcFigures, CalcInputs, CalcRow
 from kvscope.core.prediction.llamacpp import (CACHE_TYPES, MAX_CONTEXT, formula_llamacpp, max_context_llamacpp,
                                               predict_llamacpp)
+from kvscope.core.runtimes.calculator import CalcFigures, CalcInputs, CalcRow
 
 TIPS = {
     "weights": "The weights llama.cpp puts on the GPU: a GGUF's tensors (the token embedding stays in host memory), "
@@ -26,7 +26,7 @@ TIPS = {
 
 
 class LlamaCppCalc:
-    """``kvscope.core.prediction.calculator.CalcRules`` for llama.cpp (the KV cache allocated at load)."""
+    """``kvscope.core.runtimes.calculator.CalcRules`` for llama.cpp (the KV cache allocated at load)."""
 
     label = "llama.cpp (allocated at load)"
     tip = ("llama.cpp (LM Studio, Ollama): the whole context's KV cache is allocated when the model loads, padded "

@@ -12,9 +12,9 @@ from kvscope.core.model.caches import parse_cache
 from kvscope.core.model.settings import RunSettings, cache_choices
 from kvscope.core.model.spec import ModelSpec
 from kvscope.core.prediction.calc import SEARCH_LIMIT, kv_formula
-from kvscope.core.prediction.calculator import TIMES, CalcFigures, CalcInputs, CalcRow
 from kvscope.core.prediction.parallel import max_context_per_gpu, predict_parallel
 from kvscope.core.prediction.predict import Prediction, kv_bytes, max_context_that_fits, predict
+from kvscope.core.runtimes.calculator import TIMES, CalcFigures, CalcInputs, CalcRow
 
 TIPS = {
     "weights": "Parameters x bytes per element (parameter count from a meta-device build of the config).",
@@ -26,7 +26,7 @@ TIPS = {
 
 
 class TransformersCalc:
-    """``kvscope.core.prediction.calculator.CalcRules`` for transformers' caches (they grow per token)."""
+    """``kvscope.core.runtimes.calculator.CalcRules`` for transformers' caches (they grow per token)."""
 
     label = "transformers (grows per token)"
     tip = "transformers: the cache holds the tokens so far (a dynamic cache)."

@@ -31,6 +31,7 @@ from kvscope.core.prediction.predict import kv_bytes, kv_elem_bytes, predict
 from kvscope.core.runtimes.transformers.kernels import measure_kernel
 from kvscope.core.runtimes.transformers.measure import cache_bytes, model_weight_bytes
 from kvscope.core.runtimes.transformers.peak import measure_peak
+from kvscope.core.runtimes.transformers.refusal import refuse
 
 TOP_K = 40
 
@@ -59,24 +60,6 @@ def _backend_problem(backend: str) -> str | None:
     except Exception as exc:  # noqa: BLE001 - extension build errors come as RuntimeError, OSError...
         return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
     return None
-
-
-def _refuse(exc: BaseException) -> None:
-    """Raise a switch's failure as the SettingsError its refusal event carries (an out-of-memory error, or what
-    transformers raised, in one line); a SettingsError / SpecError as it is."""
-    if isinstance(exc, (SettingsError, SpecError)):
-        raise exc
-    first = (str(exc).strip().splitlines() or [""])[0][:200]
-    why = "not enough memory for the conversion" if is_oom(exc) else \
-        f"transformers could not run it ({type(exc).__name__}: {first})"
-    raise SettingsError(f"{why}; nothing was changed") from exc
-
-
-def is_oom(exc: BaseException) -> bool:
-    """CUDA/MPS out-of-memory errors, and the CPU allocator's ("DefaultCPUAllocator: can't allocate memory")."""
-    text = str(exc).lower()
-    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in text \
-        or "can't allocate memory" in text
 
 
 class Engine:
@@ -461,7 +444,7 @@ class Engine:
             snapshot.restore()
             del snapshot
             gc.collect()
-            _refuse(exc)
+            refuse(exc)
         del snapshot
         gc.collect()
         if name == "attention":

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from kvscope.core.base.sample import PHASE_EVENT, Sample
+from kvscope.core.runtimes.transformers.refusal import refuse
 
 if TYPE_CHECKING:
     from kvscope.core.runtimes.transformers.engine import Engine
@@ -182,9 +183,7 @@ def begin(engine: "Engine", key: str, value: Any) -> "Sample | PreparedSwitch":
         live_cache.restore()
         del shadow
         gc.collect()
-        from kvscope.core.runtimes.transformers.engine import _refuse
-
-        _refuse(exc)
+        refuse(exc)
     live_cache.restore()
     if shadow._rerun_why is None or can_prepare(shadow) is not None:
         del shadow  # nothing to run in the background: the switch as it always was, at this token
@@ -253,11 +252,9 @@ def advance(engine: "Engine", prep: PreparedSwitch) -> Sample | None:
                             f"{prep.fraction:.0%}; the run goes on meanwhile")
         return None
     if prep.error is not None:
-        from kvscope.core.runtimes.transformers.engine import _refuse
-
         error, prep.error = prep.error, None
         prep.shadow = None
-        _refuse(error)
+        refuse(error)
     deadline = now + CATCH_UP_S
     steps = 0
     chunk = CATCH_UP_CHUNK if _holds_every_token(shadow) else 1
@@ -282,10 +279,8 @@ def advance(engine: "Engine", prep: PreparedSwitch) -> Sample | None:
         with torch.inference_mode():
             shadow._trial_step()
     except Exception as exc:  # noqa: BLE001 - the running engine was never touched
-        from kvscope.core.runtimes.transformers.engine import _refuse
-
         prep.shadow = None
-        _refuse(exc)
+        refuse(exc)
     for name in engine._SWITCH_STATE + ("base_model", "_tokens_rerun"):
         setattr(engine, name, getattr(shadow, name))
     peak = shadow._take_peak()

@@ -29,8 +29,9 @@ from kvscope.core.prediction.forecast import budget_used
 from kvscope.core.prediction.predict import activation_bytes
 from kvscope.core.records.outputs import OutputError, check_output_path
 from kvscope.core.runtimes.probes import MemoryProbe, allocator_snapshot_save, allocator_snapshot_start
-from kvscope.core.runtimes.transformers.engine import Engine, GenerationError, is_oom
+from kvscope.core.runtimes.transformers.engine import Engine, GenerationError
 from kvscope.core.runtimes.transformers.measure import cache_bytes
+from kvscope.core.runtimes.transformers.refusal import is_oom
 
 NAME = "transformers"
 

@@ -1,0 +1,252 @@
+"""The KV plot: the cache's bytes after each token, observed and predicted, its slope, the switches' labels,
+the held earlier runs' curves under this one, and the quality probe's KL on a scale of its own."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import Qt
+
+from kvscope.core.base.sample import Sample
+from kvscope.ui.axes import BytesAxis, format_slope
+from kvscope.ui.plots.panel import Marker, PlotPanel, headroom, label_height, mix
+from kvscope.ui.theme import Theme
+
+#: The curves of the run being shown: a label never covers them.
+LIVE = ("kv_observed", "kv_predicted", "kv_reserved", "kv_used")
+
+
+class KVPlot(PlotPanel):
+    """KV cache bytes vs token, with the slope in its header and a labelled line per switch."""
+
+    key = "kv"
+    row = 0
+    TOKEN_COLUMNS = ("kv_observed", "kv_predicted", "kv_reserved", "kv_used", "quality_kl")
+    TOOLTIP = ("KV cache bytes after each token.\nSolid: measured, the bytes of the cache's K/V tensors "
+               "(element size x elements, summed over layers).\nDashed: the predictor's bytes for the same "
+               "token and settings.\nVertical lines: live switches of attention mode, kernel or cache.")
+    #: Heights (fractions of the plot, top down) a switch marker's label may take.
+    MARKER_ROWS = (0.93, 0.81, 0.69, 0.57, 0.45, 0.33)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.plot = self.add_plot({"left": BytesAxis(orientation="left")}, min_height=70, bottom_label="token",
+                                  right_sample="0.888")
+        # The quality probe's KL (this cache against a full-cache twin) beside the KV curve, on the right axis,
+        # shown once a sample carries it (the probe is off by default).
+        self.quality_view = self.add_right_view(self.plot)
+        self.quality_view.setYRange(0, 1, padding=0.0)
+        t = self.tokens
+        self.add_curve("kv_observed", self.plot, t, "token", "kv_observed", "observed", z=1)
+        self.add_curve("kv_predicted", self.plot, t, "token", "kv_predicted", "predicted", "dash", z=2)
+        # A runtime that reserves ahead (llama.cpp at load: flat, filled: the prepayment) and what the tokens hold.
+        self.add_curve("kv_reserved", self.plot, t, "token", "kv_reserved", "reserved", fill=True, z=0,
+                       color="kv_share")
+        self.add_curve("kv_used", self.plot, t, "token", "kv_used", "used", z=3, color="allocated")
+        self.add_curve("quality_kl", self.quality_view, t, "token", "quality_kl", "KL vs full cache (right, nats)",
+                       "dot", color="error_total")
+        # The previous live runs' KV curves (hold_previous), under this one: the last run dotted, the one before it
+        # dash-dotted (three runtimes on one plot). Not decimated: they are fixed.
+        self.previous_curve = pg.PlotDataItem()
+        self.older_curve = pg.PlotDataItem()
+        for item in (self.previous_curve, self.older_curve):
+            item.setZValue(-2)
+            item.setVisible(False)
+            self.plot.addItem(item)
+        self.previous: list[tuple] = []  # (tokens, bytes, label), oldest first: at most two runs
+        self.slope_bytes_per_token: float | None = None
+        self.tokens_cache = ""  # the cache strategy of the newest token (the slope explains a quantized drop)
+        self._marker_layout_key = None
+        self.empty_ranges()
+
+    def titles(self) -> tuple[str, ...]:
+        return ("KV cache vs token", "KV cache", "KV")
+
+    # ---- data in
+
+    def take(self, s: Sample) -> None:
+        if not s.is_event:
+            self.tokens_cache = s.cache
+            if s.quality_kl is not None and not self.plot.getAxis("right").isVisible():
+                self.plot.showAxis("right")
+                self._fit_key = None
+
+    def token_row(self, s: Sample) -> dict:
+        # A runtime that set more aside than the tokens hold (llama.cpp's context, reserved at load) gets two
+        # curves, reserved (filled) and used; one that reserves nothing ahead, the one observed curve.
+        ahead = (s.kv_bytes_reserved is not None and s.kv_bytes_held is not None
+                 and s.kv_bytes_reserved != s.kv_bytes_held)
+        return {"kv_observed": None if ahead else s.kv_bytes_held,
+                "kv_reserved": s.kv_bytes_reserved if ahead else None,
+                "kv_used": s.kv_bytes_held if ahead else None,
+                "kv_predicted": s.kv_bytes_predicted,
+                "quality_kl": s.quality_kl}
+
+    def empty_ranges(self) -> None:
+        """Axes that read as a run about to start (0-256 tokens, 0-1 MiB), not pyqtgraph's 0-1."""
+        self.plot.setXRange(0, 256, padding=0.0)
+        self.plot.setYRange(0, 2**20, padding=0.0)
+
+    def reset(self) -> None:
+        super().reset()
+        self.slope_bytes_per_token = None
+        self.plot.hideAxis("right")
+        self.empty_ranges()
+        self.show_previous()
+
+    # ---- the held runs
+
+    def hold_previous(self, label: str) -> bool:
+        """Keep this run's KV curve (what the runtime reserved where it reserved ahead, else the observed) to
+        draw under the next runs; the two latest stay. False if there is no curve to keep."""
+        tokens = self.tokens.column("token")
+        reserved, observed = self.tokens.column("kv_reserved"), self.tokens.column("kv_observed")
+        if len(tokens):
+            y = np.where(np.isfinite(reserved), reserved, observed)
+            ok = np.isfinite(y)
+            if ok.any():
+                # A run of the same label replaces its older curve; the two latest runs stay (three on the plot).
+                kept = [p for p in self.previous if p[2] != label]
+                self.previous = (kept + [(tokens[ok].astype(float), y[ok].astype(float), label)])[-2:]
+                return True
+        return False
+
+    def show_previous(self) -> None:
+        held = list(self.previous)
+        items = (self.older_curve, self.previous_curve) if len(held) > 1 else (self.previous_curve,)
+        for item in (self.previous_curve, self.older_curve):
+            self.legend.removeItem(item)
+            if item not in items:
+                item.setData([], [])
+                item.setVisible(False)
+        for item, previous in zip(items, held):
+            x, y, label = previous
+            item.setData(x, y)
+            item.setVisible(True)
+            self.legend.addItem(item, label)
+        if not held:
+            self.previous_curve.setData([], [])
+            self.previous_curve.setVisible(False)
+        self._fit_key = None
+        self.fit_type()
+
+    # ---- markers
+
+    def marker_lines(self, marker: Marker, label: str | None):
+        # pyqtgraph formats a line's label with str.format(value=...): braces from a recording
+        # ("d}namic") would raise, so they are doubled.
+        line = pg.InfiniteLine(movable=False, pos=marker.token, angle=90,
+                               label=(label or "").replace("{", "{{").replace("}", "}}"),
+                               labelOpts={"position": self.MARKER_ROWS[0], "anchors": [(0, 0.5), (0, 0.5)]})
+        self.plot.addItem(line, ignoreBounds=True)
+        return [(self.plot, line)]
+
+    def label_band(self) -> float:
+        """The height (px) a switch marker's label takes: the KV range keeps that much free above the curves."""
+        return label_height(self.type.label_pt + 1) + 6
+
+    def declutter(self) -> int:
+        """Place the switch markers' labels so that none prints over another or over a live curve: each (in token
+        order) at the
+        highest row of ``MARKER_ROWS`` where its rectangle meets nothing placed; where no row is free it is
+        hidden and its text joins the tooltip of the label before it (its line stays, and the events table
+        lists it). Measured in the scene, at the current zoom and size. Returns the labels shown (-1: nothing
+        moved since the last placement)."""
+        view = self.plot.getViewBox()
+        (x0, x1), _ = view.viewRange()
+        # (and again every 16 tokens: the newest marker's label reaches over the tokens still to come)
+        key = (x0, x1, view.width(), view.height(), len(self.markers), self.markers[-1].token if self.markers else None,
+               self.type, view.viewRange()[1][1], len(self.tokens) // 16)
+        if key == self._marker_layout_key:
+            return -1
+        self._marker_layout_key = key
+        taken = []
+        shown, last = 0, None
+        for marker in sorted(self.markers, key=lambda m: m.token):
+            label = marker.lines[0].label
+            if label is None:
+                continue
+            label.setToolTip(marker.label)
+            if not x0 <= marker.token <= x1:
+                label.setVisible(False)
+                continue
+            spot = None
+            label.setVisible(True)  # a hidden label measures a few px tall: measure it as it is shown
+            area = view.sceneBoundingRect()
+            for row in self.MARKER_ROWS:
+                label.setPosition(row)
+                label.updateTransform(force=True)  # else its rectangle is the one of its last paint
+                rect = label.sceneBoundingRect().adjusted(-2, -1, 2, 1)
+                if (area.contains(rect.adjusted(2, 1, -2, -1)) and not any(rect.intersects(o) for o in taken)
+                        and not self.over_curves(rect, LIVE)):
+                    spot = rect
+                    break
+            label.setVisible(spot is not None)
+            if spot is None:
+                if last is not None:  # said by the label before: its tooltip names the switches beside it
+                    last[1].append(marker.label)
+                continue
+            taken.append(spot)
+            shown += 1
+            last = (label, [marker.label])
+            label.more = last[1]
+        for marker in self.markers:
+            label = marker.lines[0].label
+            more = getattr(label, "more", None) if label is not None else None
+            if more and len(more) > 1:
+                label.setToolTip("\n".join(more))  # the switches whose labels had no room beside it
+        return shown
+
+    # ---- drawing
+
+    def fit_ranges(self, frame) -> None:
+        tok = self.tokens.column("token")
+        if len(tok):
+            self.set_x(frame, self.plot, float(tok[0]), float(tok[-1]))
+        top = self.top(("kv_observed", "kv_predicted", "kv_reserved", "kv_used"))
+        if top is not None and self.previous:  # the held runs' curves fit too
+            top = max([top] + [float(p[1].max()) for p in self.previous])
+        if top is not None:
+            self.set_y(frame, self.plot, 0.0, top, headroom(self.plot.getViewBox(), self.label_band() if self.markers else 0))
+        kl_top = self.top(("quality_kl",))
+        if kl_top is not None:
+            self.set_y(frame, self.quality_view, 0.0, max(kl_top, 0.1), 1.2)
+
+    def slope(self, window: int = 32) -> float | None:
+        """Bytes per token over the last ``window`` tokens since the last switch (a step is not a slope)."""
+        # The newest rows only: tokens increase, so the last `window` after the marker are among them.
+        tok = self.tokens.column("token")[-4 * window:]
+        kv = self.tokens.column("kv_observed")[-4 * window:]
+        if len(tok) < 2:
+            return None
+        since = self.markers[-1].token if self.markers else -math.inf
+        idx = np.flatnonzero((tok > since) & ~np.isnan(kv))
+        if idx.size < 2:
+            return None
+        idx = idx[-window:]
+        dt = tok[idx[-1]] - tok[idx[0]]
+        if dt <= 0:
+            return None
+        return float((kv[idx[-1]] - kv[idx[0]]) / dt)
+
+    def refresh_labels(self) -> None:
+        self.slope_bytes_per_token = self.slope()
+        slope = "" if self.slope_bytes_per_token is None else format_slope(self.slope_bytes_per_token)
+        if (self.slope_bytes_per_token or 0) < 0 and self.tokens_cache.startswith("quantized"):
+            slope = "\u2193 residual quantized"  # the flush, not a shrinking cache: said in words
+        self.set_readout(slope, self.theme.curves["kv_observed"])
+
+    def apply_theme(self, theme: Theme) -> None:
+        right = self.plot.getAxis("right")
+        right.setTextPen(theme.curves["error_total"])
+        right.setPen(mix(theme.background, theme.curves["error_total"], 0.6))
+        right.setStyle(tickTextOffset=6, tickLength=-6)
+        self.previous_curve.setPen(pg.mkPen(theme.text, width=theme.line_width * 1.6, style=Qt.PenStyle.DotLine))
+        self.older_curve.setPen(pg.mkPen(theme.accent, width=theme.line_width * 1.6, style=Qt.PenStyle.DashDotLine))
+        self.readout_color = theme.curves["kv_observed"]
+        super().apply_theme(theme)
+        if self.previous:
+            self.show_previous()  # its legend sample follows the theme too
+        self._marker_layout_key = None

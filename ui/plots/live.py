@@ -1,0 +1,304 @@
+"""The live plots together: the panels of ``PANELS`` fed from shared ring buffers, drawn in one frame budget.
+
+Samples are appended to preallocated ring buffers as they arrive (cheap, any rate); a fixed-rate timer in the
+window calls ``LivePlots.redraw`` (about 30 Hz), which hands each changed curve its column decimated to one
+min/max pair per pixel column (``kvscope.ui.decimate``), so a 100,000-point curve is as cheap to draw as the plot is
+wide. A plot is one class (``kvscope.ui.plots.panel.PlotPanel``) and one entry in ``PANELS``: the columns it plots,
+its markers, its place (the top row, or side by side in the bottom row) and its frames come from there.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QColor
+from PySide6.QtWidgets import QSplitter, QVBoxLayout, QWidget
+
+from kvscope.core.base.sample import PHASE_EVENT, Sample
+from kvscope.core.live.session import MARK_LABEL_CHARS, marker_label
+from kvscope.ui.plots.kv import KVPlot
+from kvscope.ui.plots.memory import MemoryPlot, SpikeMark
+from kvscope.ui.plots.panel import MAX_MARKS, FrameBudget, Marker, PlotPanel
+from kvscope.ui.plots.total import TotalPlot
+from kvscope.ui.ringbuffer import RingBuffer
+from kvscope.ui.theme import Theme, theme as make_theme
+
+DEFAULT_CAPACITY = 200_000  # points per curve kept in memory (about 1.6 MB per column)
+
+#: The plots, top row first. The first is drawn at every frame; the others take turns (see ``redraw``).
+PANELS: tuple[type[PlotPanel], ...] = (KVPlot, MemoryPlot, TotalPlot)
+
+
+def _columns(first: str, panels, attribute: str) -> tuple[str, ...]:
+    out = [first]
+    for cls in panels:
+        out += [c for c in getattr(cls, attribute) if c not in out]
+    return tuple(out)
+
+
+class LivePlots(QWidget):
+    """The live plots (``PANELS``) fed by ``add_samples`` and drawn by ``redraw``."""
+
+    #: What ``export_plot`` can write: one name per panel.
+    EXPORTABLE = tuple(cls.key for cls in PANELS)
+
+    def __init__(self, theme: Theme | None = None, capacity: int = DEFAULT_CAPACITY, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.theme = theme or make_theme("dark")
+        self.tokens = RingBuffer(capacity, _columns("token", PANELS, "TOKEN_COLUMNS"))
+        self.times = RingBuffer(capacity, _columns("time", PANELS, "TIME_COLUMNS"))
+        # monotonic seconds (the probes' clock) of plot time 0; set by the window from the run's samples
+        self.time_origin: float | None = None
+        self.markers: list[Marker] = []
+        self.draws = 0
+        self._ranges_pending = False
+
+        pg.setConfigOptions(antialias=False)  # antialiasing costs more than it buys at 30 Hz
+        self.panels: list[PlotPanel] = []
+        for cls in PANELS:
+            self.panels.append(cls(self.tokens, self.times, self.markers, self.theme, capacity))
+        self._curves = {key: curve for panel in self.panels for key, curve in panel.curves.items()}
+        self.kv, self.memory, self.total = (self.panel(cls.key) for cls in (KVPlot, MemoryPlot, TotalPlot))
+        # The names the window, the tests and the benchmarks know the parts by.
+        self.kv_widget, self.mem_widget, self.cmp_widget = self.kv, self.memory, self.total
+        self.kv_plot, self.mem_plot = self.kv.plot, self.memory.plot
+        self.total_plot, self.error_plot = self.total.total_plot, self.total.error_plot
+        self.kv_view, self.quality_view = self.memory.kv_view, self.kv.quality_view
+        self.capacity_line, self.zero_line = self.memory.capacity_line, self.total.zero_line
+        self.previous_curve, self.older_curve = self.kv.previous_curve, self.kv.older_curve
+        self.slope_label, self.error_label = self.kv.readout_label, self.total.readout_label
+        self.readings = self.memory.readings
+
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        # The top row's panel over the bottom row's, side by side (the window may stack them: a narrow column).
+        self.splitter = QSplitter(Qt.Orientation.Vertical)
+        rows: dict[int, list[PlotPanel]] = {}
+        for panel in self.panels:
+            rows.setdefault(panel.row, []).append(panel)
+        for row in sorted(rows):
+            if len(rows[row]) == 1 and row == 0:
+                self.splitter.addWidget(rows[row][0])
+            else:
+                side = QSplitter(Qt.Orientation.Horizontal)
+                for panel in rows[row]:
+                    side.addWidget(panel)
+                self.splitter.addWidget(side)
+        self.splitter.setStretchFactor(0, 3)
+        self.splitter.setStretchFactor(1, 2)
+        layout.addWidget(self.splitter)
+        self.apply_theme(self.theme)
+
+    def panel(self, key: str) -> PlotPanel:
+        return next(p for p in self.panels if p.key == key)
+
+    # ---- what the window and the tests read
+
+    @property
+    def slope_bytes_per_token(self) -> float | None:
+        return self.kv.slope_bytes_per_token
+
+    @property
+    def tokens_cache(self) -> str:
+        return self.kv.tokens_cache
+
+    @property
+    def host_only(self) -> bool | None:
+        return self.memory.host_only
+
+    @property
+    def spikes(self) -> list[SpikeMark]:
+        return self.memory.spikes
+
+    @property
+    def peak_points(self) -> list[tuple[int, int, int]]:
+        return self.total.peak_points
+
+    @property
+    def previous_label(self) -> str | None:
+        return self.kv.previous[-1][2] if self.kv.previous else None
+
+    @property
+    def previous_labels(self) -> list[str]:
+        """The held runs' labels, the latest last."""
+        return [p[2] for p in self.kv.previous]
+
+    def curve_data(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """The (x, y) a curve currently shows (for tests and exports)."""
+        x, y = self._curves[key].item.getData()
+        return (np.asarray([]) if x is None else x), (np.asarray([]) if y is None else y)
+
+    def curve_visible(self, key: str) -> bool:
+        return self._curves[key].item.isVisible()
+
+    # ---- data in
+
+    def add_samples(self, samples: list[Sample]) -> None:
+        """Append a batch of samples (any rate; drawing happens in ``redraw``)."""
+        token_rows: list[dict] = []
+        time_rows: list[dict] = []
+        for s in samples:
+            for panel in self.panels:
+                panel.take(s)
+            if s.phase == PHASE_EVENT:
+                if s.event in ("switch", "error", "oom", "budget"):
+                    self._add_marker(s)
+                continue
+            token_row, time_row = {"token": s.token}, {"time": s.time_s}
+            for panel in self.panels:
+                token_row.update(panel.token_row(s))
+                time_row.update(panel.time_row(s))
+            token_rows.append(token_row)
+            time_rows.append(time_row)
+        self.tokens.extend(token_rows)
+        self.times.extend(time_rows)
+
+    def add_memory_readings(self, readings, origin: float | None = None) -> int:
+        """Append the memory sampler's readings (``kvscope.core.runtimes.probes.MemoryReading``, any number).
+
+        Their ``time_s`` is ``time.monotonic()``; ``origin`` (default ``time_origin``) is the monotonic
+        second that is 0 on the plot's time axis, the same axis the token samples' ``time_s`` use.
+        Readings before the origin is known cannot be placed and are refused (returns 0). Returns
+        the readings appended.
+        """
+        origin = self.time_origin if origin is None else origin
+        if origin is None or not readings:
+            return 0
+        return self.memory.add_readings(readings, origin)
+
+    def add_spike(self, time_s: float, after: int, rise: int, cause: str = "") -> SpikeMark:
+        """Mark a spike on the memory plot at ``time_s`` (plot seconds): a triangle at ``after`` bytes, '+rise'."""
+        return self.memory.add_spike(time_s, after, rise, cause)
+
+    def declutter_spike_labels(self) -> int:
+        return self.memory.declutter()
+
+    def declutter_marker_labels(self) -> int:
+        return self.kv.declutter()
+
+    def _add_marker(self, s: Sample) -> None:
+        label = marker_label(s, MARK_LABEL_CHARS)  # the session's rule: the plot only draws it
+        marker = Marker(max(int(s.token), 0), s.time_s, label, s.event or "switch", ())
+        pairs = []
+        for i, panel in enumerate(self.panels):
+            for owner, line in panel.marker_lines(marker, label if i == 0 else None):
+                pairs.append((panel, owner, line))
+        marker.lines = tuple(line for _, _, line in pairs)
+        marker.owners = tuple(owner for _, owner, _ in pairs)
+        for panel, _, line in pairs:
+            panel.style_marker_line(marker, line)
+        self.markers.append(marker)
+        if len(self.markers) > MAX_MARKS:
+            old = self.markers.pop(0)
+            for owner, line in zip(old.owners, old.lines):
+                owner.removeItem(line)
+
+    # ---- held runs
+
+    def hold_previous(self, label: str) -> bool:
+        """Keep this run's KV curve (observed, or what the runtime reserved) to draw, dotted, under the next run:
+        a transformers run's growing cache beside a llama.cpp run's prepayment of the same model, or two
+        settings side by side. False if there is no curve to keep. ``reset`` keeps it; ``drop_previous`` ends it."""
+        return self.kv.hold_previous(label)
+
+    def drop_previous(self) -> None:
+        self.kv.previous = []
+        self.kv.show_previous()
+
+    # ---- the run's start, the theme
+
+    def reset(self) -> None:
+        """Forget everything (a new run) but the previous run's curve, if one is held (``hold_previous``)."""
+        self.tokens.clear()
+        self.times.clear()
+        self.time_origin = None
+        for marker in self.markers:
+            for owner, line in zip(marker.owners, marker.lines):
+                owner.removeItem(line)
+        self.markers.clear()
+        for panel in self.panels:
+            panel.reset()
+        self.apply_theme(self.theme)
+
+    def apply_theme(self, theme: Theme) -> None:
+        """Restyle backgrounds, axes, pens and labels (dark, light, presenter); each panel fits its type."""
+        self.theme = theme
+        for panel in self.panels:
+            panel.apply_theme(theme)
+        for panel in self.panels:
+            panel.refresh_labels()
+
+    # ---- drawing
+
+    def redraw(self, settle: bool = True) -> int:
+        """Push changed buffers to their curves and fit the view ranges. Returns curves updated.
+
+        ``settle`` (the default) draws every panel now. The window's fixed-rate timer passes False, for
+        frame pacing, so that no one frame keeps the UI thread long: the first panel (KV) updates at every
+        call, the others one per call, in turn (each panel is a scene Qt repaints separately); at most one
+        view range changes per call (a change re-renders axes). What waits is drawn on the next call.
+        """
+        first, others = self.panels[0], self.panels[1:]
+        drawn = self.panels if settle or not others else [first, others[self.draws % len(others)]]
+        frame = FrameBudget({id(p) for p in drawn}, math.inf if settle else 1)
+        updated = sum(panel.draw() for panel in drawn)
+        if updated or self._ranges_pending or settle:
+            for panel in self.panels:
+                panel.fit_ranges(frame)
+            self._ranges_pending = frame.pending
+            for panel in self.panels:
+                panel.declutter()
+        if updated:
+            for panel in self.panels:
+                panel.refresh_labels()
+        self.draws += 1
+        return updated
+
+    # ---- export
+
+    def export_plot(self, which: str, path: str) -> str:
+        """Write one plot to ``path`` with pyqtgraph's exporters: PNG (twice the on-screen size) or SVG."""
+        import pyqtgraph.exporters as exporters
+
+        panel = next((p for p in self.panels if p.key == which), None)
+        if panel is None:
+            raise ValueError(f"unknown plot {which!r}; choose one of {', '.join(self.EXPORTABLE)}")
+        item = panel.export_item()
+        if str(path).lower().endswith(".svg"):
+            try:
+                if panel is self.memory:  # its KV scale is a view box of its own in the scene: render the scene
+                    raise ValueError
+                exporters.SVGExporter(item).export(str(path))
+            except (ValueError, IndexError):
+                # pyqtgraph 0.14's SVG post-processing cannot parse the path data Qt 6.11's SVG
+                # generator writes ("x,y" pairs expected); Qt's own generator gives the same vector
+                # picture without that step.
+                self._svg_with_qt(item, str(path))
+            return str(path)
+        exporter = exporters.ImageExporter(item)
+        # Twice the screen size: sharp on a slide. Integer sizes (pyqtgraph rounds floats badly).
+        exporter.parameters()["width"] = max(int(item.sceneBoundingRect().width() * 2), 400)
+        exporter.export(str(path))
+        return str(path)
+
+    def _svg_with_qt(self, item, path: str) -> None:
+        from PySide6.QtCore import QRectF, QSize
+        from PySide6.QtGui import QPainter
+        from PySide6.QtSvg import QSvgGenerator
+
+        source = item.sceneBoundingRect()
+        w, h = int(source.width()), int(source.height())
+        generator = QSvgGenerator()
+        generator.setFileName(path)
+        generator.setSize(QSize(w, h))
+        generator.setViewBox(QRectF(0, 0, w, h))
+        generator.setTitle("KV Scope plot")
+        painter = QPainter(generator)
+        try:
+            painter.fillRect(QRectF(0, 0, w, h), QColor(self.theme.background))
+            item.scene().render(painter, QRectF(0, 0, w, h), source)
+        finally:
+            painter.end()

@@ -229,7 +229,7 @@ def test_an_mlx_convert_quantized_folder_runs_exact(embedded_folder, tmp_path):
     nn.quantize(model, group_size=32, bits=4)
     mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (folder / "config.json").write_text(json.dumps(config))
-    from kvscope.core.runtimes.mlx.switches import mlx_format
+    from kvscope.core.model.installed import mlx_format
 
     assert mlx_format(folder) == "mlx-name"
     engine = MlxEngine(folder, "kv", seed=4)

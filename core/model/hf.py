@@ -23,7 +23,7 @@ from kvscope.core.model.caches import kv_layout
 from kvscope.core.model.spec import (FULL_ATTENTION, INDEXED_ATTENTION, NO_KV, SLIDING_ATTENTION, ConfigView,
                                      ModelFacts, ModelSpec, SpecError, _checked_counts, _text_config, is_plain_int,
                                      is_transformers_refusal, transformers_refusal)
-from kvscope.core.model.states import KVShape, LayerState
+from kvscope.core.model.states import BOOKKEEPING_ATTRS, KVShape, LayerState
 
 _lock = threading.Lock()
 _ready = False
@@ -175,7 +175,7 @@ def hf_sliding_window(hf_config) -> int | None:
 
 
 #: Tensors a cache layer holds that are its K/V (predicted by the layer formulas, not here) or bookkeeping
-#: (kvscope.core.runtimes.transformers.measure.BOOKKEEPING_ATTRS).
+#: (kvscope.core.model.states.BOOKKEEPING_ATTRS).
 _NOT_STATES = frozenset({"keys", "values", "indexer_keys"})
 
 
@@ -196,8 +196,6 @@ def _layer_states(layer) -> dict[str, tuple[int, int]]:
     layer's growing state left out: ``_compressing_state``)."""
     import torch
 
-    from kvscope.core.runtimes.transformers.measure import (
-        BOOKKEEPING_ATTRS)  # torch: only the probe, in a process that builds the model on meta
 
     growing = (*_COMPRESSOR_BUFFERS, *_COMPRESSOR_ENTRIES, *_COMPRESSOR_OVERLAP) if _compress_rate(layer) else ()
     out = {}

@@ -29,12 +29,32 @@ import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from kvscope.core.base.safe_text import safe_text as printable
 from kvscope.core.model.hf_config import read_config_json
 from kvscope.core.model.spec import SpecError, human_bytes
-from kvscope.core.runtimes.mlx.switches import mlx_format
+
+#: Hugging Face organisations whose repos are MLX conversions (``mlx_lm.convert`` output).
+MLX_ORGS = ("mlx-community", "lmstudio-community-mlx")
+
+
+def mlx_format(folder: str | Path, config: dict[str, Any] | None = None) -> str | None:
+    """Why ``folder`` is an MLX model (a one-word reason), or None when it does not look like one.
+
+    An ``mlx_lm.convert`` folder says so in its config: a ``quantization`` entry ({"group_size", "bits"}) that
+    transformers' own configs never carry (theirs is ``quantization_config``); a Hugging Face cache repo of an
+    MLX organisation (``models--mlx-community--...``) is one whatever its config says. Reads nothing but the
+    config given (the installed-model scan has read it, bounded)."""
+    path = Path(folder)
+    parts = [p.lower() for p in path.parts]
+    if any(p.startswith(f"models--{org}--") for p in parts for org in MLX_ORGS) or any(org in parts for org in MLX_ORGS):
+        return "mlx-community"
+    if any(re.search(r"(^|[-_.])mlx($|[-_.])", p) for p in parts[-2:]):  # LM Studio's "...-MLX-4bit" folders
+        return "mlx-name"
+    if isinstance(config, dict) and isinstance(config.get("quantization"), dict):
+        return "mlx-quantized"
+    return None
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +97,7 @@ class InstalledModel:
     """One model found on disk.
 
     ``source``: a model folder (``kind`` "hf": it holds config.json; "mlx" for an MLX conversion, which runs with
-    MLX: ``kvscope.core.runtimes.mlx.switches.mlx_format``) or a GGUF file (``kind`` "gguf"; an
+    MLX: ``mlx_format``) or a GGUF file (``kind`` "gguf"; an
     Ollama blob has no .gguf suffix). ``origin``: one of ``ORIGINS``. ``size_bytes``: bytes on disk (a
     revision's files, a folder's files, a GGUF file or all its shards). ``num_ctx``: the context Ollama runs
     the model with, when its params set one. ``label`` has its control characters escaped (it is shown).

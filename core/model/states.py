@@ -28,6 +28,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+#: Attribute names of tensors that are cache bookkeeping, not cached states (``kvscope.core.runtimes.transformers.measure`` leaves them out of the bytes it walks).
+BOOKKEEPING_ATTRS: frozenset[str] = frozenset({
+    "cumulative_length",
+    "_sliding_window_tensor",
+    "_pending_beam_idx",
+    "indexer_cumulative_length",
+    "indexer_position_ids",
+})
+
 
 @dataclass(frozen=True)
 class LayerState:

@@ -16,8 +16,6 @@ from kvscope.core.model.attention import SettingsError
 from kvscope.core.model.embedded import embedded_model_dir
 from kvscope.core.model.hf_config import read_config_json
 from kvscope.core.model.spec import SpecError
-from kvscope.core.runtimes.mlx.switches import MLX_ORGS  # noqa: F401 - the scan's check, beside the loader's
-from kvscope.core.runtimes.mlx.switches import mlx_format
 
 
 def resolve_model(source: str, progress: Callable[[str], None] | None = None, trust_remote_code: bool = False) -> Path:

@@ -4,35 +4,11 @@ MLX (the command line and the window's process use them; ``kvscope.core.runtimes
 from __future__ import annotations
 
 import importlib.util
-import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from kvscope.core.model.attention import SettingsError, parse_attention
 from kvscope.core.runtimes.mlx.predict import PREFILL_STEP, QUANTIZED, MlxCache, parse_cache
-
-#: Hugging Face organisations whose repos are MLX conversions (``mlx_lm.convert`` output).
-MLX_ORGS = ("mlx-community", "lmstudio-community-mlx")
-
-
-def mlx_format(folder: str | Path, config: dict[str, Any] | None = None) -> str | None:
-    """Why ``folder`` is an MLX model (a one-word reason), or None when it does not look like one.
-
-    An ``mlx_lm.convert`` folder says so in its config: a ``quantization`` entry ({"group_size", "bits"}) that
-    transformers' own configs never carry (theirs is ``quantization_config``); a Hugging Face cache repo of an
-    MLX organisation (``models--mlx-community--...``) is one whatever its config says. Reads nothing but the
-    config given (the installed-model scan has read it, bounded)."""
-    path = Path(folder)
-    parts = [p.lower() for p in path.parts]
-    if any(p.startswith(f"models--{org}--") for p in parts for org in MLX_ORGS) or any(org in parts for org in MLX_ORGS):
-        return "mlx-community"
-    if any(re.search(r"(^|[-_.])mlx($|[-_.])", p) for p in parts[-2:]):  # LM Studio's "...-MLX-4bit" folders
-        return "mlx-name"
-    if isinstance(config, dict) and isinstance(config.get("quantization"), dict):
-        return "mlx-quantized"
-    return None
-
 
 #: The switch keys an MLX run takes.
 KEYS = ("cache", "attention", "attn-impl")

@@ -31,14 +31,7 @@ from typing import Any
 
 import torch
 
-#: Attribute names of tensors that are cache bookkeeping, not cached states (see the module docstring).
-BOOKKEEPING_ATTRS: frozenset[str] = frozenset({
-    "cumulative_length",
-    "_sliding_window_tensor",
-    "_pending_beam_idx",
-    "indexer_cumulative_length",
-    "indexer_position_ids",
-})
+from kvscope.core.model.states import BOOKKEEPING_ATTRS
 
 
 @dataclass(frozen=True)

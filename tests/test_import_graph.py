@@ -1,6 +1,6 @@
 """The project's modules import each other in one direction (scripts/import_cycles.py): no cycle, function-level
-imports included; and the imports from a room of core to a higher floor are only the known ones, each deferred to
-keep torch or MLX's switches out of a process that does not need them."""
+imports included; and the one import from a room of core to a higher floor is the known one, deferred to keep torch
+out of a process that does not need it."""
 
 from __future__ import annotations
 
@@ -34,7 +34,5 @@ def test_the_cycle_finder_sees_a_cycle(tmp_path):
 
 def test_imports_up_a_floor_are_the_known_ones():
     targets = {line.split(" -> ")[1] for line in _tool().up_a_floor()}
-    # CacheStrategy.build (only the engine builds a cache object), the first view of a config's cache layers,
-    # and the store scan telling an MLX conversion (mlx-lm's own folder rule, light, no MLX import).
-    assert targets <= {"core.runtimes.transformers.sparse_caches (deferred)",
-                       "core.runtimes.transformers.measure (deferred)", "core.runtimes.mlx.switches"}, targets
+    # CacheStrategy.build: only the engine builds a cache object (the sink and h2o layers are torch modules).
+    assert targets <= {"core.runtimes.transformers.sparse_caches (deferred)"}, targets

@@ -20,13 +20,7 @@ SIZES = [(1024, 768), (1280, 720), (1366, 768), (1920, 1080)]
 @pytest.mark.parametrize("presenter", [False, True], ids=["normal", "presenter"])
 @pytest.mark.parametrize("size", SIZES, ids=[f"{w}x{h}" for w, h in SIZES])
 def test_the_window_fits_and_nothing_lies_outside_it(qtbot, settings, size, presenter):
-    w = MainWindow(settings=settings)
-    qtbot.addWidget(w)
-    w.show()
-    if presenter:
-        w.set_presenter(True, fullscreen=False)
-    w.resize(*size)
-    qtbot.wait(50)
+    w = _plots_window(qtbot, settings, size, presenter)
     w.add_samples(synthetic_samples(300, switches={80: "gqa:2", 200: "window:256"}))
     w._redraw()
     qtbot.wait(50)

@@ -38,6 +38,19 @@ def disable_item(combo: QComboBox, key: str, reason: str) -> None:
         item.setToolTip(reason)
 
 
+def _with_browse(edit: QLineEdit, tooltip: str, browse) -> QWidget:
+    """A path field and its "…" button (which calls ``browse``), in one row."""
+    button = QPushButton("\u2026")
+    button.setToolTip(tooltip)
+    button.clicked.connect(browse)
+    row = QWidget()
+    layout = QHBoxLayout(row)
+    layout.setContentsMargins(0, 0, 0, 0)
+    layout.addWidget(edit, 1)
+    layout.addWidget(button)
+    return row
+
+
 class SourcePicker(FollowsInstalled, QObject):
     """The Source combo (``combo``) and, under it, the field of the entry chosen (``stack``); the panel places both.
     ``parent_widget``: the dialogs' parent."""
@@ -78,26 +91,12 @@ class SourcePicker(FollowsInstalled, QObject):
         ir.addWidget(self.add_folder_button)
         self.folder_edit = QLineEdit()
         self.folder_edit.setPlaceholderText("/path/to/model folder")
-        browse = QPushButton("\u2026")
-        browse.setToolTip("Choose a model folder")
-        browse.clicked.connect(self._browse_folder)
-        folder_row = QWidget()
-        fr = QHBoxLayout(folder_row)
-        fr.setContentsMargins(0, 0, 0, 0)
-        fr.addWidget(self.folder_edit, 1)
-        fr.addWidget(browse)
+        folder_row = _with_browse(self.folder_edit, "Choose a model folder", self._browse_folder)
         self.hub_edit = QLineEdit()
         self.hub_edit.setPlaceholderText("org/name, e.g. HuggingFaceTB/SmolLM2-135M")
         self.gguf_edit = QLineEdit()
         self.gguf_edit.setPlaceholderText("embedded model \u00b7 or /path/to/model.gguf")
-        gguf_browse = QPushButton("\u2026")
-        gguf_browse.setToolTip("Choose a .gguf file")
-        gguf_browse.clicked.connect(self._browse_gguf)
-        gguf_row = QWidget()
-        gr = QHBoxLayout(gguf_row)
-        gr.setContentsMargins(0, 0, 0, 0)
-        gr.addWidget(self.gguf_edit, 1)
-        gr.addWidget(gguf_browse)
+        gguf_row = _with_browse(self.gguf_edit, "Choose a .gguf file", self._browse_gguf)
         self.stack = QStackedWidget()
         self.stack.addWidget(QWidget())
         self.stack.addWidget(installed_row)

@@ -61,7 +61,6 @@ def cycles(root: Path = ROOT) -> list[list[str]]:
     mods = module_files(root)
     edges = {m: {n for n, _, _ in imports_of(p, m, mods)} for m, p in mods.items()}
     index, low, stack, on, found = {}, {}, [], set(), []
-    sys.setrecursionlimit(10000)
 
     def visit(v: str) -> None:
         index[v] = low[v] = len(index)
@@ -84,9 +83,16 @@ def cycles(root: Path = ROOT) -> list[list[str]]:
             if len(comp) > 1:
                 found.append(sorted(comp))
 
-    for m in sorted(mods):
-        if m not in index:
-            visit(m)
+    # Tarjan's walk recurses once per module on a chain; the limit is put back after, since the process (pytest)
+    # goes on (json.loads and others read a raised limit as room to recurse).
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 10_000))
+    try:
+        for m in sorted(mods):
+            if m not in index:
+                visit(m)
+    finally:
+        sys.setrecursionlimit(limit)
     return found
 
 

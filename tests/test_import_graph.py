@@ -5,6 +5,7 @@ out of a process that does not need it."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -18,7 +19,9 @@ def _tool():
 
 
 def test_no_import_cycle():
+    limit = sys.getrecursionlimit()
     assert _tool().cycles() == []
+    assert sys.getrecursionlimit() == limit  # the walk leaves the process as it found it
 
 
 def test_the_cycle_finder_sees_a_cycle(tmp_path):

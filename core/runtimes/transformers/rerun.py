@@ -51,7 +51,7 @@ CATCH_UP_CHUNK = 64
 PROGRESS_EVERY_S = 0.25
 
 
-class Cancelled(Exception):
+class _Cancelled(Exception):
     """Raised by a layer hook inside the background pass when a newer press replaced this switch."""
 
 
@@ -206,7 +206,7 @@ def _fill(prep: PreparedSwitch) -> None:
 
     def before(module: nn.Module, args: Any) -> None:
         if prep.cancel_flag.is_set():
-            raise Cancelled()
+            raise _Cancelled()
 
     def after(module: nn.Module, args: Any, output: Any) -> None:
         prep.layers_done += 1

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import threading
+from collections.abc import Iterator
 
 
 def freeze_long_lived() -> None:
@@ -15,3 +18,31 @@ def freeze_long_lived() -> None:
     after big imports, never with a model alive (a model's cycles would then never be collected).
     """
     gc.freeze()
+
+
+_pause_lock = threading.Lock()
+_pauses = 0
+_was_enabled = True
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """No automatic collection while the block builds a model: the process's other threads (the window's, in
+    thread mode; the memory sampler's) then cannot start a collection that walks half-built torch modules.
+
+    A full test run crashed once in the collector on the window's thread (``Garbage-collecting`` in a paint)
+    while the engine's thread was building a Llama on the meta device. Nested and concurrent pauses count:
+    collection resumes when the last ends, and only if it was on before the first."""
+    global _pauses, _was_enabled
+    with _pause_lock:
+        if _pauses == 0:
+            _was_enabled = gc.isenabled()
+            gc.disable()
+        _pauses += 1
+    try:
+        yield
+    finally:
+        with _pause_lock:
+            _pauses -= 1
+            if _pauses == 0 and _was_enabled:
+                gc.enable()

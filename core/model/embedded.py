@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvscope.core.base.errors import UNAVAILABLE, KVScopeError
+from kvscope.core.base.longlived import collector_paused
 from kvscope.core.model.spec import ASSETS, EMBEDDED_PRESET, PRESETS_DIR, _cache_dir
 
 #: Bump when the build changes in a way the files would show (init scheme, tokenizer options...).
@@ -317,7 +318,7 @@ def _expected_shapes(config) -> dict[str, tuple[int, ...]]:
     import torch
     from transformers import LlamaForCausalLM
 
-    with torch.device("meta"):
+    with collector_paused(), torch.device("meta"):
         skeleton = LlamaForCausalLM(config)
     return {name: tuple(p.shape) for name, p in skeleton.named_parameters()}
 

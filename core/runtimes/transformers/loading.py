@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kvscope.core.base.errors import UNAVAILABLE, KVScopeError
+from kvscope.core.base.longlived import collector_paused
 from kvscope.core.model.embedded import EmbeddedBuildError, embedded_build
 from kvscope.core.model.hf import ensure_transformers
 from kvscope.core.model.hf_config import read_config_json, spec_from_config
@@ -616,16 +617,17 @@ def _load(load_from: str, name: str, label: str, source: str, folder: Path | Non
         model_class = _model_class(config, trust_remote_code)
         attn = "sdpa" if getattr(model_class, "_supports_sdpa", True) else "eager"
         try:
-            model, info = AutoModelForCausalLM.from_pretrained(
-                load_from,
-                config=config,
-                dtype=torch_dtype,
-                attn_implementation=attn,
-                # None = prefer safetensors, fall back to pickle; True = safetensors or fail.
-                use_safetensors=None if allow_pickle else True,
-                trust_remote_code=trust_remote_code,
-                output_loading_info=True,
-            )
+            with collector_paused():  # other threads' collections never walk the half-built model
+                model, info = AutoModelForCausalLM.from_pretrained(
+                    load_from,
+                    config=config,
+                    dtype=torch_dtype,
+                    attn_implementation=attn,
+                    # None = prefer safetensors, fall back to pickle; True = safetensors or fail.
+                    use_safetensors=None if allow_pickle else True,
+                    trust_remote_code=trust_remote_code,
+                    output_loading_info=True,
+                )
         except (OSError, ValueError) as exc:
             raise _translate_hub_error(exc, name) from exc
         except pickle.UnpicklingError as exc:  # --allow-pickle, and torch's safe loader refused the file

@@ -8,7 +8,10 @@ Each figure is measured in fresh processes, side by side in one run:
   the window's imports, and the engine loads the first run's model while the window builds;
 * calc, with torch and transformers imported first (what calc did before presets carried their view) and now.
 
-    .venv/bin/python benchmarks/startup.py [--repeats 3]
+    .venv/bin/python benchmarks/startup.py [--repeats 3] [--load N] [--before TREE]
+
+``--load N`` runs N busy processes (one Python loop each) beside every measurement: a machine that is
+compiling, or a second app, as on a speaker's laptop.
 
 Offscreen Qt; the embedded model must be built already (any earlier run builds it). Prints the load averages:
 on a shared machine, compare the rows of one run, not runs.
@@ -93,14 +96,27 @@ def main() -> int:
     parser.add_argument("--before", type=Path, default=None, metavar="TREE",
                         help="the window 'before' from another checkout of KV Scope (e.g. `git archive 9360cdc | tar -x "
                              "-C /tmp/before`); default: this tree with the engine started by the window")
+    parser.add_argument("--load", type=int, default=0, metavar="N",
+                        help="busy processes running beside every measurement (default 0: an idle machine)")
     args = parser.parse_args()
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
+    try:
+        return _run(args)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+
+
+def _run(args: argparse.Namespace) -> int:
     before_tree = (args.before or ROOT).resolve()
     rows = []
     for tree in {ROOT, before_tree}:  # untimed: writes the bytecode of each tree's modules, as an install has it
         measure(WINDOW, tree != ROOT, tree)
     if args.before:
         print(f"window before: {before_tree}; now: {ROOT}")
-    print("load average %.2f %.2f %.2f; %d cores" % (*os.getloadavg(), os.cpu_count()))
+    print("load average %.2f %.2f %.2f; %d cores; %d busy processes beside" % (*os.getloadavg(), os.cpu_count(),
+                                                                              args.load))
     for name, code, keys in (("window", WINDOW, ("shown", "first_token")), ("calc llama-3-8b", CALC, ("answer",))):
         runs: dict[bool, list] = {True: [], False: []}
         for _ in range(args.repeats):  # interleaved: a shared machine's load falls on both alike

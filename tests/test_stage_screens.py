@@ -11,9 +11,11 @@ from PySide6.QtCore import QPoint, QRect
 from PySide6.QtWidgets import QAbstractScrollArea, QLabel, QWidget
 
 from kvscope.core.live.breakdown import memory_breakdown
+from kvscope.ui.diagnose import EventsTable
 from kvscope.ui.main_window import MainWindow
 from tests.synthetic import synthetic_samples
 
+EVENT_TITLES = EventsTable.HEADERS
 SIZES = [(1024, 768), (1280, 720), (1366, 768), (1920, 1080)]
 
 
@@ -240,4 +242,56 @@ def test_a_recording_run_keeps_the_settings_badges_whole(qtbot, settings):
     for key in ("attention", "kernel", "cache", "state"):
         badge = w.badge_row.badges[key]
         assert QLabel.text(badge) == badge.text(), (key, QLabel.text(badge), badge.text())
+    w.close()
+
+
+def _cut_labels(w) -> list[str]:
+    """Every label on screen (outside a scroll area) whose text, as shown, is wider or taller than its room.
+    ElidedLabels show what fits with an ellipsis; a plain label must fit whole."""
+    from PySide6.QtCore import Qt as _Qt
+
+    cut = []
+    for label in w.findChildren(QLabel):
+        if not label.isVisibleTo(w) or label.wordWrap() or label.window() is not w or not QLabel.text(label):
+            continue
+        if any(isinstance(p, QAbstractScrollArea) for p in _parents(label, w)):
+            continue
+        if label.textFormat() == _Qt.TextFormat.RichText or "<" in QLabel.text(label):
+            continue
+        metrics = label.fontMetrics()
+        indent = label.indent() if label.indent() >= 0 else (
+            metrics.horizontalAdvance("x") // 2 if label.frameWidth() > 0 else 0)
+        room = label.contentsRect()
+        wide = max(metrics.horizontalAdvance(line) for line in QLabel.text(label).splitlines()) + indent
+        high = metrics.height() * len(QLabel.text(label).splitlines())
+        if wide > room.width() + 1 or high > room.height() + 2:
+            cut.append(f"{QLabel.text(label)!r} ({type(label).__name__} {label.objectName()} in {type(label.parentWidget()).__name__}): "
+                       f"{wide}x{high} px in {room.width()}x{room.height()}")
+    return cut
+
+
+@pytest.mark.parametrize("presenter", [False, True], ids=["normal", "presenter"])
+@pytest.mark.parametrize("size", PLOT_SIZES, ids=[f"{w}x{h}" for w, h in PLOT_SIZES])
+def test_no_label_or_column_title_is_cut(qtbot, settings, size, presenter):
+    """At 1024x768 in presenter type the status bar said "run ended after 120 toke" and "23.5 GiE", the events
+    table's title "ail / likely ca" and the breakdown's total line lost its top: each label now fits whole or
+    ends in an ellipsis (the whole text in its tooltip), and a column title likewise."""
+    w = _plots_window(qtbot, settings, size, presenter)
+    w.breakdown_view.show_breakdown(memory_breakdown(synthetic_samples(3)[-1]))
+    w.status_device.setText("CPU (no GPU: host memory) \u00b7 23.5 GiB")
+    w.status_memory.setText("host: this process 478.9 MiB (RSS)")
+    w.status_line.message("run ended after 120 tokens")
+    qtbot.wait(50)
+    assert not _cut_labels(w)
+    note = w.status_line.note
+    assert note.text() == "run ended after 120 tokens"
+    if QLabel.text(note) != note.text():  # elided: the whole message is its tooltip
+        assert QLabel.text(note).endswith("\u2026") and note.toolTip() == note.text()
+    table = w.events_table
+    header = table.horizontalHeader()
+    for c in range(table.columnCount()):
+        shown = table.horizontalHeaderItem(c).text()
+        assert header.fontMetrics().horizontalAdvance(shown) <= header.sectionSize(c), (c, shown)
+        if shown != EVENT_TITLES[c]:
+            assert shown.endswith("\u2026") and table.horizontalHeaderItem(c).toolTip() == EVENT_TITLES[c]
     w.close()

@@ -115,7 +115,7 @@ def test_a_refused_switch_puts_the_controls_back_to_what_runs(qtbot, window):
     qtbot.waitUntil(lambda: window.decode_tokens >= 2, timeout=120_000)
     qtbot.keyClick(window, Qt.Key.Key_5)  # a sliding window: not offered under a quantized cache (issue 25)
     assert window.session.switches_pending == 0 and window.controls.attention_combo.currentData() == "mha"
-    assert "quantized cache needs full-attention layers" in window.statusBar().currentMessage()
+    assert "quantized cache needs full-attention layers" in window.status_line.current_message()
     window.request_switch("attention", "window:256")  # sent nonetheless: the engine refuses it
     assert window.controls.attention_combo.currentData().startswith("window")  # asked for, not yet applied
     qtbot.waitUntil(lambda: window.controls.attention_combo.currentData() == "mha", timeout=30_000)
@@ -138,7 +138,7 @@ def test_a_long_conversion_says_so_and_keys_meanwhile_show_as_queued(qtbot, wind
     qtbot.waitUntil(lambda: window.decode_tokens >= 20, timeout=120_000)
     qtbot.keyClick(window, Qt.Key.Key_4)  # MLA
     qtbot.keyClick(window, Qt.Key.Key_C)  # the next cache, while MLA is still to come
-    assert window.statusBar().currentMessage().endswith("(2 queued)")
+    assert window.status_line.current_message().endswith("(2 queued)")
     qtbot.waitUntil(lambda: window.badges["attention"].text() == "MLA", timeout=60_000)
     qtbot.waitUntil(lambda: window.session.switches_pending == 0, timeout=60_000)
     assert [m.label for m in window.plots.markers][-2:] == ["mla", "cache static"]

@@ -58,23 +58,43 @@ class ElidedLabel(QLabel):
     #: Never narrower than this where a width is reserved (a badge stays a badge: 'MQA', 'sta…').
     floor = 0
 
+    def indent_px(self) -> int:
+        """The indent QLabel puts before the text of its own accord: half an 'x' where the label has a frame
+        width, which a style sheet's padding gives it (the status bar's labels: their last 4 px were cut)."""
+        indent = self.indent()
+        if indent < 0:
+            indent = self.fontMetrics().horizontalAdvance("x") // 2 if self.frameWidth() > 0 else 0
+        horizontal = self.alignment() & (Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignRight)
+        return indent if horizontal else 0
+
     def sizeHint(self) -> QSize:  # noqa: N802 - Qt's name: as wide as the whole text wants
         m = self.contentsMargins()
         hint = super().sizeHint()
-        return QSize(max(self.fontMetrics().horizontalAdvance(self._full) + m.left() + m.right() + self.pad + 2,
-                         self.minimumWidth(), self.reserved), hint.height())
+        return QSize(max(self.fontMetrics().horizontalAdvance(self._full) + m.left() + m.right() + self.pad
+                         + self.indent_px() + 2,
+                         self.minimumWidth(), self.reserved), max(hint.height(), self._line_height()))
 
     def minimumSizeHint(self) -> QSize:  # noqa: N802 - never the text's width: it yields, elided
-        return QSize(self.minimumWidth() or min(self.reserved, self.floor) or 24, super().minimumSizeHint().height())
+        return QSize(self.minimumWidth() or min(self.reserved, self.floor) or 24,
+                     max(super().minimumSizeHint().height(), self._line_height()))
+
+    def _line_height(self) -> int:
+        """A line's height, whether the label shows its text or, where nothing fits, none (an empty QLabel is
+        shorter: the badge row lost a pixel of height each time the model's name went)."""
+        m = self.contentsMargins()
+        line = self.fontMetrics().size(Qt.TextFlag.TextSingleLine, "X").height()
+        return line + m.top() + m.bottom() + 2 * self.margin()
 
     #: Fewer characters than this left after eliding: show nothing rather than a stub ("em…").
     min_shown = 0
 
     def _elide(self) -> None:
-        room = max(self.contentsRect().width() - self.pad, 1)
+        room = max(self.contentsRect().width() - self.pad - self.indent_px(), 1)
         shown = self.fontMetrics().elidedText(self._full, Qt.TextElideMode.ElideRight, room)
         if shown != self._full and len(shown) - 1 < self.min_shown:
             shown = ""
+        if shown and self.fontMetrics().horizontalAdvance(shown) > self.contentsRect().width() - self.indent_px():
+            shown = ""  # not even one character and the '…' (Qt leaves a one-character text as it is)
         if shown != super().text():
             super().setText(shown)
             self.setToolTip(plain_tip(self._full) if shown != self._full else self._tip)
@@ -90,7 +110,7 @@ class ElidedLabel(QLabel):
 def _extra(label: ElidedLabel) -> int:
     """What a badge's width adds to its text's (as its ``sizeHint`` counts): margins, padding, border."""
     m = label.contentsMargins()
-    return m.left() + m.right() + label.pad + 2
+    return m.left() + m.right() + label.pad + label.indent_px() + 2
 
 
 class RecBadge(ElidedLabel):
@@ -175,6 +195,11 @@ class BadgeRow(QWidget):
         super().resizeEvent(event)
         self._fit_names()
 
+    def minimumSizeHint(self) -> QSize:  # noqa: N802 - the names never widen the window: they show where there is room
+        hint = super().minimumSizeHint()
+        names = sum(n.minimumWidth() + 4 for n in self.names if n.isVisibleTo(self))
+        return QSize(max(hint.width() - names, 0), hint.height())
+
     #: The type size of the badges as the theme has it (``reserve`` says it), and as shown (``_fit_type``).
     point_size = 0
     shown_pt = 0
@@ -253,10 +278,15 @@ class BadgeRow(QWidget):
         extras = sum(w.sizeHint().width() for w in (self.loading_bar, self.recording) if w.isVisible())
         names = sum(n.fontMetrics().horizontalAdvance(n.text()) + 6 for n in self.names)
         spacing = layout.spacing() * len(self.badges) + 4 * len(self.names)
-        show = values + extras + names + spacing + 40 <= self.width()  # 40: some room for a model name
+        # 40: some room for a model name. Not before the row is on screen: its width is a guess until then, and
+        # names shown at a guessed 1,003 px widened the window at its first show.
+        show = self.isVisible() and values + extras + names + spacing + 40 <= self.width()
         for n in self.names:
-            if n.isVisible() != show and (show or n.isVisibleTo(self)):
+            if n.isVisibleTo(self) != show:  # (isVisible: False while the window is hidden, so never hidden)
                 n.setVisible(show)
+            # Shown, a name has its width: its size policy (Ignored, to stay out of the row's minimum) alone gave
+            # it none, so the names were never seen, even at 1920 px.
+            n.setMinimumWidth(QLabel.sizeHint(n).width() if show else 0)
 
     def reserve(self, key: str, texts, point_size: int, most: int = 130) -> None:
         """Keep ``badges[key]`` as wide as the widest of ``texts`` (what it can come to say) in bold type of

@@ -14,6 +14,7 @@ from PySide6.QtWidgets import QGridLayout, QGroupBox, QLabel, QSizePolicy, QVBox
 
 from kvscope.core.live.breakdown import LABELS, NA, PARTS, Breakdown
 from kvscope.core.model.spec import human_bytes
+from kvscope.ui.badges import ElidedLabel
 from kvscope.ui.theme import Theme
 
 #: Okabe-Ito colours, bottom of the stack first: apart for the common colour-vision deficiencies.
@@ -79,7 +80,8 @@ class BreakdownView(QGroupBox):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(6, 4, 6, 4)
         layout.setSpacing(3)
-        self.total_label = QLabel("\u2014")
+        # Elided where the column is narrow (presenter type at 1024 px), the whole text in the tooltip.
+        self.total_label = ElidedLabel("\u2014")
         self.total_label.setObjectName("statNote")
         self.bar = _Bar()
         layout.addWidget(self.total_label)
@@ -94,8 +96,9 @@ class BreakdownView(QGroupBox):
             swatch = QLabel("\u25a0")
             color = PART_COLORS.get(name, "#9aa4b2")
             swatch.setStyleSheet(f"color: {color};")
-            label = QLabel(SHORT_LABELS.get(name, "unattributed"))
-            label.setToolTip(LABELS.get(name, "what the known parts leave of the observed total"))
+            label = ElidedLabel(SHORT_LABELS.get(name, "unattributed"))
+            label.min_shown = 2
+            label.set_tip(LABELS.get(name, "what the known parts leave of the observed total"))
             value = QLabel("n/a")
             value.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
             source = QLabel("")
@@ -127,11 +130,17 @@ class BreakdownView(QGroupBox):
         """Show the rows that fit in the box's height, whole: where they do not all fit, n/a rows go first, then
         the smallest parts; the tooltip lists what is not shown."""
         layout = self.layout()
-        top = self.contentsRect().height() - layout.contentsMargins().top() - layout.contentsMargins().bottom()
-        label_h, bar_h = self.total_label.sizeHint().height(), self.bar.sizeHint().height()
-        # Shorter still: the bar goes, then the total's line (the tooltip and the numbers panel say it).
-        self.bar.setVisible(top >= label_h + bar_h + layout.spacing())
-        self.total_label.setVisible(top >= label_h)
+        # The layout's own rectangle: below the title, which the box's contentsRect does not leave out (the
+        # total's line was drawn with its top under the title in presenter type).
+        top = layout.contentsRect().height()
+        if layout.geometry().isEmpty():  # not laid out yet: the box's own rectangle, as near as it is
+            margins = layout.contentsMargins()
+            top = self.contentsRect().height() - margins.top() - margins.bottom()
+        label_h, bar_h = self.total_label.sizeHint().height(), self.bar.minimumHeight()  # (the bar has no size hint)
+        # Shorter still: the total's line goes, then the bar (the tooltip and the numbers panel say it); the bar is
+        # the picture, and the last to go.
+        self.bar.setVisible(top >= bar_h)
+        self.total_label.setVisible(top >= label_h + bar_h + layout.spacing())
         used = label_h + bar_h + 2 * layout.spacing()
         room = max(int((top - used) // max(self._row_height(), 1)), 0)
         wanted = [name for name in (*PARTS, UNATTRIBUTED) if name in self._wanted]

@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 
 from PySide6.QtCore import Qt
-from PySide6.QtGui import QBrush, QColor, QFont
+from PySide6.QtGui import QBrush, QColor, QFont, QFontMetrics
 from PySide6.QtWidgets import (QAbstractItemView, QHeaderView, QLabel, QTableWidget, QTableWidgetItem, QVBoxLayout,
                                QWidget)
 
@@ -21,7 +21,7 @@ from kvscope.core.base.safe_text import safe_lines, safe_text
 from kvscope.core.base.sample import PHASE_PREFILL, Sample
 from kvscope.core.live.spikes import Spike
 from kvscope.core.model.spec import human_bytes
-from kvscope.ui.theme import Theme
+from kvscope.ui.theme import HEADER_PAD_PX, HEADER_WEIGHT, Theme
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,32 @@ EVENT_NAMES = {
     "load": "load", "prefill": "prefill", "switch": "switch", "refused": "refused switch",
     "forecast": "forecast", "budget": "budget reached", "oom": "out of memory", "stop": "stop", "error": "error",
 }
+
+
+def elide_headers(table: QTableWidget) -> None:
+    """Keep ``table``'s column titles (those not sized to their contents) whole or cut with an ellipsis, the whole
+    title in the section's tooltip.
+    Qt centres a title wider than its section and cuts it at both ends ("ail / likely ca" at 1024 px in
+    presenter type); its own eliding does not count the style sheet's padding."""
+    header = table.horizontalHeader()
+    titles = [table.horizontalHeaderItem(c).text() for c in range(table.columnCount())]
+
+    def fit(*_args) -> None:
+        font = QFont(header.font())
+        font.setWeight(QFont.Weight(HEADER_WEIGHT))
+        metrics = QFontMetrics(font)
+        for c, title in enumerate(titles):
+            if header.sectionResizeMode(c) == QHeaderView.ResizeMode.ResizeToContents:
+                continue  # as wide as its title already (a shorter title would narrow it, and so on)
+            item = table.horizontalHeaderItem(c)
+            room = header.sectionSize(c) - 2 * HEADER_PAD_PX - 2
+            shown = metrics.elidedText(title, Qt.TextElideMode.ElideRight, max(room, 1))
+            if item.text() != shown:
+                item.setText(shown)
+                item.setToolTip(title if shown != title else "")
+
+    header.sectionResized.connect(fit)
+    fit()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -73,6 +99,7 @@ class EventsTable(QTableWidget):
         # event cost more than the last (thousands of events in a recording took minutes).
         header.setResizeContentsPrecision(0)
         header.setStretchLastSection(True)
+        elide_headers(self)
         self.setToolTip("What the run did (load, prefill, every switch, refused switches, forecasts, budget, out of "
                         "memory)\nand every spike in memory the sampler saw, with its likely cause.")
 
@@ -193,6 +220,7 @@ class GpuProcessesPanel(QWidget):
         for i in range(len(self.HEADERS)):
             header.setSectionResizeMode(i, QHeaderView.ResizeMode.ResizeToContents)
         header.setSectionResizeMode(2, QHeaderView.ResizeMode.Stretch)
+        elide_headers(self.table)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(2, 2, 2, 2)
         layout.addWidget(self.note)

@@ -3,6 +3,7 @@ bar, and the sampler's longer note under the events table."""
 
 from __future__ import annotations
 
+from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QLabel, QStatusBar
 
 from kvscope.core.base.safe_text import NAME_LIMIT, safe_text
@@ -27,11 +28,29 @@ class StatusLine:
         self.sampler = QLabel("")
         self.sampler.setToolTip("The memory sampler: readings per second achieved (set in View \u203a Memory "
                                 "sampling rate)")
+        # The passing message (a switch, an error, the run's end): a label of its own that elides, with the whole
+        # text as its tooltip. QStatusBar's own message is painted in what the permanent labels leave, cut
+        # mid-word ("run ended after 120 toke" at 1024 px in presenter type).
+        self.note = ElidedLabel("")
+        self.note.min_shown = 6
+        bar.addWidget(self.note, 1)
+        self._clear = QTimer(bar)
+        self._clear.setSingleShot(True)
+        self._clear.timeout.connect(lambda: self.note.setText(""))
         for w in (self.sampler, self.device, self.memory, self.state):
             bar.addPermanentWidget(w)
 
     def message(self, text: str, ms: int = 0) -> None:
-        self.bar.showMessage(text, ms)
+        """Show ``text`` until the next message, or for ``ms`` milliseconds."""
+        self.note.setText(text)
+        if ms > 0:
+            self._clear.start(ms)
+        else:
+            self._clear.stop()
+
+    def current_message(self) -> str:
+        """The message shown now, whole (elided or not)."""
+        return self.note.text()
 
     def show_sampler(self, sampling, replay: bool) -> None:
         """The sampler's achieved rate and its first note (a replay shows the memory that was recorded)."""

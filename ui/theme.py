@@ -110,6 +110,11 @@ def theme(name: str = "dark", presenter: bool = False) -> Theme:
                    presenter=True)
 
 
+#: A table header section's side padding and weight (``kvscope.ui.diagnose.elide_headers`` fits its labels with them).
+HEADER_PAD_PX = 6
+HEADER_WEIGHT = 600
+
+
 def stylesheet(t: Theme) -> str:
     """Qt style sheet for the whole window."""
     return f"""
@@ -147,7 +152,8 @@ def stylesheet(t: Theme) -> str:
     QTableView {{ background: {t.background}; alternate-background-color: {t.panel}; gridline-color: {t.border};
                   border: 1px solid {t.border}; selection-background-color: {t.accent}; }}
     QHeaderView::section {{ background: {t.panel}; color: {t.muted}; border: none;
-                            border-bottom: 1px solid {t.border}; padding: 3px 6px; font-weight: 600; }}
+                            border-bottom: 1px solid {t.border}; padding: 3px {HEADER_PAD_PX}px;
+                            font-weight: {HEADER_WEIGHT}; }}
     QTableCornerButton::section {{ background: {t.panel}; border: none; }}
     QFrame#banner {{ background: {t.panel}; border: 1px solid {t.accent}; border-radius: 6px; }}
     QFrame#banner QLabel {{ background: transparent; }}

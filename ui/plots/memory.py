@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pyqtgraph as pg
-from PySide6.QtCore import Qt
+from PySide6.QtCore import QPointF, QRectF, Qt
 from PySide6.QtGui import QFont
 
 from kvscope.core.base.sample import Sample
@@ -174,20 +174,34 @@ class MemoryPlot(PlotPanel):
         lines all stay; a hidden label's size is in the triangle's tooltip and the events table.
         Returns the labels shown."""
         view = self.plot.getViewBox()
-        (x0, x1), _ = view.viewRange()
+        (x0, x1), (y0, y1) = view.viewRange()
         width_px = max(view.width(), 1.0)
         per_px = (x1 - x0) / width_px if x1 > x0 else 0.0
+        # Each label stands on its triangle, not across it: lifted by half the triangle's height (the
+        # triangles of spikes close in time sit on one row, and a label at the peak ran through them).
+        half = _TRIANGLE_PX[self.theme.presenter] / 2
+        lift = half * (y1 - y0) / max(view.height(), 1.0)
         char_px = 0.62 * self.type.label_pt * 96 / 72
-        area = view.sceneBoundingRect()
+        area = view.sceneBoundingRect().adjusted(-1, -1, 1, 1)  # (a label in the headroom band ends on its edge)
         drawn = tuple(k for k, c in self.curves.items() if c.item.isVisible() and c.item.getViewBox() is view)
         taken: list[tuple[float, float]] = []
         shown = 0
+        # Nor over another spike's triangle (three spikes in a second on a small plot: the label ran under them).
+        triangles = {id(m): _triangle(view, m, half) for m in self.spikes}
         for mark in sorted(self.spikes, key=lambda m: -m.rise):
             text = mark.items[2]
             left = mark.time_s
             right = left + (len(text.toPlainText()) + 2) * char_px * per_px
-            fits = (per_px > 0 and x0 <= left and right <= x1 and all(right < a or left > b for a, b in taken)
-                    and area.contains(_shown_rect(text)) and not self.over_curves(_shown_rect(text).adjusted(2, 2, -2, -4), drawn))
+            fits = per_px > 0 and x0 <= left and right <= x1 and all(right < a or left > b for a, b in taken)
+            if fits:
+                for y in (mark.after + lift, mark.after):  # on its triangle; else (no room above) at its peak
+                    text.setPos(mark.time_s, y)
+                    rect = _shown_rect(text)
+                    inner = rect.adjusted(4, 4, -4, -4)
+                    fits = (area.contains(rect) and not self.over_curves(rect.adjusted(2, 2, -2, -4), drawn)
+                            and not any(inner.intersects(t) for k, t in triangles.items() if k != id(mark)))
+                    if fits:
+                        break
             if fits:
                 taken.append((left - 8 * per_px, right))
                 shown += 1
@@ -201,7 +215,7 @@ class MemoryPlot(PlotPanel):
         line.setPen(pg.mkPen(t.warning, width=max(t.marker_width - 0.5, 1.0), style=Qt.PenStyle.DotLine))
         point.setBrush(pg.mkBrush(t.warning))
         point.setPen(pg.mkPen(t.background, width=1))
-        point.setSize(14 if not t.presenter else 22)
+        point.setSize(_TRIANGLE_PX[t.presenter])
         text.setColor(t.warning)
         font = QFont()
         font.setPointSize(self.type.label_pt)
@@ -239,8 +253,8 @@ class MemoryPlot(PlotPanel):
                        + tuple(f"sampled_{key}" for key in SAMPLED))
         if top is not None:
             # room for the spike labels above the peaks
-            self.set_y(frame, self.plot, 0.0, top, headroom(self.plot.getViewBox(), label_height(self.type.label_pt)
-                                                            if self.spikes else 0, least=1.2))
+            band = label_height(self.type.label_pt) + _TRIANGLE_PX[self.theme.presenter] / 2 if self.spikes else 0
+            self.set_y(frame, self.plot, 0.0, top, headroom(self.plot.getViewBox(), band, least=1.2))
         kv_top = self.top(("kv_share",))
         if kv_top is not None:
             self.set_y(frame, self.kv_view, 0.0, kv_top, 1.2)
@@ -257,8 +271,17 @@ class MemoryPlot(PlotPanel):
         super().apply_theme(theme)
 
 
+#: A spike's triangle, in px: normal and presenter mode.
+_TRIANGLE_PX = {False: 14, True: 22}
+
 #: The right axis (the KV cache's scale) is sized for this.
 BYTES_RIGHT = "88.8 MiB"
+
+
+def _triangle(view: pg.ViewBox, mark: SpikeMark, half: float) -> QRectF:
+    """A spike's triangle as drawn, in scene pixels (its item's bounding rectangle is padded for the pen)."""
+    at = view.mapViewToScene(QPointF(mark.time_s, mark.after))
+    return QRectF(at.x() - half, at.y() - half, 2 * half, 2 * half)
 
 
 def _shown_rect(text: pg.TextItem):

@@ -75,6 +75,10 @@ print(json.dumps({"answer": time.time() - float(os.environ["LAUNCHED"]), "torch"
 
 
 def measure(code: str, preload: bool, tree: Path = ROOT) -> dict:
+    """One fresh process. ``preload``: the 'before' way (the window: engine started by the window, or with
+    ``--before`` the other tree's own way; calc: torch imported first)."""
+    if tree != ROOT and code is WINDOW:
+        preload = False  # another checkout starts its engine as it does
     env = dict(os.environ, QT_QPA_PLATFORM="offscreen", LAUNCHED=repr(time.time()))
     # As installed (pip writes the bytecode): compiled modules are read, not the sources compiled at each start.
     env.pop("PYTHONDONTWRITEBYTECODE", None)
@@ -94,8 +98,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--before", type=Path, default=None, metavar="TREE",
-                        help="the window 'before' from another checkout of KV Scope (e.g. `git archive 9360cdc | tar -x "
-                             "-C /tmp/before`); default: this tree with the engine started by the window")
+                        help="the window 'before' from another checkout of KV Scope, started its own way: a folder whose "
+                             "kvscope/ is that checkout (mkdir -p /tmp/b/kvscope && git archive REV | tar -x -C "
+                             "/tmp/b/kvscope; --before /tmp/b); default: this tree with the engine started by the window")
     parser.add_argument("--load", type=int, default=0, metavar="N",
                         help="busy processes running beside every measurement (default 0: an idle machine)")
     args = parser.parse_args()

@@ -70,13 +70,34 @@ def test_a_quantized_switch_waits_for_its_backend_off_the_token_path(value, monk
     assert max(gaps) < GAP_S
 
 
+def _thread_nices(pid: int) -> list[int]:
+    """The nice value of every thread of process ``pid`` (Linux: a nice value belongs to a thread)."""
+    import os
+
+    import psutil
+
+    out = []
+    for thread in psutil.Process(pid).threads():
+        try:
+            out.append(os.getpriority(os.PRIO_PROCESS, thread.id))
+        except OSError:  # ended meanwhile
+            pass
+    return out
+
+
 def test_the_engine_started_early_loads_the_first_run_before_it_is_asked():
     """Start-up (issue 25, item 6): main.py spawns the engine before the window's imports, with the first run's
     request; the engine loads that model before it reads the "run" command, which then runs through the pipe the
-    window adopts; an early engine no window takes is ended by discard_early."""
+    window adopts; an early engine no window takes is ended by discard_early. Until the first tokens are out the
+    engine runs at the window's priority; from then on every thread of it runs 10 nice steps below."""
+    import os
+    import sys
+
     from kvscope.core.live import engine_process
     from kvscope.core.model.request import RunRequest
 
+    linux = sys.platform.startswith("linux")
+    base = os.getpriority(os.PRIO_PROCESS, 0) if linux else 0
     request = RunRequest(source="embedded", max_new_tokens=3)
     engine_process.spawn_early(preload=request)
     process, conn = engine_process.take_early()
@@ -89,9 +110,13 @@ def test_the_engine_started_early_loads_the_first_run_before_it_is_asked():
             kind, payload, run = conn.recv()
             kinds.append(kind)
             assert kind != "errored", payload
+            if kind == "ready" and linux:  # imports done, model loading: start-up, at the window's priority
+                assert set(_thread_nices(process.pid)) == {base}
             if kind == "samples":
                 assert run == 7
         assert kinds[:2] == ["ready", "device"] and "loaded" in kinds and "samples" in kinds
+        if linux:  # the first tokens are out: every thread yields to the window
+            assert set(_thread_nices(process.pid)) == {min(base + 10, 19)}
         conn.send(("quit",))
         process.join(30)
         assert process.exitcode == 0

@@ -69,6 +69,10 @@ def main() -> int:
             latencies[k] = None
             continue
         wait_until(lambda: window.session.switches_pending == 0, 600)
+        if window.state != "running":
+            print(f"key {k}: the run ended ({window.session.last_error or 'no error'}) after "
+                  f"{window.decode_tokens:,} tokens", flush=True)
+            return 1
         shown = answers[before][0] if len(answers) > before else time.monotonic()
         latencies[k] = shown - pressed
         wait_until(lambda: False, 0.5)

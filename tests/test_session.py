@@ -62,6 +62,17 @@ def test_a_live_run_goes_loading_running_idle_and_counts_what_it_saw():
     assert seen["status"][-1] == ("run ended after 10 tokens", 5000)
 
 
+def test_a_run_that_ends_leaves_no_switch_pending():
+    """A switch asked just before the run ended (or failed) is never answered: the window waited on it for ever
+    (benchmarks/stage_keys.py hung 10 minutes on a run that had ended)."""
+    session = Session(Clock())
+    session.begin_live(RunRequest(), "cpu")
+    session.take_samples(synthetic_samples(3, prompt_tokens=4))
+    assert session.switch_sent("attention", "gqa:3") and session.switches_pending == 1
+    assert session.finished()
+    assert session.switches_pending == 0
+
+
 def test_the_settings_shown_are_the_engines_after_a_switch_and_after_a_refusal():
     session = Session(Clock())
     seen = record(session)

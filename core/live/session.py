@@ -270,6 +270,7 @@ class Session:
             self._monitor_flushed = True
             self._spikes(self.monitor.flush())
         self.clear_alert("warning")
+        self.pending = {}  # switches asked and not answered: no run is left to answer them
         self.set_state("idle")
         if not self.last_error:
             self.events.status.emit(f"run ended after {self.decode_tokens:,} tokens", 5000)

@@ -230,3 +230,46 @@ def test_may_rerun_foresees_every_rerun(loaded):
             tried += 1
             assert foreseen == (event.tokens_rerun is not None), (attention, cache, key, value, event.text)
     assert tried >= 7
+
+
+def test_one_profiler_session_at_a_time_and_the_token_path_never_waits_for_it(loaded):
+    """The re-run's pass is measured under the profiler on its own thread. The token thread measured a decode step
+    (every 64th, or the first after a switch) and a switch's kernel (its trial pass) under the profiler too, at
+    the same time: the engine process died of SIGSEGV (benchmarks/stage_keys.py, key 5 after key 4). Now the token
+    thread skips its measurement while the profiler is taken, and takes it at a later token."""
+    import threading
+    import time
+
+    from kvscope.core.runtimes.transformers.kernels import PROFILER, measure_kernel
+
+    engine = _engine(loaded, None, "dynamic")
+    engine.step()
+    # Held, as the re-run's thread holds it for its pass: a decode step due to be measured does not wait.
+    assert PROFILER.acquire(timeout=5)
+    try:
+        engine._decode_peak_due = True
+        started = time.monotonic()
+        done = threading.Event()
+        worker = threading.Thread(target=lambda: (engine.step(), engine.apply("attn-impl", "flash"), done.set()))
+        worker.start()
+        assert done.wait(30), "the token thread waited for the profiler"
+        assert time.monotonic() - started < 30
+        assert engine._decode_peak_due  # not measured: due at the next step
+    finally:
+        PROFILER.release()
+    s = engine.step()
+    assert not engine._decode_peak_due and s.peak_bytes_observed is not None
+    # The real thing: steps due to be measured, and kernels measured, while a re-run's pass runs on its thread.
+    engine.apply("attn-impl", "sdpa")  # (MLA's head sizes have no flash kernel on the CPU: refused there)
+    prep = engine.begin_switch("attention", "mla")
+    assert isinstance(prep, rerun.PreparedSwitch)
+    while not prep.done.is_set():
+        engine._decode_peak_due = True
+        engine.step()
+        measure_kernel(lambda: engine.model(input_ids=engine.ids[:, -1:]))
+    event = None
+    while event is None:
+        event = engine.advance_switch(prep)
+    assert event.event == "switch" and event.switch_after == "mla", event.text
+    s = engine.step()
+    assert s.kv_bytes_held == s.kv_bytes_predicted and s.attention == "mla"

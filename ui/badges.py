@@ -197,7 +197,7 @@ class BadgeRow(QWidget):
 
     def minimumSizeHint(self) -> QSize:  # noqa: N802 - the names never widen the window: they show where there is room
         hint = super().minimumSizeHint()
-        names = sum(n.minimumWidth() + 4 for n in self.names if n.isVisibleTo(self))
+        names = sum(n.sizeHint().width() + 4 for n in self.names if n.isVisibleTo(self))
         return QSize(max(hint.width() - names, 0), hint.height())
 
     #: The type size of the badges as the theme has it (``reserve`` says it), and as shown (``_fit_type``).
@@ -284,9 +284,11 @@ class BadgeRow(QWidget):
         for n in self.names:
             if n.isVisibleTo(self) != show:  # (isVisible: False while the window is hidden, so never hidden)
                 n.setVisible(show)
-            # Shown, a name has its width: its size policy (Ignored, to stay out of the row's minimum) alone gave
-            # it none, so the names were never seen, even at 1920 px.
-            n.setMinimumWidth(QLabel.sizeHint(n).width() if show else 0)
+            # Shown, a name has its text's width (Fixed: as its font is now, presenter type or not); hidden, none.
+            # Ignored alone gave it no width at all: the names were never seen, even at 1920 px.
+            horizontal = QSizePolicy.Policy.Fixed if show else QSizePolicy.Policy.Ignored
+            if n.sizePolicy().horizontalPolicy() != horizontal:
+                n.setSizePolicy(horizontal, QSizePolicy.Policy.Preferred)
 
     def reserve(self, key: str, texts, point_size: int, most: int = 130) -> None:
         """Keep ``badges[key]`` as wide as the widest of ``texts`` (what it can come to say) in bold type of

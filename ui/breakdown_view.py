@@ -8,7 +8,7 @@ of the total is a hatched segment "not attributed". Refreshed by the window's sl
 
 from __future__ import annotations
 
-from PySide6.QtCore import QRectF, Qt
+from PySide6.QtCore import QRectF, QSize, Qt
 from PySide6.QtGui import QBrush, QColor, QPainter, QPen
 from PySide6.QtWidgets import QGridLayout, QGroupBox, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
@@ -116,8 +116,15 @@ class BreakdownView(QGroupBox):
         # Never what sets the window's minimum (a 720p projector, presenter type): an explicit minimum keeps the
         # layout's own out of the window's. When the column is short, rows go whole (n/a ones first, then the
         # smallest parts; the tooltip names them), never squeezed over each other.
-        self.setMinimumSize(1, 1)
+        self.setMinimumWidth(1)  # its height: the title and the bar (minimumSizeHint), which always show
         self._show_unattributed(False)
+
+    def minimumSizeHint(self) -> QSize:  # noqa: N802 - Qt's name
+        """The title and the bar: in presenter type on 720 px the box was given no room for either (an empty
+        frame under its title). The total's line and the rows come where there is more."""
+        margins = self.layout().contentsMargins()
+        frame = max(self.height() - self.contentsRect().height(), self.fontMetrics().height() + 8)
+        return QSize(1, frame + margins.top() + margins.bottom() + self.bar.minimumHeight())
 
     def resizeEvent(self, event) -> None:  # noqa: N802 - Qt's name
         super().resizeEvent(event)

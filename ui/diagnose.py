@@ -93,12 +93,16 @@ class EventsTable(QTableWidget):
         self.setAlternatingRowColors(True)
         self.setWordWrap(False)
         header = self.horizontalHeader()
-        for i in range(len(self.HEADERS) - 1):
+        for i in (0, 1, 3):  # time, token, size: short, whole
             header.setSectionResizeMode(i, QHeaderView.ResizeMode.ResizeToContents)
+        # What and the detail share the rest, elided (each cell's tooltip is whole): sized to their contents they
+        # ran past the table at 1024 px, and a sideways scroll bar took the room of a row.
+        header.setSectionResizeMode(2, QHeaderView.ResizeMode.Stretch)
+        header.setSectionResizeMode(4, QHeaderView.ResizeMode.Stretch)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         # Size columns from the rows in view only: measuring all of them on every new row made each
         # event cost more than the last (thousands of events in a recording took minutes).
         header.setResizeContentsPrecision(0)
-        header.setStretchLastSection(True)
         elide_headers(self)
         self.setToolTip("What the run did (load, prefill, every switch, refused switches, forecasts, budget, out of "
                         "memory)\nand every spike in memory the sampler saw, with its likely cause.")
@@ -137,7 +141,7 @@ class EventsTable(QTableWidget):
                 font = QFont()
                 font.setBold(True)
                 item.setFont(font)
-            if c == 4:
+            if c in (2, 4):
                 item.setToolTip(safe_lines(text))
             self.setItem(r, c, item)
         self.scrollToBottom()

@@ -157,7 +157,7 @@ class MemoryPlot(PlotPanel):
         text.setPos(time_s, after)
         line = pg.InfiniteLine(movable=False, pos=time_s, angle=90)
         for item in (line, point, text):
-            item.setZValue(5)
+            item.setZValue(6 if item is text else 5)  # the size over the lines and triangles near it
             self.plot.addItem(item, ignoreBounds=True)
         point.setToolTip(f"spike +{format_bytes(rise)}: {cause}")
         mark = SpikeMark(time_s, int(after), int(rise), cause, (line, point, text))
@@ -188,6 +188,17 @@ class MemoryPlot(PlotPanel):
         shown = 0
         # Nor over another spike's triangle (three spikes in a second on a small plot: the label ran under them).
         triangles = {id(m): _triangle(view, m, half) for m in self.spikes}
+        # One line per triangle's width: dynamic-cache growth makes a spike every few tokens, and on a small plot
+        # (presenter type, 720 px) their lines were a barcode over the curves. The largest keep theirs; every
+        # triangle stays (its tooltip and the events table have each spike).
+        lines: list[float] = []
+        for mark in sorted(self.spikes, key=lambda m: -m.rise):
+            x = triangles[id(mark)].center().x()
+            crowded = any(abs(x - other) < 2 * half for other in lines)
+            if not crowded:
+                lines.append(x)
+            if mark.items[0].isVisible() == crowded:
+                mark.items[0].setVisible(not crowded)
         for mark in sorted(self.spikes, key=lambda m: -m.rise):
             text = mark.items[2]
             left = mark.time_s

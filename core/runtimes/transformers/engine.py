@@ -688,7 +688,11 @@ class Engine:
         if not due or (not cuda and adopt is None):  # a cache the CPU measurement cannot follow: not measured
             return call(), False
         self._decode_peak_due = False
-        out, reading = measure_peak(call, self.device, adopt=adopt)
+        # Never waiting on the token path: while a re-run's pass is measured on its thread, this step is not.
+        out, reading = measure_peak(call, self.device, adopt=adopt, wait=cuda)
+        if reading is None and not cuda:
+            self._decode_peak_due = True  # measured at the next step instead
+            return out, False
         self._peak_fields = {"peak_bytes_observed": reading.peak if reading else None,
                              "peak_bytes_predicted": self._predicted_peak(1, self.seq_len)}
         return out, not cuda

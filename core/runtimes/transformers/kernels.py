@@ -14,7 +14,14 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 from typing import Callable
+
+#: One profiler session at a time in this process. Two at once (a re-run's pass measured on its own thread while
+#: the token thread measured a decode step or a kernel) crashed the engine: kineto printed "External init
+#: callback must run in same thread as registerClient", then SIGSEGV (benchmarks/stage_keys.py, key 5 after 4).
+#: The token thread never waits for it: what it would measure is measured at a later token instead.
+PROFILER = threading.Lock()
 
 #: aten operator -> kernel name, most specific first.
 SDPA_BACKENDS: tuple[tuple[str, str], ...] = (
@@ -61,22 +68,29 @@ def _quiet_stderr():
 
 def measure_kernel(forward: Callable[[], object]) -> str | None:
     """Run ``forward()`` under the profiler and return the attention kernel it dispatched (None when the
-    profiler cannot run here; ``forward`` runs all the same, and its own errors propagate)."""
-    try:
-        from torch.profiler import ProfilerActivity, profile
-
-        prof = profile(activities=[ProfilerActivity.CPU])
-        with _quiet_stderr():
-            prof.__enter__()
-    except Exception:  # noqa: BLE001 - no profiler (a stripped build): the kernel stays unmeasured
+    profiler cannot run here, or runs on another thread now: ``PROFILER``; ``forward`` runs all the same, and its
+    own errors propagate)."""
+    if not PROFILER.acquire(blocking=False):  # a re-run's pass is measured meanwhile: not now
         forward()
         return None
     try:
-        forward()
+        try:
+            from torch.profiler import ProfilerActivity, profile
+
+            prof = profile(activities=[ProfilerActivity.CPU])
+            with _quiet_stderr():
+                prof.__enter__()
+        except Exception:  # noqa: BLE001 - no profiler (a stripped build): the kernel stays unmeasured
+            forward()
+            return None
+        try:
+            forward()
+        finally:
+            with _quiet_stderr():
+                prof.__exit__(None, None, None)
+        return kernel_from_ops({e.name for e in prof.events()})
     finally:
-        with _quiet_stderr():
-            prof.__exit__(None, None, None)
-    return kernel_from_ops({e.name for e in prof.events()})
+        PROFILER.release()
 
 
 _profiler_started = False

@@ -19,6 +19,8 @@ from typing import Any, Callable
 
 import torch
 
+from kvscope.core.runtimes.transformers.kernels import PROFILER
+
 
 @dataclass(frozen=True)
 class PeakReading:
@@ -34,10 +36,10 @@ class PeakReading:
 _MARKER_BYTES = 7_777_777
 
 
-def measure_peak(call: Callable[[], Any], device: str,
-                 adopt: Callable[[], None] | None = None) -> tuple[Any, PeakReading | None]:
+def measure_peak(call: Callable[[], Any], device: str, adopt: Callable[[], None] | None = None,
+                 wait: bool = True) -> tuple[Any, PeakReading | None]:
     """Run ``call()`` once and return its result with the allocator's peak above the start (None on a device whose
-    allocator cannot be followed).
+    allocator cannot be followed, or, with ``wait`` False, while another thread holds the profiler: ``PROFILER``).
 
     On the CPU the profiler reports the free of a block only if it saw the block allocated (c10's
     ``ProfiledCPUMemoryReporter`` keeps the sizes of blocks allocated while profiling). A call that frees tensors
@@ -56,12 +58,17 @@ def measure_peak(call: Callable[[], Any], device: str,
         return call(), None
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        if adopt is not None:
-            adopt()
-        marker = torch.empty(_MARKER_BYTES, dtype=torch.uint8)
-        del marker
-        result = call()
+    if not PROFILER.acquire(blocking=wait):
+        return call(), None
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            if adopt is not None:
+                adopt()
+            marker = torch.empty(_MARKER_BYTES, dtype=torch.uint8)
+            del marker
+            result = call()
+    finally:
+        PROFILER.release()
     cpu = torch._C._autograd.DeviceType.CPU
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == cpu]
     events.sort(key=lambda e: e.start_ns())  # stable: same-instant events keep the allocator's order

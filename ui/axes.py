@@ -103,18 +103,37 @@ class BytesAxis(pg.AxisItem):
 
 
 class SparseAxis(pg.AxisItem):
-    """A value axis whose labels stay two text lines apart, however large the type (a short plot in
-    presenter mode otherwise prints its labels over each other)."""
+    """An axis whose labels never print over each other, however large the type: a vertical one keeps them two
+    text lines apart (a short plot in presenter mode), a horizontal one its widest label and a gap (8,000 tokens
+    on a narrow plot in presenter type read '2000400060008000': pyqtgraph spaces ticks by the plot's width
+    alone)."""
 
     def tickSpacing(self, minVal, maxVal, size):  # noqa: N802 (pyqtgraph API)
         span = abs(maxVal - minVal)
         if not math.isfinite(span) or span <= 0 or size <= 0:
             return super().tickSpacing(minVal, maxVal, size)
         font = self.style.get("tickFont") or QFont()
-        wanted = max(1.0, size / (2.2 * QFontMetrics(font).height()))
-        raw = span / wanted
-        power = 10.0 ** math.floor(math.log10(raw))
-        for step in (1, 2, 2.5, 5, 10):
-            if step * power >= raw:
-                break
-        return [(step * power, 0.0)]
+        metrics = QFontMetrics(font)
+        if self.orientation in ("bottom", "top"):
+            guess = super().tickSpacing(minVal, maxVal, size)[0][0]  # for the labels' decimals
+            widest = max(metrics.horizontalAdvance(text) for text in self.tickStrings([minVal, maxVal], 1.0, guess))
+            wanted = max(1.0, size / (widest + 2.5 * metrics.horizontalAdvance("0")))
+            return [(_nice_step(span / wanted), 0.0)]
+        wanted = max(1.0, size / (2.2 * metrics.height()))
+        return [(_nice_step(span / wanted), 0.0)]
+
+    def tickStrings(self, values, scale, spacing):  # noqa: N802 (pyqtgraph API)
+        """Along the axis, thousands of tokens as '12k' from 10,000 up: a narrow plot keeps a label."""
+        if self.orientation in ("bottom", "top") and values and max(abs(v * scale) for v in values) >= 10_000 \
+                and spacing * scale >= 1000:
+            return [f"{v * scale / 1000:g}k" for v in values]
+        return super().tickStrings(values, scale, spacing)
+
+
+def _nice_step(raw: float) -> float:
+    """The smallest of 1, 2, 2.5, 5 x a power of ten that is at least ``raw``."""
+    power = 10.0 ** math.floor(math.log10(raw))
+    for step in (1, 2, 2.5, 5, 10):
+        if step * power >= raw:
+            break
+    return step * power

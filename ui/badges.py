@@ -163,8 +163,9 @@ class BadgeRow(QWidget):
                 self.names.append(label)
             # Every value yields width when the row is narrow (1280x720): cut with an ellipsis, whole in its
             # tooltip, never widening the window past the screen.
-            # QLabel#badge: 10 px of padding and a 1 px border a side; #modelName: 2 px of padding a side.
-            value = ElidedLabel("\u2014", pad=4 if key == "model" else 22)
+            # QLabel#badge's padding and border (#modelName's padding) are in its contents margins once the style
+            # sheet is applied: counted there, not again (a pad of 22 px cut 'WINDOW:256' at 1024 px).
+            value = ElidedLabel("\u2014")
             value.setObjectName("modelName" if key == "model" else "badge")
             if key == "model":
                 # A long model name yields its width to the settings: one line, elided (the tooltip and

@@ -386,6 +386,9 @@ class MainWindow(QMainWindow):
             geometry = self._normal_geometry
 
             def give_back() -> None:
+                # The window's minimum is what its layout last set: still the presenter layout's until activated
+                # (it clamped a 764 px window to 796 px).
+                self.layout().activate()
                 self.restoreGeometry(geometry)
                 self.live.restore_centre()
 

@@ -21,6 +21,7 @@ from PySide6.QtGui import QColor, QFont, QFontMetricsF
 from PySide6.QtWidgets import QGraphicsItem, QSizePolicy
 
 from kvscope.core.base.sample import Sample
+from kvscope.ui.axes import SparseAxis
 from kvscope.ui.curves import DeviceCurve
 from kvscope.ui.decimate import PeakDecimator
 from kvscope.ui.ringbuffer import RingBuffer
@@ -215,7 +216,8 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         """A plot item under the previous ones (x axes linked), with the shared live-plot manners."""
         row = 1 + len(self.plots)
         self.ci.removeItem(self.legend)
-        plot = self.ci.addPlot(row=row, col=0, axisItems=spec_axes or {})
+        # Every time and token axis spaces its labels by their width (SparseAxis), whatever the type size.
+        plot = self.ci.addPlot(row=row, col=0, axisItems={"bottom": SparseAxis("bottom"), **(spec_axes or {})})
         self.ci.addItem(self.legend, row=row + 1, col=0)
         self.ci.layout.setAlignment(self.legend, Qt.AlignmentFlag.AlignHCenter)
         if self.plots:
@@ -227,6 +229,10 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         plot.setMouseEnabled(x=False, y=False)
         plot.setMenuEnabled(False)
         plot.hideButtons()
+        for side in ("left", "right"):
+            # A value label at the top of its axis stays within the plot's height: half of it stood in the title
+            # (1024 px, presenter type, 8,000 tokens: "title over left tick").
+            plot.getAxis(side).setStyle(hideOverlappingLabels=True)
         for side in ("left", "bottom"):
             # Ranges change in steps, so an axis (ticks, labels) is the same picture for many frames:
             # keep it as a pixmap instead of replaying its text each paint.

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pyqtgraph as pg
 from PySide6.QtCore import QPointF, QRectF, Qt
-from PySide6.QtGui import QFont
+from PySide6.QtGui import QColor, QFont
 
 from kvscope.core.base.sample import Sample
 from kvscope.ui.axes import BytesAxis, format_bytes
@@ -228,6 +228,9 @@ class MemoryPlot(PlotPanel):
         point.setPen(pg.mkPen(t.background, width=1))
         point.setSize(_TRIANGLE_PX[t.presenter])
         text.setColor(t.warning)
+        backdrop = QColor(t.background)
+        backdrop.setAlpha(200)
+        text.fill = pg.mkBrush(backdrop)  # the spike lines near it pass behind its figure, not through it
         font = QFont()
         font.setPointSize(self.type.label_pt)
         font.setBold(True)

@@ -229,10 +229,6 @@ class PlotPanel(pg.GraphicsLayoutWidget):
         plot.setMouseEnabled(x=False, y=False)
         plot.setMenuEnabled(False)
         plot.hideButtons()
-        for side in ("left", "right"):
-            # A value label at the top of its axis stays within the plot's height: half of it stood in the title
-            # (1024 px, presenter type, 8,000 tokens: "title over left tick").
-            plot.getAxis(side).setStyle(hideOverlappingLabels=True)
         for side in ("left", "bottom"):
             # Ranges change in steps, so an axis (ticks, labels) is the same picture for many frames:
             # keep it as a pixmap instead of replaying its text each paint.
@@ -642,6 +638,7 @@ class PlotPanel(pg.GraphicsLayoutWidget):
                 spec.item.setMaximumHeight(1e6 if spec in layout["shown"] else 0)
             for side in ("left", "bottom", "right"):
                 spec.item.getAxis(side).setTickFont(axis_font)
+
             # A fixed axis width: tick labels that change width would re-lay out the plot every frame.
             spec.item.getAxis("left").setWidth(layout["left"])
             if spec.right_sample is not None:

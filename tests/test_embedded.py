@@ -321,7 +321,7 @@ def test_the_window_shows_the_fallback_in_its_badge_and_status_bar(qtbot, thread
 
     weights_copy.unlink()
     shown: list[str] = []
-    thread_window.statusBar().messageChanged.connect(shown.append)
+    thread_window.status_line.message_changed.connect(shown.append)
     run_in_window(qtbot, thread_window, RunRequest(source="embedded", device="cpu", max_new_tokens=4))
     assert thread_window.last_error == ""
     assert thread_window.badges["model"].text() == RANDOM_WEIGHTS_LABEL

@@ -3,7 +3,7 @@ bar, and the sampler's longer note under the events table."""
 
 from __future__ import annotations
 
-from PySide6.QtCore import QTimer
+from PySide6.QtCore import QObject, QTimer, Signal
 from PySide6.QtWidgets import QLabel, QStatusBar
 
 from kvscope.core.base.safe_text import NAME_LIMIT, safe_text
@@ -11,10 +11,14 @@ from kvscope.core.model.spec import human_bytes
 from kvscope.ui.badges import STATE_TEXT, ElidedLabel
 
 
-class StatusLine:
-    """The permanent labels of ``bar`` and ``sampler_label`` (placed by the window under the events table)."""
+class StatusLine(QObject):
+    """The permanent labels of ``bar`` and ``sampler_label`` (placed by the window under the events table), and the
+    passing message (``message_changed`` says each one, and "" when it goes, as QStatusBar's own signal did)."""
+
+    message_changed = Signal(str)
 
     def __init__(self, bar: QStatusBar) -> None:
+        super().__init__(bar)
         self.bar = bar
         # Elided, not as wide as their text: in presenter type on 1280 px the text alone is wider than the screen,
         # and a status bar's permanent widgets keep their minimum width.
@@ -36,17 +40,20 @@ class StatusLine:
         bar.addWidget(self.note, 1)
         self._clear = QTimer(bar)
         self._clear.setSingleShot(True)
-        self._clear.timeout.connect(lambda: self.note.setText(""))
+        self._clear.timeout.connect(lambda: self.message(""))
         for w in (self.sampler, self.device, self.memory, self.state):
             bar.addPermanentWidget(w)
 
     def message(self, text: str, ms: int = 0) -> None:
         """Show ``text`` until the next message, or for ``ms`` milliseconds."""
+        changed = text != self.note.text()
         self.note.setText(text)
         if ms > 0:
             self._clear.start(ms)
         else:
             self._clear.stop()
+        if changed:
+            self.message_changed.emit(text)
 
     def current_message(self) -> str:
         """The message shown now, whole (elided or not)."""

@@ -30,12 +30,12 @@ def plain_tip(text: str) -> str:
 class ElidedLabel(QLabel):
     """One line of text, cut with an ellipsis where it does not fit; ``text()`` stays the whole text."""
 
-    def __init__(self, text: str = "", parent: QWidget | None = None, pad: int = 0) -> None:
+    def __init__(self, text: str = "", parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self._full = ""
         self.setTextFormat(Qt.TextFormat.PlainText)  # a model's name comes from a file or a recording: never HTML
-        # Horizontal room the style sheet's padding and border take (not in contentsRect for a QLabel).
-        self.pad = pad
+        # (A style sheet's padding and border are in the contents margins once it applies: contentsRect leaves
+        # them out, and the indent QLabel adds for them is indent_px.)
         self.setText(text)
 
     def setText(self, text: str) -> None:  # noqa: N802 - Qt's name
@@ -70,7 +70,7 @@ class ElidedLabel(QLabel):
     def sizeHint(self) -> QSize:  # noqa: N802 - Qt's name: as wide as the whole text wants
         m = self.contentsMargins()
         hint = super().sizeHint()
-        return QSize(max(self.fontMetrics().horizontalAdvance(self._full) + m.left() + m.right() + self.pad
+        return QSize(max(self.fontMetrics().horizontalAdvance(self._full) + m.left() + m.right()
                          + self.indent_px() + 2,
                          self.minimumWidth(), self.reserved), max(hint.height(), self._line_height()))
 
@@ -89,11 +89,11 @@ class ElidedLabel(QLabel):
     min_shown = 0
 
     def _elide(self) -> None:
-        room = max(self.contentsRect().width() - self.pad - self.indent_px(), 1)
+        room = max(self.contentsRect().width() - self.indent_px(), 1)
         shown = self.fontMetrics().elidedText(self._full, Qt.TextElideMode.ElideRight, room)
         if shown != self._full and len(shown) - 1 < self.min_shown:
             shown = ""
-        if shown and self.fontMetrics().horizontalAdvance(shown) > self.contentsRect().width() - self.indent_px():
+        if shown and self.fontMetrics().horizontalAdvance(shown) > room:
             shown = ""  # not even one character and the '…' (Qt leaves a one-character text as it is)
         if shown != super().text():
             super().setText(shown)
@@ -110,7 +110,7 @@ class ElidedLabel(QLabel):
 def _extra(label: ElidedLabel) -> int:
     """What a badge's width adds to its text's (as its ``sizeHint`` counts): margins, padding, border."""
     m = label.contentsMargins()
-    return m.left() + m.right() + label.pad + label.indent_px() + 2
+    return m.left() + m.right() + label.indent_px() + 2
 
 
 class RecBadge(ElidedLabel):
@@ -304,9 +304,9 @@ class BadgeRow(QWidget):
         widest = max((metrics.horizontalAdvance(t) for t in texts), default=0)
         label = self.badges[key]
         label.setMinimumWidth(0)
-        label.reserved = min(widest + label.pad + 4, most) if widest else 0
+        label.reserved = min(widest + _extra(label) + 2, most) if widest else 0
         label.reserved_full = label.reserved
-        label.floor = BADGE_FLOOR + label.pad
+        label.floor = BADGE_FLOOR + _extra(label)
         label.updateGeometry()
         if point_size != self.point_size:
             self.point_size, self.shown_pt = point_size, 0

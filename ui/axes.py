@@ -79,11 +79,7 @@ class BytesAxis(pg.AxisItem):
         unit, _ = self._unit(max(abs(minVal), abs(maxVal)))
         wanted = max(2.0, size / 70.0)  # about one label per 70 px
         raw = span / unit / wanted
-        power = 10.0 ** math.floor(math.log10(raw)) if raw > 0 else 1.0
-        for step in (1, 2, 2.5, 5, 10):
-            if step * power >= raw:
-                break
-        major = step * power * unit
+        major = (_nice_step(raw) if raw > 0 else 1.0) * unit
         return [(major, 0.0), (major / 5.0, 0.0)]
 
     def tickStrings(self, values, scale, spacing):  # noqa: N802 (pyqtgraph API)

@@ -191,15 +191,16 @@ class MemoryPlot(PlotPanel):
         # One line per triangle's width: dynamic-cache growth makes a spike every few tokens, and on a small plot
         # (presenter type, 720 px) their lines were a barcode over the curves. The largest keep theirs; every
         # triangle stays (its tooltip and the events table have each spike).
+        by_size = sorted(self.spikes, key=lambda m: -m.rise)  # the largest first: they keep their lines and labels
         lines: list[float] = []
-        for mark in sorted(self.spikes, key=lambda m: -m.rise):
+        for mark in by_size:
             x = triangles[id(mark)].center().x()
             crowded = any(abs(x - other) < 2 * half for other in lines)
             if not crowded:
                 lines.append(x)
             if mark.items[0].isVisible() == crowded:
                 mark.items[0].setVisible(not crowded)
-        for mark in sorted(self.spikes, key=lambda m: -m.rise):
+        for mark in by_size:
             text = mark.items[2]
             left = mark.time_s
             right = left + (len(text.toPlainText()) + 2) * char_px * per_px

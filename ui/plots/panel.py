@@ -638,7 +638,6 @@ class PlotPanel(pg.GraphicsLayoutWidget):
                 spec.item.setMaximumHeight(1e6 if spec in layout["shown"] else 0)
             for side in ("left", "bottom", "right"):
                 spec.item.getAxis(side).setTickFont(axis_font)
-
             # A fixed axis width: tick labels that change width would re-lay out the plot every frame.
             spec.item.getAxis("left").setWidth(layout["left"])
             if spec.right_sample is not None:

@@ -688,8 +688,9 @@ class Engine:
         if not due or (not cuda and adopt is None):  # a cache the CPU measurement cannot follow: not measured
             return call(), False
         self._decode_peak_due = False
-        # Never waiting on the token path: while a re-run's pass is measured on its thread, this step is not.
-        out, reading = measure_peak(call, self.device, adopt=adopt, wait=cuda)
+        # Never waiting on the token path: while a re-run's pass is measured on its thread, this step is not (CUDA
+        # reads the allocator's counters, no profiler).
+        out, reading = measure_peak(call, self.device, adopt=adopt, wait=False)
         if reading is None and not cuda:
             self._decode_peak_due = True  # measured at the next step instead
             return out, False

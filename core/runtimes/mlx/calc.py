@@ -15,8 +15,10 @@ from typing import Any
 from kvscope.core.base.safe_text import NAME_LIMIT, safe_text
 from kvscope.core.model.spec import ModelSpec, dtype_bytes, human_bytes
 from kvscope.core.prediction.table import aligned, bytes_cell
-from kvscope.core.runtimes.mlx.predict import (KV, QUANTIZED, ROTATING, STEP, MlxCache, history, layer_cache, layers_of,
-                                               parse_cache, quantize_problem, slot_bytes)
+from kvscope.core.model.attention import SettingsError
+from kvscope.core.runtimes.mlx.predict import (DEFAULT_GROUP_SIZE, KV, QUANTIZED, ROTATING, STEP, MlxCache, history,
+                                               layer_cache, layers_of, parse_cache, quantize_problem, quantized_cache,
+                                               slot_bytes)
 
 MLX_LM_VERSION = "mlx-lm 0.32.2"
 #: The caches a table shows when --cache names none for MLX.
@@ -131,7 +133,12 @@ def render_mlx_table(r: MlxCalc) -> str:
 def calc_text(args: Any, spec: ModelSpec, contexts: list[int], gpu_memory: int | None = None) -> str:
     """``calc --runtime mlx``: mlx-lm's caches for each context, from its own flags (``--max-kv-size``,
     ``--kv-bits``, ``--kv-group-size``, ``--prompt-tokens``; ``--cache`` is transformers')."""
-    spelled = ["kv"] + ([f"rotating:{args.max_kv_size}"] if args.max_kv_size is not None else []) + (
-        [f"quantized:{args.kv_bits}:{args.kv_group_size or 64}"] if args.kv_bits is not None else [])
+    if args.kv_group_size is not None and args.kv_bits is None:
+        raise SettingsError("--kv-group-size is the quantized cache's: give --kv-bits too")
+    quantized = []
+    if args.kv_bits is not None:  # a group of 0 is refused, never taken for the default (MLX dies of SIGFPE on it)
+        group = int(args.kv_group_size) if args.kv_group_size is not None else DEFAULT_GROUP_SIZE
+        quantized = [quantized_cache(int(args.kv_bits), group, f"--kv-bits {args.kv_bits} --kv-group-size {group}").key]
+    spelled = ["kv"] + ([f"rotating:{args.max_kv_size}"] if args.max_kv_size is not None else []) + quantized
     result = calculate_mlx(spec, contexts, ",".join(spelled) if len(spelled) > 1 else None, args.prompt_tokens)
     return render_mlx_json(result) if args.json else render_mlx_table(result)

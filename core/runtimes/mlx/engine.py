@@ -73,9 +73,57 @@ def model_dtype(model: Any) -> Any:
     return mx.float32
 
 
+def layer_nbytes(c: Any) -> int:
+    """One cache's bytes as mlx-lm's ``nbytes`` counts them; an empty cache (``c.empty()``: no arrays yet) holds 0.
+
+    mlx-lm 0.32.2's ``QuantizedKVCache.nbytes`` reduces over ``(keys, values)`` with no guard, so before its first
+    update it raises ``AttributeError: 'NoneType' object has no attribute 'nbytes'`` (KVCache's and
+    RotatingKVCache's return 0 there). Only that state is read as 0: any other failure is raised as it is."""
+    try:
+        return int(c.nbytes)
+    except AttributeError:
+        if c.empty():
+            return 0
+        raise
+
+
 def cache_nbytes(cache: list[Any]) -> int:
     """Bytes of the caches' arrays as mlx-lm's ``nbytes`` counts them (the observation)."""
-    return int(sum(c.nbytes for c in cache))
+    return sum(layer_nbytes(c) for c in cache)
+
+
+def _float_dtype(itemsize: int) -> Any:
+    import mlx.core as mx
+
+    return {4: mx.float32, 2: mx.float16}.get(int(itemsize), mx.float32)
+
+
+def quantized_refusal(layers: Any, cache: MlxCache, dtype: Any = None) -> str | None:
+    """What mlx-lm itself says to ``cache`` on these layers (None: it takes them): for each distinct layer shape, a
+    ``QuantizedKVCache(group_size, bits)`` fed one token of zeros and mlx-lm's attention over it
+    (``quantized_scaled_dot_product_attention``), evaluated. The reason is MLX's own message, on one line.
+
+    ``parse_cache`` has already refused what would never reach this far (bits and groups ``mx.quantize`` refuses:
+    a group of 0 is SIGFPE inside MLX, not an exception)."""
+    if cache.kind != QUANTIZED:
+        return None
+    import mlx.core as mx
+    from mlx_lm.models.base import scaled_dot_product_attention
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    for heads, k_dim, v_dim, itemsize in sorted({(l.heads, l.k_dim, l.v_dim, l.itemsize) for l in layers}):
+        dt = dtype if dtype is not None else _float_dtype(itemsize)
+        c = QuantizedKVCache(group_size=int(cache.group_size), bits=int(cache.bits))
+        try:
+            keys, values = c.update_and_fetch(mx.zeros((1, heads, 1, k_dim), dt), mx.zeros((1, heads, 1, v_dim), dt))
+            out = scaled_dot_product_attention(mx.zeros((1, heads, 1, k_dim), dt), keys, values, cache=c, scale=1.0,
+                                               mask=None)
+            mx.eval(out, c.state[:2])
+        except (ValueError, RuntimeError) as exc:
+            said = " ".join(str(exc).split()) or type(exc).__name__
+            return (f"mlx-lm's QuantizedKVCache(group_size={cache.group_size}, bits={cache.bits}) refuses this model's "
+                    f"K/V ({heads} heads, head dims {k_dim}/{v_dim}): {said[:300]}")
+    return None
 
 
 def cache_used_bytes(cache: list[Any]) -> int:
@@ -179,7 +227,8 @@ class MlxEngine:
         if self.own_caches and cache.kind != KV:
             raise MlxRunError(f"{self.spec.label} builds its own caches (mlx-lm's make_cache); KV Scope runs it with "
                               f"those, not {cache.key}")
-        problem = quantize_problem(self.layers, cache)
+        # mlx-lm's own word first (its message), then the predictor's rule, which must agree with it.
+        problem = quantized_refusal(self.layers, cache, self.dtype) or quantize_problem(self.layers, cache)
         if problem:
             raise MlxRunError(problem)
 

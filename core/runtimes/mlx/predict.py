@@ -39,9 +39,13 @@ PREFILL_STEP = 2048
 DEFAULT_KEEP = 4
 #: ``generate_step(kv_group_size=64)``.
 DEFAULT_GROUP_SIZE = 64
-#: The bits ``QuantizedKVCache`` sizes right (``32 // bits`` codes per uint32: 3, 5 and 6 bits do not divide 32).
-QUANT_BITS = (2, 4, 8)
-#: The group sizes ``mx.quantize`` takes.
+#: The bits ``mx.quantize`` takes (MLX 0.32.4: "The supported bits are 1, 2, 3, 4, 5, 6 and 8"). mlx-lm's
+#: ``QuantizedKVCache`` keeps ``dim // (32 // bits)`` uint32 codes per row where ``mx.quantize`` writes
+#: ``dim * bits / 32``: equal for 1, 2, 4 and 8 bits at any head dim, for 3, 5 and 6 only at some
+#: (``quantize_problem`` says which; 3 bits fits head dims 32 to 128, not 256).
+QUANT_BITS = (1, 2, 3, 4, 5, 6, 8)
+#: The group sizes ``mx.quantize`` takes ("The supported group sizes are 32, 64, and 128"). Anything else is
+#: refused before MLX sees it: a group of 0 kills the process with SIGFPE inside ``mx.quantize``.
 GROUP_SIZES = (32, 64, 128)
 #: The cache the window and the CLI start with.
 DEFAULT_CACHE = "kv"
@@ -109,14 +113,21 @@ def parse_cache(text: str) -> MlxCache:
             raise SettingsError(f"MLX cache {text!r}: write quantized:BITS or quantized:BITS:GROUP, e.g. quantized:8:64")
         bits = int(parts[0])
         group = int(parts[1]) if len(parts) > 1 else DEFAULT_GROUP_SIZE
-        if bits not in QUANT_BITS:
-            raise SettingsError(f"MLX cache {text!r}: QuantizedKVCache sizes its codes right for "
-                                f"{', '.join(map(str, QUANT_BITS))} bits only (32 // bits values per uint32)")
-        if group not in GROUP_SIZES:
-            raise SettingsError(f"MLX cache {text!r}: mx.quantize takes groups of {', '.join(map(str, GROUP_SIZES))}")
-        return MlxCache(QUANTIZED, bits=bits, group_size=group)
+        return quantized_cache(bits, group, f"MLX cache {text!r}")
     raise SettingsError(f"MLX cache {text!r}: one of kv, rotating:MAX[:KEEP], quantized:BITS[:GROUP] "
                         "(e.g. rotating:512:4, quantized:8:64)")
+
+
+def quantized_cache(bits: int, group: int, what: str) -> MlxCache:
+    """A QuantizedKVCache of ``bits`` and ``group``, or SettingsError (one line, ``what`` first) with MLX's own rule
+    for anything ``mx.quantize`` refuses, checked here so that MLX never sees it (a group of 0 is SIGFPE there)."""
+    if bits not in QUANT_BITS:
+        raise SettingsError(f"{what}: mx.quantize refuses {bits} bits (the supported bits are "
+                            f"{', '.join(map(str, QUANT_BITS[:-1]))} and {QUANT_BITS[-1]})")
+    if group not in GROUP_SIZES:
+        raise SettingsError(f"{what}: mx.quantize refuses a group size of {group} (the supported group sizes are "
+                            f"{', '.join(map(str, GROUP_SIZES[:-1]))} and {GROUP_SIZES[-1]})")
+    return MlxCache(QUANTIZED, bits=bits, group_size=group)
 
 
 # ---------------------------------------------------------------------------------------------------- layers
@@ -151,10 +162,15 @@ def quantize_problem(layers: Sequence[LayerShape], cache: MlxCache) -> str | Non
     """Why ``mx.quantize`` would refuse this model's K/V with ``cache``'s groups (None: it takes them)."""
     if cache.kind != QUANTIZED:
         return None
+    bits = int(cache.bits)
     for dim in sorted({d for layer in layers for d in (layer.k_dim, layer.v_dim)}):
         if dim % int(cache.group_size):
             return (f"mx.quantize needs the head dim ({dim}) to be a multiple of the group size "
                     f"({cache.group_size}); try quantized:{cache.bits}:32")
+        kept, written = dim // (32 // bits), dim * bits // 32
+        if kept != written:  # QuantizedKVCache's el_per_int = 8 * mx.uint32.size // bits
+            return (f"mlx-lm's QuantizedKVCache keeps {kept} uint32 codes per {dim} values at {bits} bits where "
+                    f"mx.quantize writes {written} (it cannot store them: '[broadcast_shapes]'); try 2, 4 or 8 bits")
     return None
 
 

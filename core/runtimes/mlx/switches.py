@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvscope.core.model.attention import SettingsError, parse_attention
-from kvscope.core.runtimes.mlx.predict import PREFILL_STEP, QUANTIZED, MlxCache, parse_cache
+from kvscope.core.runtimes.mlx.predict import (DEFAULT_GROUP_SIZE, PREFILL_STEP, QUANTIZED, MlxCache, parse_cache,
+                                               quantized_cache)
 
 #: The switch keys an MLX run takes.
 KEYS = ("cache", "attention", "attn-impl")
@@ -75,7 +76,8 @@ def options_from_args(args: Any) -> MlxOptions:
     if max_kv is not None:
         cache = parse_cache(f"rotating:{int(max_kv)}").key
     elif bits is not None:
-        cache = parse_cache(f"quantized:{int(bits)}:{int(group) if group is not None else 64}").key
+        g = int(group) if group is not None else DEFAULT_GROUP_SIZE
+        cache = quantized_cache(int(bits), g, f"--kv-bits {int(bits)} --kv-group-size {g}").key
     else:
         cache = "kv"
     return MlxOptions(cache=cache, prefill_step_size=int(step))

@@ -28,11 +28,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
+from kvscope.core.base.errors import GenerationError
+from kvscope.core.base.safe_text import safe_text
 from kvscope.core.base.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
 from kvscope.core.model.attention import SettingsError, native_attention, parse_attention
 from kvscope.core.model.hf_config import read_config_json, spec_from_config
 from kvscope.core.model.request import ModelInfo
-from kvscope.core.model.spec import ModelSpec, SpecError, human_bytes
+from kvscope.core.model.spec import ModelSpec, SpecError, declared_max_positions, human_bytes
 from kvscope.core.runtimes.mlx.predict import (KV, PREFILL_STEP, QUANTIZED, ROTATING, MlxCache, ModelTrack, layer_cache,
                                                layers_of, parse_cache, prefill_peak, prompt_chunks, quantize_problem)
 
@@ -48,6 +50,22 @@ OFFERED = ("kv", "rotating:256:4", "quantized:8:64", "quantized:4:64")
 
 class MlxRunError(SettingsError):
     """An MLX run failed for a reason written for the user."""
+
+
+def check_prompt_fits(n_tokens: int, spec: ModelSpec) -> None:
+    """Refuse, before the prefill, a prompt the model has no positions for (mlx-lm runs it whatever its length), as
+    ``kvscope.core.runtimes.transformers.runtime.check_prompt_fits`` does, and one that fills every position (no token
+    could follow: the run would end after 0 tokens). Only where the config names its maximum: the 2,048 a spec
+    assumes otherwise is no reason to refuse."""
+    limit = declared_max_positions(spec)
+    if limit is None or n_tokens < limit:
+        return
+    if n_tokens > limit:
+        raise GenerationError(f"the prompt is {n_tokens:,} tokens, more than {spec.label}'s maximum of {limit:,} "
+                              "(max_position_embeddings); shorten it or use a model with a longer context")
+    raise GenerationError(f"the prompt is {n_tokens:,} tokens, every one of {spec.label}'s {limit:,} positions "
+                          "(max_position_embeddings): none is left for a token; shorten it or use a model with a "
+                          "longer context")
 
 
 def _itemsize(dtype: Any) -> int:
@@ -189,8 +207,11 @@ class MlxEngine:
         try:
             self.model, self.config = load_model(self.folder)
             self.tokenizer = load_tokenizer(self.folder, eos_token_ids=self.config.get("eos_token_id"))
-        except (ValueError, FileNotFoundError, KeyError) as exc:
-            raise MlxRunError(f"mlx-lm cannot load {self.folder.name}: {exc}") from None
+        except (ValueError, FileNotFoundError, KeyError, ImportError) as exc:
+            # ImportError: a name mlx-lm imports from the folder's files (tokenizer_config.json's chat_template_type /
+            # tool_parser_type, trusted with --trust-remote-code: kvscope.core.runtimes.mlx.load) that it lacks.
+            said = " ".join(str(exc).split()) or type(exc).__name__
+            raise MlxRunError(f"mlx-lm cannot load {self.folder.name}: {safe_text(said, limit=300)}") from None
         from mlx.utils import tree_flatten
 
         self.weights = int(sum(p.nbytes for _, p in tree_flatten(self.model.parameters())))
@@ -286,6 +307,7 @@ class MlxEngine:
         ids = list(self.tokenizer.encode(prompt))
         if not ids:
             raise MlxRunError("the prompt is empty: give at least one token of text")
+        check_prompt_fits(len(ids), self.spec)  # mlx-lm itself never checks: a 99k-token prompt prefilled for minutes
         mx.reset_peak_memory()
         base = int(mx.get_active_memory())
         fresh = self.track.offset == 0 and self.cache_setting.kind == KV and self.predictable

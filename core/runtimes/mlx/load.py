@@ -9,9 +9,11 @@ that names its own Python file (``model_file``) is refused unless the user passe
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Callable
 
+from kvscope.core.base.safe_text import safe_text
 from kvscope.core.model.attention import SettingsError
 from kvscope.core.model.embedded import embedded_model_dir
 from kvscope.core.model.hf_config import read_config_json
@@ -46,4 +48,57 @@ def resolve_model(source: str, progress: Callable[[str], None] | None = None, tr
     if config.get("model_file") is not None and not trust_remote_code:
         raise SettingsError(f"{source}'s config names its own Python file ({config.get('model_file')!r}) to build "
                             "the model; pass --trust-remote-code if you trust it")
+    if not trust_remote_code:
+        check_imported_names(path, source)
     return path
+
+
+#: The fields of ``tokenizer_config.json`` that mlx-lm imports as module names (``mlx_lm.tokenizer_utils.load``,
+#: mlx-lm 0.32.2: ``importlib.import_module(f"mlx_lm.chat_templates.{chat_template_type}")`` and
+#: ``f"mlx_lm.tool_parsers.{tool_parser_type}"``, read from ``AutoTokenizer``'s ``init_kwargs``, i.e. that file), with
+#: the sub-package each names a module of.
+IMPORTED_FIELDS = {"chat_template_type": "chat_templates", "tool_parser_type": "tool_parsers"}
+#: A tokenizer_config.json is read up to this size here (a vocabulary's added tokens and a chat template fit).
+MAX_TOKENIZER_CONFIG_BYTES = 64 << 20
+
+
+def shipped_modules(package: str) -> frozenset[str]:
+    """The modules the installed mlx-lm ships in its sub-package ``package`` (``chat_templates``,
+    ``tool_parsers``), found on disk without importing mlx-lm: plain names, no private ones."""
+    try:
+        spec = importlib.util.find_spec("mlx_lm")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        return frozenset()
+    names = set()
+    for root in spec.submodule_search_locations:
+        folder = Path(root) / package
+        if (folder / "__init__.py").is_file():
+            names |= {p.stem for p in folder.glob("*.py") if p.stem.isidentifier() and not p.stem.startswith("_")}
+    return frozenset(names)
+
+
+def check_imported_names(path: Path, source: str) -> None:
+    """Refuse a folder whose ``tokenizer_config.json`` names a module for mlx-lm to import that the installed
+    mlx-lm does not ship (``'nosuch'``, ``'../../utils'``, a list...): a file from anywhere would choose what is
+    imported. SettingsError, one line; ``--trust-remote-code`` leaves the names to mlx-lm. mlx-lm's own tests
+    decide what is looked at: ``chat_template_type`` when truthy, ``tool_parser_type`` when not None."""
+    file = path / "tokenizer_config.json"
+    if not file.exists():
+        return
+    try:
+        config = read_config_json(file, max_bytes=MAX_TOKENIZER_CONFIG_BYTES)
+    except SpecError as exc:
+        raise SettingsError(str(exc)) from None
+    for field, package in IMPORTED_FIELDS.items():
+        value = config.get(field)
+        looked_at = bool(value) if field == "chat_template_type" else value is not None
+        if not looked_at:
+            continue
+        if isinstance(value, str) and value in shipped_modules(package):
+            continue
+        shown = safe_text(repr(value), limit=80)
+        raise SettingsError(f"{source}'s tokenizer_config.json names {field}={shown}, which mlx-lm would import as "
+                            f"mlx_lm.{package}.<name>, and mlx-lm ships no such module; pass --trust-remote-code if "
+                            "you trust the folder")

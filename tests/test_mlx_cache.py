@@ -137,7 +137,7 @@ def test_cache_spellings(spelled, key):
 
 
 @pytest.mark.parametrize("spelled,says", [("rotating", "rotating:MAX"), ("rotating:8:8", "keep"),
-                                          ("quantized:3", "bits"), ("quantized:8:48", "groups"),
+                                          ("quantized:7", "bits"), ("quantized:8:48", "groups"),
                                           ("paged", "one of kv"), ("rotating:x", "rotating:MAX")])
 def test_bad_cache_spellings_say_why(spelled, says):
     from kvscope.core.model.attention import SettingsError

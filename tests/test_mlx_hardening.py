@@ -258,8 +258,8 @@ def test_the_predictor_refuses_what_mlx_lm_refuses(head_dim):
 
 
 @pytest.mark.parametrize("flags,says", [
-    (["--kv-bits", "8", "--kv-group-size", "0"], "refuses a group size of 0"),
-    (["--kv-bits", "8", "--kv-group-size", "-1"], "refuses a group size of -1"),
+    (["--kv-bits", "8", "--kv-group-size", "0"], "refuses groups of 0"),
+    (["--kv-bits", "8", "--kv-group-size", "-1"], "refuses groups of -1"),
     (["--kv-bits", "7"], "refuses 7 bits"),
     (["--kv-bits", "0", "--kv-group-size", "32"], "refuses 0 bits"),
     (["--kv-bits", "8", "--kv-group-size", "64"], "divisible by the quantization group size 64"),  # MLX's words

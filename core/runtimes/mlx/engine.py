@@ -174,6 +174,15 @@ def regroup(x: Any, old: int, new: int, axis: int) -> Any:
     return regroup(regroup(x, old, via, axis), via, new, axis)
 
 
+def cache_refusal(layers: Any, cache: MlxCache, dtype: Any = None) -> str | None:
+    """Why this cache cannot run on these layers, in one line (None: it can): mlx-lm's own word first (its message,
+    ``quantized_refusal``), with the predictor's rule (``quantize_problem``, which agrees with it) and what to try."""
+    said, rule = quantized_refusal(layers, cache, dtype), quantize_problem(layers, cache)
+    if said and rule:
+        return f"{said} ({rule})"
+    return said or rule
+
+
 class MlxEngine:
     """One model in mlx-lm with one cache per layer, generating for one sequence; ``step`` returns a Sample per
     token. The same shape as ``kvscope.core.runtimes.llamacpp.engine.LlamaCppEngine``: ``prefill``, ``step``, ``apply``,
@@ -248,8 +257,7 @@ class MlxEngine:
         if self.own_caches and cache.kind != KV:
             raise MlxRunError(f"{self.spec.label} builds its own caches (mlx-lm's make_cache); KV Scope runs it with "
                               f"those, not {cache.key}")
-        # mlx-lm's own word first (its message), then the predictor's rule, which must agree with it.
-        problem = quantized_refusal(self.layers, cache, self.dtype) or quantize_problem(self.layers, cache)
+        problem = cache_refusal(self.layers, cache, self.dtype)
         if problem:
             raise MlxRunError(problem)
 

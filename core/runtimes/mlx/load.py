@@ -4,7 +4,9 @@ mlx-lm loads a folder holding ``config.json`` and ``model*.safetensors`` (``mlx_
 embedded model's build (a Llama in safetensors), a folder converted with ``mlx_lm.convert`` (LM Studio keeps
 those beside its GGUFs; the Hugging Face cache holds ``mlx-community`` repos), or any transformers folder of an
 architecture mlx-lm implements. Pickle weights are never loaded (mlx-lm reads safetensors only), and a config
-that names its own Python file (``model_file``) is refused unless the user passed ``--trust-remote-code``.
+that names its own Python file (``model_file``) is refused unless the user passed ``--trust-remote-code``; so is
+a ``tokenizer_config.json`` whose ``chat_template_type`` or ``tool_parser_type`` (module names mlx-lm imports)
+names a module the installed mlx-lm does not ship.
 """
 
 from __future__ import annotations

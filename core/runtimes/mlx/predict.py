@@ -125,7 +125,7 @@ def quantized_cache(bits: int, group: int, what: str) -> MlxCache:
         raise SettingsError(f"{what}: mx.quantize refuses {bits} bits (the supported bits are "
                             f"{', '.join(map(str, QUANT_BITS[:-1]))} and {QUANT_BITS[-1]})")
     if group not in GROUP_SIZES:
-        raise SettingsError(f"{what}: mx.quantize refuses a group size of {group} (the supported group sizes are "
+        raise SettingsError(f"{what}: mx.quantize refuses groups of {group} (the supported group sizes are "
                             f"{', '.join(map(str, GROUP_SIZES[:-1]))} and {GROUP_SIZES[-1]})")
     return MlxCache(QUANTIZED, bits=bits, group_size=group)
 

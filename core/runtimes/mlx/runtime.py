@@ -15,9 +15,9 @@ from kvscope.core.model.hf_config import read_config_json, spec_from_config
 from kvscope.core.model.request import ModelInfo, RunRequest
 from kvscope.core.model.spec import SpecError, human_bytes
 from kvscope.core.runtimes.mlx.calc import MLX_LM_VERSION
-from kvscope.core.runtimes.mlx.engine import MlxEngine, quantized_refusal
+from kvscope.core.runtimes.mlx.engine import MlxEngine, cache_refusal
 from kvscope.core.runtimes.mlx.load import resolve_model
-from kvscope.core.runtimes.mlx.predict import STEP, layers_of, quantize_problem
+from kvscope.core.runtimes.mlx.predict import STEP, layers_of
 from kvscope.core.runtimes.mlx.switches import MlxOptions, check_options
 
 NAME = "mlx"
@@ -41,7 +41,7 @@ class MlxRuntime:
         # Before the weights load: mlx-lm's own word on the quantized cache (a QuantizedKVCache of zeros in the
         # config's head shapes), then the predictor's rule, which agrees with it.
         layers = layers_of(self.spec)
-        problem = quantized_refusal(layers, self.cache) or quantize_problem(layers, self.cache)
+        problem = cache_refusal(layers, self.cache)
         if problem:
             raise SettingsError(f"--kv-group-size {self.cache.group_size}: {problem}")
         self.attention = native_attention(self.spec).key

@@ -85,6 +85,8 @@ class ControlsPanel(QScrollArea):
         self.refusals: dict[tuple[str, str, tuple[str, str, str]], str] = {}
         self.last_problem = ""
         self.context_tokens = lambda: 0  # the run's tokens so far (the window's session tells)
+        self.tokens_ahead = lambda: 0  # the tokens the run will still generate (a static cache must hold them)
+        self.run_max_context: int | None = None  # what a static cache of this run preallocates (the model's info)
         self._build()
 
     def _build(self) -> None:
@@ -318,7 +320,8 @@ class ControlsPanel(QScrollArea):
         if learned:
             return learned
         return runtimes.switch_problem(self.runtime, self.model_spec, self.model_device, now, key, value,
-                                       tokens=self.context_tokens())
+                                       tokens=self.context_tokens(), max_context=self.run_max_context,
+                                       ahead=self.tokens_ahead())
 
     def grey_what_cannot_run(self) -> None:
         """Grey out, with the reason, each combo entry the engine cannot apply from the settings ahead;

@@ -264,6 +264,8 @@ class MainWindow(QMainWindow):
         """A model is loaded (or a recording opened): show it and what it can switch to."""
         self.controls.set_model(info.spec, str(info.device))
         self.controls.context_tokens = lambda: getattr(self.session.last_sample, "context_tokens", 0) or 0
+        self.controls.tokens_ahead = self.session.tokens_ahead
+        self.controls.run_max_context = info.max_context
         self.controls.set_choices(tuple(info.attention_choices) or attention_choices(info.spec),
                                   tuple(info.cache_choices) or cache_choices(info.device),
                                   tuple(info.attn_impl_choices) or ATTN_IMPLS)

@@ -238,6 +238,14 @@ class Session:
         """Switches asked and not answered yet: at most one per axis (attention, attn-impl, cache)."""
         return len(self.pending)
 
+    def tokens_ahead(self) -> int:
+        """The tokens this live run will still generate (its request's new tokens less those generated so far);
+        0 outside a live run. A static cache switched to must hold them."""
+        if self.mode != "live" or self.request is None:
+            return 0
+        done = self.last_sample.token if self.last_sample is not None else 0
+        return max(int(getattr(self.request, "max_new_tokens", 0) or 0) - done, 0)
+
     def running_setting(self, key: str) -> str | None:
         """The setting the engine last reported on axis ``key`` (attention / attn-impl / cache)."""
         s = self.last_sample

@@ -147,6 +147,19 @@ class Static(CacheStrategy):
         return _dense(batch, layer.heads, slots, layer.k_dim + layer.v_dim, elem_bytes) + _dense(batch, 1, slots, layer.extra, elem_bytes)
 
 
+def static_shortfall(capacity: int, tokens: int, ahead: int = 0) -> str | None:
+    """Why a static cache of ``capacity`` slots cannot hold a run with ``tokens`` in its context that will still
+    generate ``ahead`` tokens (each step writes one slot), or None when it can. The one rule behind the window's
+    grey C entry and the engine's refusal (issue 37: C offered 4,096 slots at 3,874 tokens of an 8,000-token run,
+    and the run ended 222 tokens later)."""
+    if tokens + max(ahead, 0) <= capacity:
+        return None
+    if tokens >= capacity:
+        return f"a static cache of {capacity:,} tokens cannot hold the {tokens:,} so far"
+    return (f"a static cache of {capacity:,} tokens would be full {capacity - tokens:,} tokens from now, and this run "
+            f"still generates {ahead:,} (raise the max context, or lower the new tokens)")
+
+
 QUANT_BACKENDS = ("quanto", "hqq", "fp8")
 
 

@@ -13,7 +13,8 @@ import functools
 from dataclasses import dataclass
 
 from kvscope.core.model.attention import MLA, AttentionMode, SettingsError, Window, native_attention, parse_attention
-from kvscope.core.model.caches import CacheStrategy, Dynamic, Quantized, TokenSelecting, kv_layout, parse_cache
+from kvscope.core.model.caches import (CacheStrategy, Dynamic, Quantized, Static, TokenSelecting, kv_layout, parse_cache,
+                                       static_shortfall)
 from kvscope.core.model.hf_config import ViewNotKnown, known_views_only
 from kvscope.core.model.spec import INDEXED_ATTENTION, MAX_COUNT, ModelSpec, canonical_dtype, dtype_bytes, shown_count
 
@@ -175,13 +176,14 @@ Now = dict
 
 
 def switch_problem(spec: ModelSpec, device: str | None, now: Now, key: str, value: str,
-                   tokens: int = 0, max_context: int | None = None) -> str | None:
+                   tokens: int = 0, max_context: int | None = None, ahead: int = 0) -> str | None:
     """Why the engine would refuse ``key=value`` from the settings ``now`` (keyed ``attention``,
     ``attn-impl``, ``cache``, canonical spellings as a Sample carries them), found from the spec and
     the device alone: the same rules ``Engine._check_target`` applies first. None when they allow it
     (the engine may still refuse what only the loaded model shows: fused projections, a backend that
     cannot build; the window remembers those refusals). ``tokens``: the run's context so far (a quantized
-    cache's groups must divide what it quantizes at every flush up to ``max_context``, as the engine checks)."""
+    cache's groups must divide what it quantizes at every flush up to ``max_context``, as the engine checks);
+    ``ahead``: the tokens the run will still generate (a static cache must hold them all)."""
     try:
         name, parsed = parse_switch_value(key, value)
         mode = parsed if name == "attention" else parse_attention(now["attention"])
@@ -210,6 +212,10 @@ def switch_problem(spec: ModelSpec, device: str | None, now: Now, key: str, valu
         return "SDPA's flash kernel off CUDA cannot run MLA's K/V head sizes"
     if spec.is_mla and not isinstance(mode, MLA):
         return "the model caches an MLA latent: no K/V heads to regroup"
+    if name == "cache" and isinstance(strategy, Static) and tokens > 0:
+        shortfall = static_shortfall(int(max_context or spec.max_position_embeddings), tokens, ahead)
+        if shortfall:
+            return shortfall
     if isinstance(strategy, Quantized):
         if eff.num_sliding_layers:
             return ("a quantized cache needs full-attention layers (the sliding window)" if isinstance(mode, Window)

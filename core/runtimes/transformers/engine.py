@@ -24,7 +24,7 @@ from kvscope.core.base.errors import (  # noqa: F401 - its old home: `from kvsco
     GenerationError)
 from kvscope.core.base.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
 from kvscope.core.model.attention import MLA, AttentionMode, SettingsError, Window, native_attention
-from kvscope.core.model.caches import CacheStrategy, Dynamic, Quantized, Static, TokenSelecting, kv_layout
+from kvscope.core.model.caches import CacheStrategy, Dynamic, Quantized, Static, TokenSelecting, kv_layout, static_shortfall
 from kvscope.core.model.settings import RunSettings, effective_spec, parse_attn_impl, parse_switch_value
 from kvscope.core.model.spec import INDEXED_ATTENTION, SLIDING_ATTENTION, ModelSpec, SpecError
 from kvscope.core.prediction.predict import kv_bytes, kv_elem_bytes, predict
@@ -101,6 +101,8 @@ class Engine:
         self.ids: torch.Tensor | None = None
         self.prompt_tokens = 0
         self.generated = 0
+        #: The tokens the run will still generate (its host sets it: a static cache switched to must hold them).
+        self.tokens_ahead: Callable[[], int] = lambda: 0
         self.tokens_per_s: float | None = None
         self._next_logits: torch.Tensor | None = None
         self._last_step_s: float | None = None
@@ -522,8 +524,10 @@ class Engine:
         if self.cache is None or self.seq_len == 0:
             self.settings = self.settings.with_(cache=strategy)
             return "takes effect at the prefill"
-        if isinstance(strategy, Static) and self.seq_len >= self.max_context():
-            raise SettingsError(f"a static cache of {self.max_context():,} tokens cannot hold the {self.seq_len:,} so far")
+        if isinstance(strategy, Static):
+            shortfall = static_shortfall(self.max_context(), self.seq_len, self.tokens_ahead())
+            if shortfall:
+                raise SettingsError(shortfall)
         dropped = self._tokens_dropped()
         old = self.settings.cache
         self.settings = self.settings.with_(cache=strategy)

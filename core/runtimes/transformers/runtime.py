@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 import kvscope.core.runtimes.transformers.loading  # called as kvscope.core.runtimes.transformers.loading.load_model: looked up when a run loads
+from kvscope.core.base.errors import one_line as _one_line
 from kvscope.core.base.sample import Sample
 from kvscope.core.model.attention import SettingsError, Window
 from kvscope.core.model.embedded import embedded_model_dir
@@ -160,7 +161,13 @@ class TransformersRuntime:
         """A runtime around an Engine already made (a test's, a benchmark's), as if ``load()`` had made it."""
         runtime = cls(request, engine.progress)
         runtime.engine, runtime.loaded, runtime.spec, runtime.probe = engine, engine.loaded, engine.spec, engine.probe
+        runtime._count_ahead()
         return runtime
+
+    def _count_ahead(self) -> None:
+        """Tell the engine how many tokens the run will still generate (a static cache switched to must hold them)."""
+        engine, total = self.engine, self.request.max_new_tokens
+        engine.tokens_ahead = lambda: max(total - engine.generated, 0)
 
     @property
     def generated(self) -> int:
@@ -181,6 +188,7 @@ class TransformersRuntime:
         self.probe = MemoryProbe(device=self.loaded.device)
         self.engine = Engine(self.loaded, r.settings, probe=self.probe, seed=r.seed, quality_probe=r.quality_probe)
         self.engine.progress = self.progress
+        self._count_ahead()
         if r.snapshot_path:
             if not self.loaded.device.startswith("cuda"):
                 raise SettingsError("--snapshot records the CUDA allocator's history; this run is on "
@@ -273,6 +281,10 @@ class TransformersRuntime:
             answer = e.begin_switch(key, value)
         except (SettingsError, SpecError) as exc:
             return [e.event("refused", f"{key}={value} refused: {exc}", **e.switch_fields(key, value))]
+        except Exception as exc:  # noqa: BLE001 - a switch that fails is a refusal; the run goes on (issue 37)
+            # begin_switch converts a shadow and leaves the running engine as it was (its cache fields put back),
+            # so a failure it did not foresee still leaves a run that can go on under the settings in force.
+            return [e.event("refused", f"{key}={value} refused: {_one_line(exc)}", **e.switch_fields(key, value))]
         if isinstance(answer, Sample):
             return [answer]
         self._prepared = answer
@@ -289,6 +301,8 @@ class TransformersRuntime:
             answer = e.advance_switch(prepared)
         except (SettingsError, SpecError) as exc:
             answer = e.event("refused", f"{prepared.key}={prepared.value} refused: {exc}", **prepared.fields)
+        except Exception as exc:  # noqa: BLE001 - the shadow failed before it became the engine: the run goes on
+            answer = e.event("refused", f"{prepared.key}={prepared.value} refused: {_one_line(exc)}", **prepared.fields)
         if answer is None:
             return []
         self._prepared = None

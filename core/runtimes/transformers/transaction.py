@@ -73,6 +73,14 @@ class CacheSnapshot:
     def restore(self) -> None:
         if self.cache is None:
             return
+        # A cache filled under inference mode holds inference tensors, which only accept an in-place write inside
+        # it (the static buffers' copy_ below); a restore outside it, on the window's re-run path after key C then 5
+        # then 1, ended the run with "Inplace update to inference tensor outside InferenceMode" (issue 37). Writing
+        # a normal tensor in place inside inference mode is allowed, so every restore runs under it.
+        with torch.inference_mode():
+            self._restore()
+
+    def _restore(self) -> None:
         for layer, fields in self.layers:
             for name, value in fields.items():
                 current = vars(layer).get(name, _MISSING)

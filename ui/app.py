@@ -193,7 +193,7 @@ def _finish_screenshot(app, window, screenshot, code: int, timed_out: bool, extr
     if path is None:
         print(f"kvscope: could not save {display_path(str(screenshot))}: {window.controls.error_label.text()}",
               file=sys.stderr)
-        return 1
+        return 2  # a user's error (a full disk, /dev/full), said in one line: exit 2 as every such line
     to_stdout = str(path) == "-"
     shown = "the PNG to standard output" if to_stdout else display_path(path)
     print(f"saved {shown} ({window.decode_tokens} tokens, {window.session.switch_events} switches{extra()})",

@@ -10,6 +10,7 @@ from kvscope.core import runtimes
 from kvscope.core.base.errors import is_user_error
 from kvscope.core.base.safe_text import NAME_LIMIT, safe_text
 from kvscope.core.base.sample import PHASE_EVENT, Sample
+from kvscope.core.base.streams import StreamError, require_stdout
 from kvscope.core.live.run import run_generation
 from kvscope.core.model.request import ModelInfo, RunHooks, RunRequest
 from kvscope.core.model.spec import human_bytes
@@ -110,6 +111,16 @@ class TerminalView:
                   file=self.out, flush=True)
 
 
+def _stream_failure(exc: StreamError, request: RunRequest, view: TerminalView) -> str:
+    """The one line for a table that could not be written: where, why, and what became of the recording."""
+    if view.samples == 0 and not view.events:
+        return f"{exc}; the run stopped before its first token"
+    where = f"the run stopped at token {view.last.token if view.last is not None else 0}"
+    if request.record_path:  # run_generation wrote the samples, and this failure as an error event, before the table
+        where += f"; the recording {display_path(request.record_path)} keeps every token up to there"
+    return f"{exc}; {where}"
+
+
 #: Signals that stop a terminal run cleanly: Ctrl+C, and SIGTERM (``kill``, a service manager, a
 #: container stopping), which used to end the process at once (exit -15, no stop event, no summary).
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM") if hasattr(signal, name))
@@ -122,6 +133,8 @@ def run_terminal(request: RunRequest, out: TextIO | None = None, observers: tupl
     recording too), the summary is printed and the exit status is 0, as for a finished run. A
     second signal of the same kind gets its default behaviour (KeyboardInterrupt; termination).
     """
+    if out is None:  # `>&-`: refused before anything loads (the table would go nowhere)
+        require_stdout("run prints its table there (>/dev/null discards it)")
     view = TerminalView(out, quality=request.quality_probe, runtime=request.runtime)
     emit = view.emit
     if observers:  # e.g. the metrics exporter (kvscope.core.live.metrics): each gets every Sample after the table
@@ -140,9 +153,14 @@ def run_terminal(request: RunRequest, out: TextIO | None = None, observers: tupl
         run_generation(request, RunHooks(emit=emit, loaded=view.loaded,
                                          progress=lambda t: print(safe_text(t), file=sys.stderr, flush=True),
                                          should_stop=lambda: stopping["flag"]))
+    except StreamError as exc:  # the table's stream is full or failing: no summary there; the recording is kept
+        raise StreamError(_stream_failure(exc, request, view)) from None
     except Exception as exc:  # a user's error (a budget, a deleted recording, llama.cpp aborting): after the summary
         if is_user_error(exc):
-            view.summary()
+            try:
+                view.summary()
+            except StreamError:  # the summary could not be printed either: the run's own error is the one said
+                pass
         raise
     finally:
         for signum, handler in previous.items():

@@ -29,6 +29,7 @@ user, and name files through :func:`display_path`, which escapes control charact
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 import secrets
@@ -40,6 +41,7 @@ from pathlib import Path
 from typing import IO
 
 from kvscope.core.base.errors import BAD_INPUT, KVScopeError
+from kvscope.core.base.streams import write_failed
 
 #: The name that means standard output.
 STDOUT = "-"
@@ -119,6 +121,8 @@ def check_output_path(path: str | os.PathLike[str] | Output, inputs: Iterable[st
     if name == STDOUT:
         if not allow_stdout:
             raise OutputError("this output cannot go to standard output (-): give a file name")
+        if sys.stdout is None:  # started with `>&-`: said before anything is read or rendered
+            raise OutputError("standard output is closed, and - means standard output; give a file name")
         return Output(name=name, path=None)
     shown = display_path(name)
     given = Path(name).expanduser()
@@ -216,31 +220,45 @@ def open_output(out: Output, *, binary: bool = False, encoding: str = "utf-8",
     ``binary``. Standard output is flushed, never closed. Write errors raise OutputError.
     """
     if out.path is None:
-        sys.stdout.flush()
-        raw = sys.stdout.buffer
-        if binary:
-            yield raw
-            raw.flush()
-            return
-        wrapper = io.TextIOWrapper(raw, encoding=encoding, newline=newline, write_through=True)
+        if sys.stdout is None:
+            raise OutputError("standard output is closed, and - means standard output; give a file name")
+        wrapper = None
         try:
+            sys.stdout.flush()
+            raw = sys.stdout.buffer
+            if binary:
+                yield raw
+                raw.flush()
+                return
+            wrapper = io.TextIOWrapper(raw, encoding=encoding, newline=newline, write_through=True)
             yield wrapper
             wrapper.flush()
+        except OSError as exc:  # /dev/full, a disk that filled: one line (a reader that left, EPIPE, stays itself)
+            if exc.errno == errno.EPIPE:
+                raise
+            raise OutputError(str(write_failed(sys.stdout, exc))) from None  # descriptor 1 silenced first
         finally:
-            wrapper.detach()  # leave sys.stdout's buffer open
+            if wrapper is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    wrapper.detach()  # leave sys.stdout's buffer open
         return
     with replacing(out) as tmp:
         try:
             f = open(tmp, "wb") if binary else open(tmp, "w", encoding=encoding, newline=newline)
         except OSError as exc:
             raise OutputError(f"cannot write {out.shown}: {exc.strerror or exc}") from None
-        with f:
-            try:
-                yield f
-                f.flush()
-                os.fsync(f.fileno())
-            except OSError as exc:
-                raise OutputError(f"cannot write {out.shown}: {exc.strerror or exc}") from None
+        try:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()  # a flush left to close() fails here, said like any write of it
+        except OSError as exc:
+            raise OutputError(f"cannot write {out.shown}: {exc.strerror or exc}") from None
+        finally:
+            # Closed on every path; a close that fails again (the disk is still full) must not replace the
+            # one-line error above with a bare OSError (export on an 8 KiB tmpfs did: "internal error").
+            with contextlib.suppress(OSError):
+                f.close()
 
 
 def write_output(out: Output, data: bytes) -> None:

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 from kvscope.core import __version__ as APP_VERSION
 from kvscope.core.base.errors import BAD_INPUT, KVScopeError, is_user_error
+from kvscope.core.base.regular_file import read_regular_file
 from kvscope.core.base.safe_text import safe_text
+from kvscope.core.base.streams import guard_stdout, hold_closed_descriptors, require_stdout
 from kvscope.core.records.outputs import OutputError, check_output_path, display_path
 
 
@@ -236,7 +239,64 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("file")
     export.add_argument("--csv", default=None, metavar="OUT.csv", help="CSV file to write (- for standard output)")
     export.add_argument("--force", action="store_true", help="replace an existing --csv file")
+    _own_whole_numbers(parser)
     return parser
+
+
+def _parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """``parser`` and its subcommands' parsers."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return [parser, *(p for sub in subs for p in sub.choices.values())]
+
+
+def _whole_number(option: str, example: int):
+    """argparse's ``type`` for an int option, refusing in KV Scope's words (argparse said "invalid int value")."""
+    def parse(text: str) -> int:
+        digits = text.strip().lstrip("+-")
+        if digits.isascii() and digits.isdigit() and len(digits) > 4000:  # int() refuses past 4,300 digits
+            raise CliError(f"{option}: a {len(digits):,}-digit number is implausible")
+        try:
+            return int(text)
+        except ValueError:
+            raise CliError(f"{option} {safe_text(repr(text), limit=60)} is not a whole number; write it in digits, "
+                           f"e.g. {option} {example}") from None
+    parse.__name__ = "whole number"
+    return parse
+
+
+def _own_whole_numbers(parser: argparse.ArgumentParser) -> None:
+    """Every ``type=int`` option of every command parses with ``_whole_number`` (its refusal names the option)."""
+    for p in _parsers(parser):
+        for action in p._actions:
+            if action.type is int and action.option_strings:
+                example = action.default if isinstance(action.default, int) and action.default > 0 else 4
+                action.type = _whole_number(max(action.option_strings, key=len), example)
+
+
+#: A value that argparse takes for an option because it starts with "-": a negative number, written any way
+#: (``-4k``, ``-8GiB``, ``-5:attention=mqa``, ``-.5``, ``-inf``). No option of KV Scope starts with "-" and a digit.
+_DASH_VALUE = re.compile(r"-(\d|\.\d|inf|nan)", re.IGNORECASE)
+
+
+def glue_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``--context -4k`` as ``--context=-4k``: argparse answered "expected one argument" (it took -4k for an
+    option) where the value was given and KV Scope's own check has the words for it. Only after an option that
+    takes one value, only for a value that looks like a negative number, never after ``--``."""
+    takes_value = {s for p in _parsers(parser) for a in p._actions if a.option_strings and a.nargs is None
+                   for s in a.option_strings}
+    glued, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            glued.extend(argv[i:])
+            break
+        if arg in takes_value and i + 1 < len(argv) and _DASH_VALUE.match(argv[i + 1]):
+            glued.append(f"{arg}={argv[i + 1]}")
+            i += 2
+            continue
+        glued.append(arg)
+        i += 1
+    return glued
 
 
 def _settings_from(args: argparse.Namespace):
@@ -284,6 +344,52 @@ def _refuse_empty_values(args: argparse.Namespace) -> None:
             raise CliError("--switch is empty; write T:KEY=VALUE, e.g. 32:attention=mqa")
 
 
+#: Options that are an amount: (kind, may it be 0). Each value is checked with its option's name before anything
+#: else reads it: `--context -4k` said "token count must be a positive whole number, got '-4k'" (naming no option),
+#: and a --runtime vllm option's bad value was ignored under any other runtime.
+_AMOUNTS = {
+    "context": ("tokens", False), "max_context": ("tokens", False), "max_model_len": ("tokens", False),
+    "gpu_memory": ("size", False), "memory_budget": ("size", False), "kv_cache_memory": ("size", False),
+    "non_torch_memory": ("size", True), "cudagraph_memory": ("size", True),
+}
+_EXAMPLES = {"tokens": "a positive token count, e.g. 4096 or 4k", "size": "a positive size, e.g. 24GiB or 512MiB"}
+
+
+def _amount(option: str, text: str, kind: str, zero: bool) -> int:
+    """``text`` as ``option``'s amount (tokens or bytes); a refusal names the option. Raises CliError."""
+    from kvscope.core.model.spec import SpecError, parse_size, parse_tokens
+
+    shown = safe_text(repr(text.strip()), limit=60)
+    if zero and text.strip().lower() in ("0", "0b"):
+        return 0
+    try:
+        return parse_tokens(text) if kind == "tokens" else parse_size(text)
+    except SpecError as exc:
+        try:
+            negative = float(text.strip().lower().rstrip("kmgtib") or "nan") <= 0
+        except ValueError:
+            negative = text.strip().startswith("-")
+        if negative:
+            need = "a size of 0 or more, e.g. 512MiB" if zero else _EXAMPLES[kind]
+            raise CliError(f"{option} must be {need} (got {shown})") from None
+        raise CliError(f"{option}: {exc}") from None
+
+
+def _check_amounts(args: argparse.Namespace, command: str) -> None:
+    """Every amount option given, checked by its own name (calc's --context is a comma-separated list), and
+    --batch at least 1 (it said "batch must be positive", naming no option)."""
+    if isinstance(getattr(args, "batch", None), int) and args.batch < 1:
+        raise CliError(f"--batch must be a positive number of sequences, e.g. --batch 1 (got {args.batch})")
+    for dest, (kind, zero) in _AMOUNTS.items():
+        value = getattr(args, dest, None)
+        if not isinstance(value, str):
+            continue
+        option = f"--{dest.replace('_', '-')}"
+        for item in (value.split(",") if dest == "context" and command == "calc" else (value,)):
+            if item.strip():
+                _amount(option, item, kind, zero)
+
+
 def _size_or_zero(text: str | None) -> int | None:
     """A size that may be 0 (an overhead vLLM does not have, e.g. CUDA graphs under --enforce-eager)."""
     from kvscope.core.model.spec import parse_size
@@ -293,18 +399,35 @@ def _size_or_zero(text: str | None) -> int | None:
     return 0 if str(text).strip().lower() in ("0", "0b") else parse_size(text)
 
 
+def _vllm_options(args: argparse.Namespace):
+    """calc's --runtime vllm options as ``VllmOptions``, checked (its own refusals) whatever the runtime."""
+    from kvscope.core.model.spec import parse_size, parse_tokens
+    from kvscope.core.prediction.serving import VllmOptions
+
+    given = {"gpu_memory_utilization": args.gpu_memory_utilization, "block_size": args.block_size,
+             "max_model_len": parse_tokens(args.max_model_len) if args.max_model_len else None,
+             "max_num_batched_tokens": args.max_num_batched_tokens,
+             "non_torch_bytes": _size_or_zero(args.non_torch_memory), "cudagraph_bytes": _size_or_zero(args.cudagraph_memory),
+             "kv_cache_memory": parse_size(args.kv_cache_memory) if args.kv_cache_memory else None,
+             "hybrid_kv_cache_manager": False if args.disable_hybrid_kv_cache_manager else None}
+    return VllmOptions(**{k: v for k, v in given.items() if v is not None})
+
+
 def cmd_calc(args: argparse.Namespace) -> int:
     from kvscope.core.model.sources import load_spec
     from kvscope.core.model.spec import parse_size, parse_tokens
     from kvscope.core.prediction.calc import calculate, render_json, render_table
 
     _refuse_empty_values(args)
+    _check_amounts(args, "calc")
+    require_stdout("calc prints its figures there (>/dev/null discards them)")
     contexts = [parse_tokens(c) for c in str(args.context).split(",") if c.strip()]
     if not contexts:
         raise CliError("--context needs at least one token count, e.g. 4k,32k")
     spec = load_spec(args.model)
     gpu = parse_size(args.gpu_memory) if args.gpu_memory else None
     settings = _settings_from(args)  # transformers' flags, checked whatever the runtime (a typo is said, not ignored)
+    vllm_options = _vllm_options(args)  # and vLLM's (--block-size -3 was ignored under any other runtime)
     if args.runtime != CALC_VLLM:  # a runtime of the registry with its own calc (llama.cpp's, mlx-lm's flags)
         from kvscope.core import runtimes
 
@@ -319,20 +442,38 @@ def cmd_calc(args: argparse.Namespace) -> int:
     if args.runtime == CALC_VLLM:
         from dataclasses import replace
 
-        from kvscope.core.prediction.serving import VllmOptions, vllm_capacity
+        from kvscope.core.prediction.serving import vllm_capacity
 
         if gpu is None:
             raise CliError("--runtime vllm needs --gpu-memory (each GPU's total memory, e.g. 24GiB)")
-        given = {"gpu_memory_utilization": args.gpu_memory_utilization, "block_size": args.block_size,
-                 "max_model_len": parse_tokens(args.max_model_len) if args.max_model_len else None,
-                 "max_num_batched_tokens": args.max_num_batched_tokens,
-                 "non_torch_bytes": _size_or_zero(args.non_torch_memory), "cudagraph_bytes": _size_or_zero(args.cudagraph_memory),
-                 "kv_cache_memory": parse_size(args.kv_cache_memory) if args.kv_cache_memory else None,
-                 "hybrid_kv_cache_manager": False if args.disable_hybrid_kv_cache_manager else None}
-        options = VllmOptions(**{k: v for k, v in given.items() if v is not None})
-        result = replace(result, serving=vllm_capacity(spec, settings, gpu, options, parallelism))
+        result = replace(result, serving=vllm_capacity(spec, settings, gpu, vllm_options, parallelism))
     print(render_json(result) if args.json else render_table(result))
     return 0
+
+
+#: The largest --prompt-file read: 4 MiB is about a million tokens, more than any model's context; /dev/zero
+#: was read until the kernel killed the process.
+MAX_PROMPT_FILE_BYTES = 4 << 20
+
+
+def read_prompt_file(path: str) -> str:
+    """The prompt in ``path``: a regular file (never a FIFO or a device, nor a link to one) of UTF-8 text, at most
+    ``MAX_PROMPT_FILE_BYTES``; line ends as text mode reads them (\\r\\n and \\r as \\n). Raises a user error."""
+    raw = read_regular_file(path, MAX_PROMPT_FILE_BYTES, f"--prompt-file {display_path(path)}")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CliError(f"--prompt-file {display_path(path)} is not UTF-8 text (it holds the byte "
+                       f"0x{raw[exc.start]:02x}); save it as UTF-8") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _switch_token_not_negative(switch: str) -> str:
+    """``--switch -5:attention=mqa`` (argparse took -5 for an option): the token T is said to be 0 or more."""
+    if _DASH_VALUE.match(switch.strip()):
+        raise CliError(f"--switch {safe_text(repr(switch), limit=80)}: T is the token to switch at, 0 or more; "
+                       "write T:KEY=VALUE, e.g. 32:attention=mqa")
+    return switch
 
 
 def _run_request(args: argparse.Namespace):
@@ -341,17 +482,8 @@ def _run_request(args: argparse.Namespace):
     from kvscope.core.runtimes import parse_switch
 
     _refuse_empty_values(args)
-    prompt = args.prompt
-    if args.prompt_file:
-        try:
-            with open(args.prompt_file, encoding="utf-8") as fh:
-                prompt = fh.read()
-        except UnicodeDecodeError as exc:
-            raise CliError(f"--prompt-file {display_path(args.prompt_file)} is not UTF-8 text (it holds the byte "
-                           f"0x{exc.object[exc.start]:02x}); save it as UTF-8") from None
-        except OSError as exc:
-            raise CliError(f"cannot read --prompt-file {display_path(args.prompt_file)}: "
-                           f"{exc.strerror or exc}") from exc
+    _check_amounts(args, "run")
+    prompt = read_prompt_file(args.prompt_file) if args.prompt_file else args.prompt
     if args.tokens is not None and args.tokens <= 0:
         raise CliError("--tokens must be positive")
     # Output files are checked before torch is even imported (run_generation checks again, for the window's runs).
@@ -384,7 +516,7 @@ def _run_request(args: argparse.Namespace):
         prompt=prompt if prompt is not None else DEFAULT_PROMPT,
         max_new_tokens=args.tokens if args.tokens is not None else 128,
         settings=_settings_from(args),
-        switches=tuple(parse_switch(s, runtime) for s in args.switch),
+        switches=tuple(parse_switch(_switch_token_not_negative(s), runtime) for s in args.switch),
         record_path=args.record,
         overwrite=args.force,
         trust_remote_code=args.trust_remote_code,
@@ -475,6 +607,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
         raise CliError("--timeout: give 0.1 to 60 seconds")
     if args.count is not None and args.count <= 0:
         raise CliError("--count must be positive")
+    require_stdout("watch prints its readings there (>/dev/null discards them)")
     if not (0 < args.warn_usage <= 1):
         raise CliError("--warn-usage: give a fraction in (0, 1]")
     try:
@@ -537,14 +670,20 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    hold_closed_descriptors()  # `>&-`: no file opened below may take descriptor 1 (C code would print into it)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(glue_dash_values(parser, list(sys.argv[1:] if argv is None else argv)))
+    except CliError as exc:  # a whole number option's own refusal (_whole_number)
+        print(f"kvscope: {safe_text(exc)}", file=sys.stderr)
+        return 2
     if args.screenshot and not os.environ.get("DISPLAY") and not os.environ.get("WAYLAND_DISPLAY"):
         os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     commands = {"calc": cmd_calc, "run": cmd_run, "watch": cmd_watch, "replay": cmd_replay, "export": cmd_export}
     handler = commands.get(args.command or "", cmd_self_test if args.self_test else cmd_gui)
     try:
-        return handler(args)
+        with guard_stdout():  # a full or failing standard output is one line (kvscope.core.base.streams)
+            return handler(args)
     except KeyboardInterrupt:
         print("kvscope: interrupted", file=sys.stderr)
         return 130

@@ -79,34 +79,33 @@ def test_batch_two_doubles_the_cache():
     assert b.kv_bytes_observed == 2 * a.kv_bytes_observed == b.kv_bytes_predicted
 
 
-def test_gqa_to_mha_switch_matches_a_model_that_was_mha_from_the_start():
+def test_gqa_to_mha_switch_gives_back_the_model_as_loaded():
+    """Back to the model's own heads after a pooled gqa:2: the loaded K/V projections themselves, and the tokens
+    so far re-run through them (repeating pooled heads would not give their K/V back), so that the next tokens
+    are bit for bit those of the unswitched model on the same ids and schedule."""
     engine = _engine("gqa:2", attn_impl="eager")
     engine.prefill(_prompt(engine), "p")
     for _ in range(10):
         engine.step()
     event = engine.apply("attention", "mha")
-    assert event.event == "switch" and "exact" in event.text
-    switched = engine._next_logits  # logits for the next token, computed before the switch, unchanged by it
-    token = engine.step()  # first token generated on the converted model and cache
-
-    # Reference: the same pooled-then-repeated weights, MHA from the first token, same ids.
-    from kvscope.core.runtimes.transformers import convert
+    assert event.event == "switch" and "re-ran" in event.text and "as loaded" in event.text, event.text
+    assert event.tokens_rerun == engine.seq_len
+    assert engine._kv_origin.is_loaded(engine.base_model)
+    rerun_at = engine.seq_len
+    token = engine.step()  # first token generated on the restored model and the re-run cache
 
     reference = load_model("embedded", device="cpu").model
     reference.set_attn_implementation("eager")
-    convert.set_kv_heads(reference, 2)
-    convert.set_kv_heads(reference, 8)
-    # Same schedule as the engine (a prefill, then one token per forward), so the matmuls match shape for shape.
+    # Same schedule as the engine (one pass over the tokens at the switch, then one token per forward).
     from transformers import DynamicCache
 
     cache = DynamicCache(config=reference.config)
     with torch.inference_mode():
-        logits = reference(input_ids=engine.ids[:, :PROMPT_TOKENS], cache=cache).logits[:, -1, :].float()
-        for i in range(PROMPT_TOKENS, engine.seq_len):
+        logits = reference(input_ids=engine.ids[:, :rerun_at], cache=cache).logits[:, -1, :].float()
+        for i in range(rerun_at, engine.seq_len):
             logits = reference(input_ids=engine.ids[:, i:i + 1], cache=cache).logits[:, -1, :].float()
-    # Eager attention on identical (repeated) K/V: bit for bit the same numbers.
     assert torch.equal(logits, engine._next_logits)
-    assert switched is not None and token.kv_bytes_observed == token.kv_bytes_predicted
+    assert token.kv_bytes_observed == token.kv_bytes_predicted
 
 
 def test_mha_to_mqa_changes_bytes_per_token_by_the_head_ratio():

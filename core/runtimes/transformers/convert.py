@@ -14,6 +14,11 @@ cache the same way, so generation continues without re-running the prompt:
 - any other pair goes through the least common multiple of the two counts (which divides the
   query heads): repeat up to it, then pool down. Same as passing through MHA.
 
+The engine keeps the loaded model's own K/V projections aside (``keep_kv_projections``: the tensors as
+loaded, by reference) and every head change starts from them (``set_kv_heads(..., origin=)``), never
+from the last converted state: a switch back to the model's own head count puts the loaded tensors
+themselves back, and MQA after MHA is the same MQA as straight from the model's own heads.
+
 Cache strategies switch by reading each layer's valid K/V out (``dense_kv``) and pushing it into a
 fresh cache of the new kind (``refill_cache``): exact between dynamic and static; a quantized
 target quantizes everything on that one update (lossy); a quantized source is dequantized.
@@ -49,6 +54,7 @@ from kvscope.core.model.spec import FULL_ATTENTION, SLIDING_ATTENTION, ModelSpec
 
 __all__ = [
     "DynamicTruncatedLayer",
+    "KVOrigin",
     "build_mla_twin",
     "cache_heads",
     "check_kv_projections",
@@ -56,6 +62,7 @@ __all__ = [
     "convert_cache_kv_heads",
     "convert_cache_window",
     "dense_kv",
+    "keep_kv_projections",
     "kv_heads_of",
     "refill_cache",
     "regroup_heads",
@@ -73,7 +80,8 @@ def regroup_heads(x: torch.Tensor, old_heads: int, new_heads: int, dim: int) -> 
 
     Up (new a multiple of old): each head repeated ``new // old`` times in place
     (``repeat_interleave``, the layout of ``repeat_kv``), exact. Down (old a multiple of new):
-    each run of ``old // new`` consecutive heads averaged, computed in float32 and cast back.
+    each run of ``old // new`` consecutive heads averaged, computed in float32 and cast back; a run
+    of copies of one head (what repeating left) gives that head itself, exact.
     Otherwise: up to ``lcm(old, new)``, then down. Returns a new tensor (never a view of ``x``).
     """
     if old_heads <= 0 or new_heads <= 0:
@@ -88,6 +96,11 @@ def regroup_heads(x: torch.Tensor, old_heads: int, new_heads: int, dim: int) -> 
     if old_heads % new_heads == 0:
         group = old_heads // new_heads
         grouped = x.reshape(*x.shape[:dim], new_heads, group, *x.shape[dim + 1:])
+        first = grouped.narrow(dim + 1, 0, 1)
+        if torch.equal(grouped, first.expand_as(grouped)):
+            # Every group is copies of one head (a repeated cache going back down): that head, bit for bit
+            # (a float mean of three equal addends can be one ulp off).
+            return first.squeeze(dim + 1).clone()
         # Averaging in float32 keeps bf16/fp16 pools from losing the low bits of each addend.
         return grouped.float().mean(dim=dim + 1).to(x.dtype)
     via = math.lcm(old_heads, new_heads)
@@ -208,7 +221,89 @@ def _regroup_linear(proj: nn.Linear, old_heads: int, new_heads: int, head_dim: i
     proj.out_features = new_heads * head_dim
 
 
-def set_kv_heads(model: nn.Module, kv_heads: int) -> bool:
+class KVOrigin:
+    """A model's own K/V projections as loaded, kept aside by reference (no copy): per attention module, in
+    ``model.modules()`` order, its k_proj and v_proj weight and bias Parameters, and the heads they compute.
+
+    Conversions assign new Parameters and never write into these, so they stay the loaded bytes for the whole
+    run, through any switch, a refused one included (the switch transaction restores the modules' tables; these
+    tensors are not in them once replaced, and nothing touches them). A structural copy of the model (a
+    re-run's shadow) has its attention modules in the same order and shares these very tensors."""
+
+    __slots__ = ("heads", "head_dims", "layers")
+
+    def __init__(self, heads: int, head_dims: tuple[int, ...],
+                 layers: tuple[tuple[nn.Parameter, nn.Parameter | None, nn.Parameter, nn.Parameter | None], ...]) -> None:
+        self.heads = heads
+        self.head_dims = head_dims
+        self.layers = layers
+
+    def is_loaded(self, model: nn.Module) -> bool:
+        """Whether every K/V projection of ``model`` is the loaded tensor itself (not a copy, not a regrouping)."""
+        modules = _attention_modules(model)
+        return len(modules) == len(self.layers) and all(
+            attn.k_proj.weight is kw and attn.k_proj.bias is kb and attn.v_proj.weight is vw and attn.v_proj.bias is vb
+            for attn, (kw, kb, vw, vb) in zip(modules, self.layers))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer if t is not None)
+
+
+def keep_kv_projections(model: nn.Module) -> KVOrigin | None:
+    """The model's own K/V projections, by reference, for ``set_kv_heads(..., origin=)``; None for a model
+    whose K/V heads cannot be regrouped (fused QKV, a latent cache, layers of different head counts)."""
+    try:
+        heads = kv_heads_of(model)
+        modules = _attention_modules(model)
+    except SettingsError:
+        return None
+    config = _text_config(model)
+    return KVOrigin(heads, tuple(_head_dim(attn, config) for attn in modules),
+                    tuple(tuple(_kept(attn, t) for t in (attn.k_proj.weight, attn.k_proj.bias, attn.v_proj.weight,
+                                                         attn.v_proj.bias)) for attn in modules))
+
+
+def _kept(attn: nn.Module, tensor: nn.Parameter | None) -> nn.Parameter | None:
+    """``tensor`` itself, unless it is a view of one storage with other parameters of ``attn`` (a fused q/k/v weight
+    loaded as three views, Sarvam-MoE): then a copy of its own bytes, so that once a switch gives q_proj a tensor of
+    its own (``_own_storage``), keeping the K/V rows aside does not keep the whole fused tensor alive."""
+    if tensor is None or tensor.device.type == "meta":
+        return tensor
+    mine = tensor.untyped_storage().data_ptr()
+    shared = any(p is not tensor and p.device.type != "meta" and p.untyped_storage().data_ptr() == mine
+                 for p in attn.parameters())
+    return nn.Parameter(tensor.detach().clone(), requires_grad=False) if shared else tensor
+
+
+def _regrouped(weight: nn.Parameter, bias: nn.Parameter | None, old: int, new: int, head_dim: int
+               ) -> tuple[nn.Parameter, nn.Parameter | None]:
+    w = weight.detach()
+    new_w = regroup_heads(w.reshape(old, head_dim, w.shape[-1]), old, new, 0).reshape(new * head_dim, w.shape[-1])
+    new_b = None
+    if bias is not None:
+        new_b = nn.Parameter(regroup_heads(bias.detach().reshape(old, head_dim), old, new, 0).reshape(new * head_dim),
+                             requires_grad=False)
+    return nn.Parameter(new_w, requires_grad=False), new_b
+
+
+def _set_from_origin(attn: nn.Module, own: tuple, heads: int, kv_heads: int, head_dim: int) -> None:
+    """``attn``'s k_proj/v_proj as ``kv_heads`` heads regrouped from its own (``own``); the tensors themselves
+    when ``kv_heads`` is the model's own count."""
+    kw, kb, vw, vb = own
+    if kv_heads == heads:
+        pairs = ((attn.k_proj, kw, kb), (attn.v_proj, vw, vb))
+    else:
+        pairs = ((attn.k_proj, *_regrouped(kw, kb, heads, kv_heads, head_dim)),
+                 (attn.v_proj, *_regrouped(vw, vb, heads, kv_heads, head_dim)))
+    for proj, weight, bias in pairs:
+        proj.weight = weight
+        if bias is not None:
+            proj.bias = bias
+        proj.out_features = kv_heads * head_dim
+
+
+def set_kv_heads(model: nn.Module, kv_heads: int, origin: KVOrigin | None = None) -> bool:
     """Convert every decoder layer's k_proj/v_proj, in place, to ``kv_heads`` K/V heads.
 
     Repeats heads going up (exact), mean-pools groups going down (approximate), and goes through
@@ -217,19 +312,33 @@ def set_kv_heads(model: nn.Module, kv_heads: int) -> bool:
     next forward pass is consistent. Raises SettingsError when ``kv_heads`` does not divide the
     query heads, or the model has no per-head K/V projections.
 
-    Returns True when the conversion was exact (every layer only repeated heads).
+    ``origin`` (``keep_kv_projections`` of this model as loaded): regroup from the model's own projections,
+    whatever the model computes now, and put those very tensors back when ``kv_heads`` is their count. Without
+    it, the projections the model has now are regrouped (a pooled model stays pooled: repeating its heads again
+    does not bring the original heads back).
+
+    Returns True when the result is exact: the same numbers as the model's own heads (``origin``), or as the
+    heads it had before (without), i.e. every layer only repeated heads.
     """
     config = _text_config(model)
     q_heads = int(config.num_attention_heads)
     if not isinstance(kv_heads, int) or kv_heads <= 0 or q_heads % kv_heads:
         choices = ", ".join(str(n) for n in range(1, q_heads + 1) if q_heads % n == 0)
         raise SettingsError(f"{kv_heads} KV heads do not divide the {q_heads} query heads; choose one of {choices}")
+    modules = _attention_modules(model)
+    if origin is not None and len(origin.layers) != len(modules):
+        raise SettingsError(f"the K/V projections kept aside are of {len(origin.layers)} attention layers, the model "
+                            f"has {len(modules)}")
     exact = True
     with torch.no_grad():
-        for attn in _attention_modules(model):
+        for i, attn in enumerate(modules):
             head_dim = _head_dim(attn, config)
             old = attn.k_proj.out_features // head_dim
-            if old != kv_heads:
+            if origin is not None:
+                exact = exact and _is_exact(origin.heads, kv_heads)
+                _own_storage(attn)
+                _set_from_origin(attn, origin.layers[i], origin.heads, kv_heads, origin.head_dims[i])
+            elif old != kv_heads:
                 exact = exact and _is_exact(old, kv_heads)
                 _own_storage(attn)
                 _regroup_linear(attn.k_proj, old, kv_heads, head_dim)

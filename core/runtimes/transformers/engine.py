@@ -124,6 +124,10 @@ class Engine:
 
         #: The model's own sliding/full layers, put back when a mode that changed them is left.
         self._native_pattern = convert.layer_pattern(self.base_model)
+        #: The model's own K/V projections, the tensors as loaded (by reference): every head change starts from
+        #: them, and going back to the model's own heads puts them back (None: heads that cannot be regrouped).
+        #: Never changed after this (not in _SWITCH_STATE): a refused switch leaves them as they are.
+        self._kv_origin = convert.keep_kv_projections(self.base_model)
         # Apply the requested starting settings to the model before the prefill, checked as a whole
         # (attention x cache x device x architecture) first.
         target = settings.attention or self.mode
@@ -317,6 +321,7 @@ class Engine:
                 return self._rerun("MLA is a different model (latent cache)")
             return "mla"
         target = eff.num_kv_heads
+        origin = self._kv_origin
         exact = True
         try:
             current = convert.kv_heads_of(self.base_model)
@@ -324,8 +329,10 @@ class Engine:
             # No regroupable heads (fused QKV) or layers of different head counts (MiMo-V2-Flash): _check_target
             # refuses head changes for such a model, so its projections are still its own, as the target needs.
             current = None
-        if target != self.spec.num_kv_heads or current not in (None, target):
-            exact = convert.set_kv_heads(self.base_model, target)
+        if origin is not None and current is not None and (current != target or target == origin.heads):
+            # From the model's own projections, never from the last converted state; its own count: the loaded
+            # tensors themselves.
+            exact = convert.set_kv_heads(self.base_model, target, origin=origin)
         self.model = self._layer_pattern_model(eff)
         self.mode = mode
         self.settings = self.settings.with_(attention=mode)
@@ -345,12 +352,28 @@ class Engine:
             # Each K/V head kept its own heavy hitters: slot i is a different token in each head, so heads
             # cannot be repeated or pooled, and a refill would carry no scores.
             return self._rerun(f"{strategy.name} keeps different tokens in each K/V head")
+        pooled = self._pooled_cache_rerun(mode, previous)
+        if pooled:
+            return self._rerun(pooled)
         notes = []
         old_heads = convert.cache_heads(self.cache)
         if old_heads is not None and old_heads != target:
-            exact = convert.convert_cache_kv_heads(self.cache, old_heads, target) and exact
-            notes.append(f"{old_heads} -> {target} K/V heads, " + ("exact (heads repeated)" if exact
-                                                                   else "approximate (heads mean-pooled)"))
+            moved = convert.convert_cache_kv_heads(self.cache, old_heads, target)
+            own = origin.heads if origin is not None else self.spec.num_kv_heads
+            strategy = self.settings.cache
+            # Back down to the model's own heads, each group of the cache is copies of one head: that head
+            # (regroup_heads), exact unless a quanto/hqq cache requantizes it.
+            selected = old_heads % own == 0 and target % own == 0 and not (
+                isinstance(strategy, Quantized) and strategy.backend != "fp8")
+            if not exact:
+                how = f"approximate (heads mean-pooled from the model's own {own})"
+            elif not (moved or selected):
+                how = f"approximate (the {strategy.key} cache requantized at {target} heads)"
+            elif target == own:
+                how = "exact: the model's own K/V projections as loaded, and one of each repeated cache head"
+            else:
+                how = "exact (heads repeated)"
+            notes.append(f"{old_heads} -> {target} K/V heads, {how}")
         if pattern_changed and before.layer_states:
             return self._rerun("the layers' states beside K/V are recomputed in the new cache")
         if pattern_changed:
@@ -368,6 +391,35 @@ class Engine:
             notes.append(f"the model's own window ({eff.sliding_window}) stays on {eff.num_sliding_layers} of "
                          f"{eff.num_layers} layers")
         return "cache converted in place" + (f": {'; '.join(notes)}" if notes else "")
+
+    def _pooled_cache_rerun(self, mode: AttentionMode, previous: AttentionMode | None = None) -> str | None:
+        """Why a switch to ``mode`` re-runs the tokens so far for the cache's K/V heads (None: it need not).
+
+        Every head count that is not a multiple of the model's own is mean-pooled (from the model's own
+        projections, ``convert.set_kv_heads(origin=)``), and so is a cache held at it: its tokens were pooled or
+        computed by the pooled model. Going back to a count of the model's own (its heads, or those repeated),
+        or up to more heads, repeating pooled heads cannot give back the tokens' own K/V: the model converts
+        exactly, the tokens so far go through it again. ``rerun.may_rerun`` asks this too."""
+        from kvscope.core.runtimes.transformers import (
+            convert)  # transformers, a 9 s import: not when serve() imports this module
+
+        origin = self._kv_origin
+        previous = previous or self.mode
+        if origin is None or self.cache is None or not self.seq_len or isinstance(mode, MLA) or isinstance(previous, MLA):
+            return None
+        held = convert.cache_heads(self.cache)
+        target = effective_spec(self.spec, self.settings.with_(attention=mode)).num_kv_heads
+        if held is None or held == target or held % origin.heads == 0:
+            return None
+        cached = f"the cache's {held} mean-pooled head{'s' if held != 1 else ''}"
+        if target % origin.heads == 0:
+            own = ("the model's own K/V projections are back, as loaded" if target == origin.heads
+                   else f"{target} K/V heads repeat the model's own {origin.heads}, as loaded")
+            return f"{own}; {cached} cannot give the tokens' own K/V back"
+        if target > held:
+            return (f"{target} K/V heads are pooled afresh from the model's own {origin.heads}; repeating "
+                    f"{cached} would not give their K/V")
+        return None
 
     def _tokens_dropped(self, eff: ModelSpec | None = None) -> int:
         """Tokens the live cache's full-attention layers (those of ``eff``, default the current settings')

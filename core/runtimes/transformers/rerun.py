@@ -142,6 +142,8 @@ def may_rerun(engine: "Engine", name: str, parsed: Any) -> bool:
     if name == "attention":
         if isinstance(parsed, MLA) != isinstance(engine.mode, MLA) or settings.cache.needs_attention_weights:
             return True
+        if engine._pooled_cache_rerun(parsed):  # a mean-pooled cache going back to the model's own heads, or up
+            return True
         before = effective_spec(engine.spec, settings)
         after = effective_spec(engine.spec, settings.with_(attention=parsed))
         if (before.layer_types, before.sliding_window) == (after.layer_types, after.sliding_window):

@@ -552,3 +552,48 @@ def test_the_window_quits_with_a_fifo_in_the_hf_cache(tmp_path, when="scan"):
         assert "Skipped (2)" in lines["TIP"]
     print(f"window with a FIFO in the HF cache ({when}): quit {quit_at - closing:.2f} s after close, "
           f"{took:.1f} s in all")
+
+
+def test_a_model_picked_runs_as_built_and_as_its_users_name_it(qtbot, machine, settings):
+    """Issue 37, item 4: after a run that ended in MHA with a static cache and eager attention, picking another model
+    puts its own attention, sdpa and a dynamic cache back (a 1-KV-head model ran as MHA, 4x its KV, unasked); an
+    installed model's request carries its users' name (the repo id, the Ollama tag), not the snapshot hash or the
+    blob's digest, and the run names it so in the model's info and its load event."""
+    from kvscope.core.live.run import run_generation
+    from kvscope.core.model.request import RunHooks, RunRequest
+    from kvscope.ui.controls import SOURCES
+    from kvscope.ui.main_window import MainWindow
+
+    w = MainWindow(settings=settings, start_engine=False)
+    qtbot.addWidget(w)
+    c = w.controls
+    scanned(qtbot, c.installed)
+    for combo, key in ((c.attention_combo, "mha"), (c.impl_combo, "eager"), (c.cache_combo, "static")):
+        assert c.select(combo, key)  # what the engine reported at the end of the last run
+    c.source_combo.setCurrentIndex(SOURCES.index("installed"))
+    combo = c.installed_combo
+    i = combo.findData(smol(machine))
+    combo.setCurrentIndex(i)
+    combo.activated.emit(i)
+    request = w.build_request()
+    assert request.settings.attention is None and request.settings.cache.key == "dynamic"
+    assert request.settings.attn_impl == "sdpa"
+    assert request.label == "HuggingFaceTB/SmolLM2-135M" and REV_NEW in request.source
+    c.select(c.attention_combo, "mqa")  # asked after picking: kept
+    assert w.build_request().settings.attention.key == "mqa"
+    tag = next(k for k in range(combo.count()) if combo.itemText(k).startswith("llama3.2:1b"))
+    combo.setCurrentIndex(tag)
+    combo.activated.emit(tag)
+    gguf = w.build_request()
+    assert gguf.label == "llama3.2:1b" and "sha256-" in gguf.source
+    assert c.attention_combo.currentData() == ""  # another model: as built again
+    c.source_combo.setCurrentIndex(SOURCES.index("embedded"))
+    assert w.build_request().label is None
+    w.shutdown()
+
+    seen = []
+    run_generation(RunRequest(source="embedded", device="cpu", max_new_tokens=1, label="someone/tiny-llama"),
+                   RunHooks(emit=seen.append, loaded=lambda info: seen.append(info)))
+    info = next(x for x in seen if not hasattr(x, "phase"))
+    assert info.label == "someone/tiny-llama"
+    assert any(getattr(x, "event", None) == "load" and "loaded someone/tiny-llama on" in x.text for x in seen)

@@ -51,7 +51,7 @@ def test_a_llamacpp_run_is_prepaid(qtbot):
     last = synthetic_samples(5, prompt_tokens=4)[-1].replace(
         runtime="llama.cpp", kv_bytes_observed=16_777_216, kv_bytes_predicted=16_777_216, context_tokens=100,
         kv_bytes_used=100 * 4096)
-    stats = compute_stats(last, 0.0, spec, max_context=4096, host_available=8 << 30)
+    stats = compute_stats(last, None, spec, max_context=4096, host_available=8 << 30)
     assert (stats.kv_now, stats.kv_at_max, stats.bytes_per_token, stats.tokens_fit) == (16_777_216, 16_777_216, 4096.0,
                                                                                         3996)
     assert stats.prepaid and stats.kv_error_pct == 0.0
@@ -61,3 +61,22 @@ def test_a_llamacpp_run_is_prepaid(qtbot):
     assert panel.tiles["kv_at_max"].value.text() == "16.0 MiB" and "already paid" in panel.tiles["kv_at_max"].note.text()
     assert "allocated at load" in panel.tiles["kv_now"].note.text()
     assert "allocated context" in panel.tiles["tokens_fit"].note.text()
+
+
+def test_a_prepaid_run_with_sliding_layers_says_the_allocation_and_the_cells_a_token_fills():
+    """Issue 37, item 5: a model with sliding layers holds a window there, so held / tokens falls as the run goes on;
+    scaled by the context it read 72.0 MiB, drifting to 30.9 MiB, under a 27.0 MiB allocation. The KV at max context
+    is the runtime's own allocation, and KV per token the growth of the held bytes (the slope of the used curve)."""
+    spec = load_spec("embedded")
+    reserved = 27 * 2**20
+    for tokens, held in ((300, 3 * 2**20), (3000, 9 * 2**20)):  # early: held/tokens x 4096 = 40 MiB > 27 MiB
+        last = synthetic_samples(5, prompt_tokens=4)[-1].replace(
+            runtime="llama.cpp", kv_bytes_reserved=reserved, kv_bytes_held=held, context_tokens=tokens)
+        stats = compute_stats(last, 2048.0, spec, max_context=4096)
+        assert stats.kv_at_max == reserved and stats.kv_now == reserved
+        assert stats.bytes_per_token == 2048.0 and stats.bytes_per_token_source == "cells filled per token, prepaid"
+    mlx = synthetic_samples(5, prompt_tokens=4)[-1].replace(
+        runtime="mlx", kv_bytes_reserved=256 * 4096, kv_bytes_held=100 * 4096, context_tokens=100)
+    stats = compute_stats(mlx, 4096.0, spec, max_context=4096)
+    assert not stats.prepaid  # 256-token steps: the KV at the max context is still to be paid
+    assert stats.kv_now == 100 * 4096 and stats.bytes_per_token_source == "measured"

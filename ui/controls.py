@@ -13,6 +13,8 @@ runtime's name.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 
 from PySide6.QtCore import QSettings, Qt, Signal
@@ -92,6 +94,7 @@ class ControlsPanel(QScrollArea):
     def _build(self) -> None:
         self.source = SourcePicker(self)
         src = self.source
+        src.model_changed.connect(self.use_models_own_settings)
         # The Source list's widgets, by the names the window's users (tests, scripts) reach for.
         self.source_combo, self.source_stack, self.installed_combo = src.combo, src.stack, src.installed_combo
         self.folder_edit, self.hub_edit, self.gguf_edit = src.folder_edit, src.hub_edit, src.gguf_edit
@@ -247,6 +250,15 @@ class ControlsPanel(QScrollArea):
             self.grey_what_cannot_run()
         finally:
             self._updating = False
+
+    def use_models_own_settings(self) -> None:
+        """Another model is chosen: it runs as it is built (its own attention, sdpa, a dynamic cache) unless the user
+        then asks otherwise (issue 37: after an MHA run of the embedded model, a 1-KV-head model picked from the
+        list ran as MHA, 4x its own KV per token, without being asked)."""
+        self.select(self.attention_combo, "")
+        self.select(self.impl_combo, "sdpa")
+        self.select(self.cache_combo, "dynamic")
+        self.refusals.clear()  # learned from another model's run
 
     def select(self, combo: QComboBox, key: str) -> bool:
         """Show ``key`` in ``combo`` (not a user's choice: no switch follows). False if it has no such entry."""
@@ -407,6 +419,11 @@ class ControlsPanel(QScrollArea):
 
     def build_request(self) -> RunRequest:
         """The RunRequest the controls describe. Raises SpecError (SettingsError) with a user message."""
+        request = self._request()
+        label = self.source.label()  # an installed model as its users name it, not its snapshot hash or blob digest
+        return dataclasses.replace(request, label=label) if label else request
+
+    def _request(self) -> RunRequest:
         source, entry, default_ctx = self.source.chosen()
         # A runtime's own Source entry (llama.cpp's file, MLX's embedded model; an installed GGUF or MLX folder)
         # builds that runtime's request.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from PySide6.QtCore import QObject, Qt
+from PySide6.QtCore import QObject, Qt, Signal
 from PySide6.QtWidgets import (QComboBox, QFileDialog, QHBoxLayout, QLineEdit, QPushButton, QStackedWidget, QToolButton,
                                QWidget)
 
@@ -54,6 +54,9 @@ def _with_browse(edit: QLineEdit, tooltip: str, browse) -> QWidget:
 class SourcePicker(FollowsInstalled, QObject):
     """The Source combo (``combo``) and, under it, the field of the entry chosen (``stack``); the panel places both.
     ``parent_widget``: the dialogs' parent."""
+
+    #: Another model is chosen: the controls put its own attention, kernel and cache back (it runs as built).
+    model_changed = Signal()
 
     def __init__(self, parent_widget: QWidget) -> None:
         super().__init__(parent_widget)
@@ -114,11 +117,37 @@ class SourcePicker(FollowsInstalled, QObject):
         self.mlx_missing = mlx_missing()
         if self.mlx_missing:
             disable_item(self.combo, "mlx", self.mlx_missing)
+        self._last_model: tuple[str, str] = self._model_key()
+        self.combo.currentIndexChanged.connect(self._note_choice)
+        for edit in (self.folder_edit, self.hub_edit, self.gguf_edit):
+            edit.textChanged.connect(self._note_choice)
         self.combo.currentIndexChanged.connect(self.stack.setCurrentIndex)
         self.combo.currentIndexChanged.connect(lambda i: self.stack.setVisible(i != 0))
         self.stack.setFixedHeight(self.hub_edit.sizeHint().height())
 
         self._fill_installed()
+
+    def _model_key(self) -> tuple[str, str]:
+        kind = self.kind()
+        field = {"installed": lambda: self.installed_combo.currentData() or self._installed_wanted,
+                 "folder": self.folder_edit.text, "hub": self.hub_edit.text, "llamacpp": self.gguf_edit.text}.get(kind)
+        return kind, str(field() or "") if field is not None else ""
+
+    def _note_choice(self, *_: object) -> None:
+        """Say ``model_changed`` when the model chosen is another one (by the user, a restore or the command line)."""
+        key = self._model_key()
+        if key != self._last_model:
+            self._last_model = key
+            self.model_changed.emit()
+
+    def label(self) -> str | None:
+        """What the user calls the model chosen, where its source's own name says less: an installed model's label
+        (the repo id of a Hugging Face cache snapshot, named by its hash; the Ollama tag of a blob, named by its
+        digest). None for the other entries (their folder or file name is the user's own)."""
+        if self.kind() != "installed":
+            return None
+        model = self._installed_model(self.installed_combo.currentData() or "")
+        return model.label if model is not None else None
 
     def kind(self) -> str:
         """The Source entry chosen (one of ``SOURCES``)."""
@@ -197,6 +226,7 @@ class SourcePicker(FollowsInstalled, QObject):
 
     def _installed_chosen(self, _index: int) -> None:
         self._installed_wanted = self.installed_combo.currentData() or ""
+        self._note_choice()
 
     def _fill_installed(self) -> None:
         """Refill the installed-model combo from the scan, keeping the model chosen (if it is still there)."""
@@ -251,6 +281,7 @@ class SourcePicker(FollowsInstalled, QObject):
             if real == root or real.startswith(root.rstrip(os.sep) + os.sep):
                 self.installed_combo.setCurrentIndex(i)
                 self._installed_wanted = source
+                self._note_choice()
                 break
 
     def _browse_gguf(self) -> None:

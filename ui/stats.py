@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QFrame, QGridLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
+from kvscope.core import runtimes
 from kvscope.core.base.sample import Sample
 from kvscope.core.model.attention import parse_attention
 from kvscope.core.model.caches import parse_cache
@@ -59,6 +60,12 @@ def kv_at_max_context(spec: ModelSpec, attention: str, cache: str, attn_impl: st
         return None
 
 
+def _reserves_at_load(runtime: str | None) -> bool:
+    """Whether the runtime that made the sample reserves the whole context's KV at load (its registry entry)."""
+    info = runtimes.find(runtime)
+    return bool(info is not None and info.reserves_at_load)
+
+
 def _free(last: Sample, host_available: int | None) -> tuple[int | None, str]:
     """Free memory and where it was read: the GPU's (NVML), else the host's available memory."""
     if last.device_total is not None and last.device_used is not None:
@@ -74,19 +81,26 @@ def _kv_error_pct(last: Sample) -> float | None:
     return None
 
 
-def _prepaid_stats(last: Sample, max_ctx: int | None, host_available: int | None) -> LiveStats:
-    """The runtime set the cache aside ahead of the tokens (llama.cpp: the whole context at load): the cache "now"
-    is that reservation, a token adds no memory (it fills a slot paid for already: KV per token is the held bytes
-    per token), the KV at the max context is the reservation (or the held bytes per token times the context,
-    where that is more), and what stops the run is the context, not memory."""
+def _prepaid_stats(last: Sample, max_ctx: int | None, host_available: int | None,
+                   held_slope: float | None = None) -> LiveStats:
+    """The runtime set the whole context's cache aside at load (llama.cpp): the cache "now" and the KV at the max
+    context are that reservation, the runtime's own allocation (issue 37: scaling held bytes per token by the
+    context drifted from 72.0 to 30.9 MiB under a 27.0 MiB allocation, since sliding layers hold a window, not
+    every token); a token adds no memory, it fills cells paid for already: KV per token is the growth of the held
+    bytes over the last tokens (the full layers' cells once the windows are full), else held bytes / tokens; what
+    stops the run is the context, not memory."""
     used, tokens = last.kv_bytes_held, last.context_tokens
-    bpt = used / tokens if used is not None and tokens else None
+    if held_slope is not None and held_slope >= 0:
+        bpt, source = held_slope, "cells filled per token, prepaid"
+    else:
+        bpt = used / tokens if used is not None and tokens else None
+        source = "held / tokens, prepaid" if bpt else ""
     free, free_source = _free(last, host_available)
     left = max(max_ctx - tokens, 0) if max_ctx else None
     kv_err = _kv_error_pct(last)
     return LiveStats(
-        kv_now=last.kv_bytes_reserved, bytes_per_token=bpt, bytes_per_token_source="one cell, prepaid" if bpt else "",
-        kv_at_max=max(last.kv_bytes_reserved, int(bpt * max_ctx)) if bpt and max_ctx else last.kv_bytes_reserved,
+        kv_now=last.kv_bytes_reserved, bytes_per_token=bpt, bytes_per_token_source=source,
+        kv_at_max=last.kv_bytes_reserved,
         max_context=max_ctx, free=free, free_source=free_source,
         tokens_fit=left, fit_limit="the allocated context is full" if left is not None else "", tokens=last.token + 1,
         tokens_per_s=last.tokens_per_s, kv_error_pct=kv_err, prepaid=True)
@@ -104,8 +118,11 @@ def compute_stats(last: Sample | None, slope: float | None, spec: ModelSpec | No
     if last is None:
         return LiveStats()
     max_ctx = max_context or (spec.max_position_embeddings if spec else None)
-    if last.kv_bytes_reserved is not None and last.kv_bytes_held is not None and last.kv_bytes_reserved > last.kv_bytes_held:
-        return _prepaid_stats(last, max_ctx, host_available)  # set aside ahead of the tokens (the fields say so)
+    if (last.kv_bytes_reserved is not None and last.kv_bytes_held is not None and last.kv_bytes_reserved > last.kv_bytes_held
+            and _reserves_at_load(last.runtime)):
+        # The whole context set aside ahead of the tokens. MLX reserves ahead too, but 256 token slots at a time:
+        # its KV at the max context is still to be paid, and predicted below.
+        return _prepaid_stats(last, max_ctx, host_available, slope)
     kv_at_max = None
     if spec is not None and max_ctx:
         kv_at_max = kv_at_max_context(spec, last.attention, last.cache, last.attn_impl, last.dtype, batch, kv_dtype,

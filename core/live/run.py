@@ -14,6 +14,7 @@ Imports no torch: a runtime's module is imported when a run opens it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Callable
 
 from kvscope.core import __version__, runtimes
@@ -79,6 +80,8 @@ def run_generation(request: RunRequest, hooks: RunHooks) -> list[Sample]:
                     writer.write(runtime.event("error", str(exc)))
             raise
         info = runtime.model_info()
+        if request.label:  # as the user names it (an installed model's repo id or tag), not its snapshot hash
+            info = dataclasses.replace(info, label=request.label)
         hooks.loaded(info)
         if request.record_path:
             writer = _open_writer(request, runtime, info)

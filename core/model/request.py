@@ -45,6 +45,10 @@ class RunRequest:
     llamacpp: Any = None
     #: MLX's cache options (``kvscope.core.runtimes.mlx.switches.MlxOptions``: mlx-lm's flags) for an MLX run.
     mlx: Any = None
+    #: What the user calls the model, where the source's own name says less (an installed model's repo id for a
+    #: Hugging Face cache snapshot named by its hash, the Ollama tag for a blob named by its digest): shown as the
+    #: model's label in the title, the badge and the events. None: the runtime's own label.
+    label: str | None = None
 
 
 @dataclass(frozen=True)

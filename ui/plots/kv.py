@@ -219,6 +219,10 @@ class KVPlot(PlotPanel):
         # The newest rows only: tokens increase, so the last `window` after the marker are among them.
         tok = self.tokens.column("token")[-4 * window:]
         kv = self.tokens.column("kv_observed")[-4 * window:]
+        if len(kv) and np.isnan(kv[-1]):
+            # A runtime that reserved the context ahead (llama.cpp): what a token costs is the cells it fills, the
+            # growth of the held bytes (flat in the sliding layers once their window is full), not the reservation.
+            kv = self.tokens.column("kv_used")[-4 * window:]
         if len(tok) < 2:
             return None
         since = self.markers[-1].token if self.markers else -math.inf

@@ -286,6 +286,10 @@ class LlamaCppRuntime:
                 "switches": [list(s) for s in request.switches], "memory_budget": None}
 
     def start_events(self, request: RunRequest) -> list[Sample]:
+        if request.label and self._start and self._start[0].event == "load":  # as the user names it (an Ollama tag)
+            load = self._start[0]
+            text = load.text.replace("loaded ", f"loaded {request.label} (", 1).replace(" into llama.cpp", ") into llama.cpp", 1)
+            return [load.replace(text=text), *self._start[1:]]
         return list(self._start)
 
     def prefill(self, request: RunRequest) -> list[Sample]:

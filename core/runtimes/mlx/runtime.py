@@ -76,7 +76,7 @@ class MlxRuntime:
 
     def start_events(self, request: RunRequest) -> list[Sample]:
         e = self.engine
-        return [e.event("load", f"loaded {self.folder.name} into MLX ({human_bytes(e.weights)} of weights, "
+        return [e.event("load", f"loaded {request.label or self.folder.name} into MLX ({human_bytes(e.weights)} of weights, "
                                 f"{str(e.dtype).replace('mlx.core.', '')}) on the {e.device.upper()}"),
                 e.event("note", f"MLX cache: {e.describe_cache()}; a KVCache takes {STEP} token slots at a time "
                                 "(reserved: the whole steps; held: the slots with tokens)")]

@@ -221,7 +221,8 @@ class TransformersRuntime:
 
     def start_events(self, request: RunRequest) -> list[Sample]:
         e = self.engine
-        out = [e.event("load", f"loaded {self.loaded.label} on {_device_name(self.loaded.device)} ({self.loaded.dtype})")]
+        name = request.label or self.loaded.label  # as the user names it (an installed model's repo id), else its own
+        out = [e.event("load", f"loaded {name} on {_device_name(self.loaded.device)} ({self.loaded.dtype})")]
         if request.quality_probe:
             e.notes.append("quality probe on: every token also runs through a full-cache twin of the model "
                            "(a second forward pass, and a second cache in memory); top-1 agreement and KL per token")

@@ -57,3 +57,21 @@ def test_the_numbers_panel_says_the_total_and_its_parts(qtbot) -> None:
     assert tile.value.text() == human_bytes(500 * MiB)
     assert "weights 40.0 MiB (m)" in tile.note.text() and "activations / compute 2.0 MiB (p)" in tile.note.text()
     assert "other processes n/a" in tile.note.text()
+
+
+def test_parts_over_the_total_are_never_a_negative_row(qtbot) -> None:
+    """Issue 37: a llama.cpp run on the CPU showed "-399.4 MiB parts exceed": its weights are mapped from the file,
+    counted whole in the parts, resident only where read. The row says the excess as a size and why."""
+    view = BreakdownView()
+    qtbot.addWidget(view)
+    view.resize(260, 400)
+    view.show()
+    mapped = _sample(process_rss=100 * MiB, weights_bytes=480 * MiB, kv_bytes_held=MiB, kv_bytes_reserved=20 * MiB,
+                     activations_observed=10 * MiB)
+    b = memory_breakdown(mapped)
+    assert b.unattributed < 0
+    view.show_breakdown(b)
+    value, source = view.rows[UNATTRIBUTED][1].text(), view.rows[UNATTRIBUTED][2].text()
+    assert value == human_bytes(-b.unattributed) and not value.startswith("-")
+    assert source == "over the total: mapped, not resident"
+    assert all(not view.rows[name][1].text().startswith("-") for name in PARTS)

@@ -194,5 +194,10 @@ class BreakdownView(QGroupBox):
             source.setText(SOURCE_SHORT.get(p.source, p.source))
         self._show_unattributed(bool(rest))
         if rest:
-            self.rows[UNATTRIBUTED][1].setText(human_bytes(rest))
-            self.rows[UNATTRIBUTED][2].setText("measured" if rest > 0 else "parts exceed total")
+            # Never a negative part (issue 37 showed "-399.4 MiB parts exceed"): the excess, said as one. On the CPU
+            # the total is the resident set, and a runtime's weights mapped from their file (llama.cpp's mmap) count
+            # whole in the parts while only the pages read are resident.
+            self.rows[UNATTRIBUTED][1].setText(human_bytes(abs(rest)))
+            why = "over the total: mapped, not resident" if b.total_source == "process RSS" else \
+                "over the total: read at other instants"
+            self.rows[UNATTRIBUTED][2].setText("measured" if rest > 0 else why)

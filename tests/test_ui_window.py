@@ -456,3 +456,22 @@ def test_presenter_mode_fits_720p_with_the_long_notes_of_a_cpu_run(qtbot, settin
     assert w.right_panel.geometry().right() <= w.live_splitter.width()  # on screen, whole
     assert w.sampler_label.text().endswith(long)  # the whole note stays the label's text (and its tooltip's)
     w.shutdown()
+
+
+def test_ctrl_s_without_a_pictures_folder_makes_one_and_never_writes_to_the_current_folder(qtbot, tmp_path,
+                                                                                        monkeypatch):
+    """Issue 37: with no ~/Pictures, Ctrl+S wrote into the current folder (/ for a packaged app started from a menu)."""
+    from kvscope.ui.screenshot import default_path
+
+    home = tmp_path / "fresh-home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("XDG_PICTURES_DIR", raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(home / ".config"))  # no user-dirs.dirs: Qt's default, ~/Pictures
+    work = tmp_path / "started-here"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    path = default_path()
+    assert path.parent == home / "Pictures" and path.parent.is_dir()
+    assert path.name.startswith("kvscope-") and path.suffix == ".png"
+    assert not list(work.iterdir())

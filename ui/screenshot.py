@@ -60,9 +60,15 @@ def save_widget(widget: QWidget, path: str | Path | Output) -> Path:
 
 
 def default_path() -> Path:
-    """``~/Pictures/kvscope-YYYYmmdd-HHMMSS.png`` (or the current folder without a Pictures folder)."""
+    """``~/Pictures/kvscope-YYYYmmdd-HHMMSS.png``: the Pictures folder, made if there is none yet (issue 37: Ctrl+S
+    without one wrote into the current folder, wherever the app was started from: / for a packaged app), else the
+    home folder when it cannot be made."""
     folder = QStandardPaths.writableLocation(QStandardPaths.StandardLocation.PicturesLocation)
-    base = Path(folder) if folder and Path(folder).is_dir() else Path.cwd()
+    base = Path(folder) if folder else Path.home() / "Pictures"
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        base = Path.home()
     return base / time.strftime("kvscope-%Y%m%d-%H%M%S.png")
 
 

@@ -3,6 +3,10 @@
 # projector would show. Needs: apt-get install -y xvfb openbox xdotool imagemagick.
 #
 #   scripts/stage_check.sh [OUT_DIR] [WxH ...]      (default: stage-shots/, 1024x768 1280x720 1920x1080)
+#   STAGE_MODEL=DIR scripts/stage_check.sh ...       the window's run on that model (a real pretrained folder, a
+#                                                    GGUF: STAGE_MODEL=x.gguf STAGE_RUNTIME=llama.cpp) instead of
+#                                                    the embedded one, with STAGE_TOKENS new tokens (default 4000: a static cache of the
+#                                                    embedded model's 4,096 positions still holds the run)
 #   STAGE_FRESH=1 scripts/stage_check.sh ...         also the first quantized cache on a fresh build (minutes)
 #   STAGE_RERUN=1 scripts/stage_check.sh ...         also the longest token gap around a re-run, before/after
 #                                                    (benchmarks/rerun_gap.py: MLA and h2o at tokens 100, 500, 2,000)
@@ -53,7 +57,11 @@ for size in "${SIZES[@]}"; do
   sleep 1
   echo "== $size"
   start=$(date +%s.%N)
-  XDG_CONFIG_HOME="$CONFIG/$size" "$PY" main.py --tokens 100000 >"$DIR/app.log" 2>&1 &
+  MODEL_ARGS=()
+  [ -n "${STAGE_MODEL:-}" ] && MODEL_ARGS=(--model "$STAGE_MODEL")
+  [ -n "${STAGE_RUNTIME:-}" ] && MODEL_ARGS+=(--runtime "$STAGE_RUNTIME")
+  XDG_CONFIG_HOME="$CONFIG/$size" "$PY" main.py --tokens "${STAGE_TOKENS:-4000}" "${MODEL_ARGS[@]}" \
+    >"$DIR/app.log" 2>&1 &
   APP=$!
   WID=$(xdotool search --sync --onlyvisible --name "^KV Scope" | head -1)
   shown=$(date +%s.%N)

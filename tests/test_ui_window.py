@@ -475,3 +475,19 @@ def test_ctrl_s_without_a_pictures_folder_makes_one_and_never_writes_to_the_curr
     assert path.parent == home / "Pictures" and path.parent.is_dir()
     assert path.name.startswith("kvscope-") and path.suffix == ".png"
     assert not list(work.iterdir())
+
+
+def test_a_key_always_says_what_it_did(qtbot, window):
+    """Issue 37: with no run, a key changed the combos and said nothing (the badges keep the last run's settings);
+    during a run, the key of the mode that runs said nothing. Each now says so on the status line."""
+    qtbot.keyClick(window, Qt.Key.Key_3)
+    assert window.status_line.current_message().endswith("for the next run (no run now)")
+    window.start_run(RunRequest(source="embedded", max_new_tokens=3000))
+    qtbot.waitUntil(lambda: window.decode_tokens >= 5, timeout=120_000)
+    qtbot.waitUntil(lambda: window.session.running_setting("attention") is not None, timeout=60_000)
+    running = window.session.running_setting("attention")
+    key = {"mqa": Qt.Key.Key_3, "mha": Qt.Key.Key_1}[running]
+    qtbot.keyClick(window, key)
+    assert window.status_line.current_message() == f"attention: already {running}"
+    with qtbot.waitSignal(window.run_finished, timeout=10_000):
+        window.stop_run()

@@ -14,6 +14,7 @@ from pathlib import Path
 from PySide6.QtCore import QObject, Qt, Signal
 from PySide6.QtWidgets import QFileDialog, QWidget
 
+from kvscope.core.live.session import canonical_switch
 from kvscope.core.model.spec import SpecError
 from kvscope.workers.sampler import SamplerControl
 
@@ -241,7 +242,14 @@ class RunControl(QObject):
         live = self.controller is not None and self.session.mode == "live"
         if live and self.session.state in ("running", "paused", "loading"):
             if not self.session.switch_sent(key, value):
-                return  # the same switch is already on its way (or nothing to change)
+                # The same switch already on its way, or what runs: said, not silence (issue 37: pressing the
+                # current mode's key said nothing, which reads as a dead key on stage).
+                axis, canonical = canonical_switch(key, value)
+                on_way = self.session.pending.get(axis) == canonical
+                self.status.emit(f"{key}: {value} is already on its way" if on_way else
+                                 f"{key}: already {value}", 3000)
+                return
+            self.controller.switch(key, value)  # the engine keeps only the last pending press per axis
             self.controller.switch(key, value)  # the engine keeps only the last pending press per axis
             pending = self.session.switches_pending
             if not pending:
@@ -249,6 +257,8 @@ class RunControl(QObject):
                 return
             queued = f" ({pending} queued)" if pending > 1 else ""
             self.status.emit(f"switching {key} to {value} after this token\u2026{queued}", 0)
+        else:  # no run: the badges keep the last run's settings, the combos show the next run's (issue 37)
+            self.status.emit(f"{key} {value} for the next run (no run now)", 4000)
 
     def attention_key(self, n: int) -> None:
         """Keys 1-5: mha, the middle GQA choice, mqa, mla, the smallest window (its plateau shows soonest)."""

@@ -225,3 +225,28 @@ def test_the_kernel_combo_lists_a_runtimes_own_kernels_and_f_toggles_its_flash(q
     assert panel.flash_toggled() == flash
     panel.select(panel.impl_combo, flash)
     assert panel.flash_toggled() == other
+
+
+def test_under_fa_off_llamacpp_c_passes_over_the_quantized_v_caches_it_would_refuse(qtbot):
+    """Issue 37: under fa-off, C offered q8_0 and llama.cpp refused it (a quantized V cache needs flash attention).
+    Every cache type from every llama.cpp kernel: C offers only what llama.cpp loads, and F to fa-off under a
+    quantized V is greyed with the reason."""
+    from kvscope.core.prediction.llamacpp import CACHE_TYPES, QUANTIZED
+
+    spec = load_spec("embedded")
+    panel = _panel(qtbot, spec, "cpu")
+    types = tuple(CACHE_TYPES)
+    panel.set_choices(attention_choices(spec), tuple((t, None) for t in types), ("fa-off", "fa-on"))
+    for impl in ("fa-off", "fa-on"):
+        for cache in types:
+            s = synthetic_samples(2, prompt_tokens=4)[-1].replace(runtime="llama.cpp", attention="mha",
+                                                                  attn_impl=impl, cache=cache)
+            panel.show_settings(s)
+            offered = panel.next_cache()
+            assert offered is not None
+            if impl == "fa-off":
+                assert offered not in QUANTIZED, (cache, offered)
+                for q in QUANTIZED - {cache}:
+                    assert "needs flash attention" in (panel.problem("cache", q) or ""), (cache, q)
+            f = panel.problem("attn-impl", "fa-off") if impl == "fa-on" else None
+            assert (f is not None) == (impl == "fa-on" and cache in QUANTIZED), (impl, cache, f)

@@ -7,7 +7,7 @@ from typing import Any
 
 from kvscope.core.model.attention import SettingsError
 from kvscope.core.model.spec import parse_tokens
-from kvscope.core.prediction.llamacpp import cache_type
+from kvscope.core.prediction.llamacpp import QUANTIZED, cache_type
 
 #: What a llama.cpp run can switch: its cache types (each a reload of the context; ``context`` too), and the
 #: attention keys it takes here and refuses in the run (llama.cpp fixes the attention layout at load).
@@ -34,6 +34,24 @@ def parse_llamacpp_switch_value(key: str, value: str) -> tuple[str, Any]:
         return k, value.strip().lower()
     raise SettingsError(f"unknown setting {key!r} for a llama.cpp run; use cache-type (cache-type-k, cache-type-v) "
                         "or context")
+
+
+def llamacpp_switch_problem(spec: Any, device: str | None, now: dict[str, str], key: str, value: str,
+                            **_: Any) -> str | None:
+    """Why llama.cpp would refuse the live switch ``key=value`` from the settings ``now`` (the window greys it and C
+    passes over it), or None: a quantized V cache needs flash attention (llama.cpp refuses it with -fa off), so
+    under fa-off C offered q8_0 and got refused (issue 37), and F to fa-off under a quantized V is refused too.
+    Everything else llama.cpp judges when it reloads the context."""
+    k = key.strip().lower().replace("_", "-")
+    if k in ("cache", "cache-type", "cache-type-v"):
+        v_type = str(value).split("/")[-1]
+        if v_type in QUANTIZED and now.get("attn-impl") == "fa-off":
+            return f"a quantized V cache ({v_type}) needs flash attention, off in this run (press F first)"
+    elif k in ("attn-impl", "impl", "flash") and str(value).strip().lower() == "fa-off":
+        v_type = str(now.get("cache", "")).split("/")[-1]
+        if v_type in QUANTIZED:
+            return f"llama.cpp needs flash attention for the quantized V cache ({v_type}): switch the cache first"
+    return None
 
 
 def llamacpp_missing() -> str | None:

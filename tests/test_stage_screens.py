@@ -80,6 +80,11 @@ def test_switch_marker_labels_never_print_over_each_other_or_the_slope(qtbot, se
     hidden = [m.label for m in w.plots.markers if not m.lines[0].label.isVisible()]
     tips = "\n".join(label.toolTip() for label in shown)
     assert all(name in tips for name in hidden)  # a label without room is named in its neighbour's tooltip
+    # ... and counted on screen where the longer text fits ("mqa +2", issue 37): never more than were hidden.
+    counted = [int(label.format.rsplit("+", 1)[1]) for label in shown if " +" in label.format]
+    assert sum(counted) <= len(hidden)
+    if hidden:
+        assert counted, [label.format for label in shown]
     w.close()
 
 

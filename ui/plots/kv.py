@@ -4,6 +4,7 @@ the held earlier runs' curves under this one, and the quality probe's KL on a sc
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pyqtgraph as pg
@@ -164,11 +165,14 @@ class KVPlot(PlotPanel):
         self._marker_layout_key = key
         taken = []
         shown, last = 0, None
+        pending: list[str] = []  # hidden before any label was shown: the next label shown counts them
+        placed: list[tuple[Any, Marker, Any]] = []
         for marker in sorted(self.markers, key=lambda m: m.token):
             label = marker.lines[0].label
             if label is None:
                 continue
             label.setToolTip(marker.label)
+            label.setFormat(marker.label.replace("{", "{{").replace("}", "}}"))  # its own text (a "+N" of before)
             if not x0 <= marker.token <= x1:
                 label.setVisible(False)
                 continue
@@ -187,16 +191,29 @@ class KVPlot(PlotPanel):
             if spot is None:
                 if last is not None:  # said by the label before: its tooltip names the switches beside it
                     last[1].append(marker.label)
+                else:
+                    pending.append(marker.label)
                 continue
             taken.append(spot)
+            placed.append((label, marker, spot))
             shown += 1
-            last = (label, [marker.label])
+            last = (label, pending + [marker.label])
+            pending = []
             label.more = last[1]
-        for marker in self.markers:
-            label = marker.lines[0].label
-            more = getattr(label, "more", None) if label is not None else None
-            if more and len(more) > 1:
-                label.setToolTip("\n".join(more))  # the switches whose labels had no room beside it
+        for label, marker, spot in placed:
+            more = getattr(label, "more", None)
+            if not more or len(more) < 2:
+                continue
+            label.setToolTip("\n".join(more))  # the switches whose labels had no room beside it
+            # Said on screen too (issue 37: window, static, fa-on, q8_0 had no label where room was short): "mqa +2",
+            # where the longer text still meets nothing placed, else the tooltip alone.
+            label.setFormat(f"{marker.label} +{len(more) - 1}".replace("{", "{{").replace("}", "}}"))
+            label.updateTransform(force=True)
+            rect = label.sceneBoundingRect().adjusted(-2, -1, 2, 1)
+            if (not view.sceneBoundingRect().contains(rect.adjusted(2, 1, -2, -1))
+                    or any(rect.intersects(o) for o in taken if o is not spot) or self.over_curves(rect, LIVE)):
+                label.setFormat(marker.label.replace("{", "{{").replace("}", "}}"))
+                label.updateTransform(force=True)
         return shown
 
     # ---- drawing

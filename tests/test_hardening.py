@@ -628,8 +628,8 @@ def test_files_damaged_recording_export(case, real_recording, tmp_path, capsys):
     assert line == {
         "empty": f"kvscope: recording {damaged.name} is empty",
         "unknown-version": f"kvscope: recording {damaged.name} has an unknown version '2-beta'; this KV Scope reads "
-                           "versions 1 to 1",
-        "newer-version": "kvscope: recording version 7 is newer than this KV Scope (reads up to 1); update KV Scope",
+                           "versions 1 to 2",
+        "newer-version": "kvscope: recording version 7 is newer than this KV Scope (reads up to 2); update KV Scope",
     }[case]
 
 

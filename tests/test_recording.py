@@ -165,7 +165,7 @@ def test_writer_refuses_a_sample_no_reader_would_accept(tmp_path, bad, why):
 def test_header_starts_with_format_and_version(tmp_path):
     path = tmp_path / "run.jsonl"
     RecordingWriter(path, {"app_version": "x", "version": 99, "format": "spoof"}).close()
-    assert path.read_bytes().startswith(b'{"format":"kvscope-recording","version":1,"app_version":"x"')
+    assert path.read_bytes().startswith(b'{"format":"kvscope-recording","version":2,"app_version":"x"')
 
 
 def test_writer_into_missing_folder_is_a_clear_error(tmp_path):
@@ -312,14 +312,14 @@ def test_newer_version(tmp_path):
     path.write_text(raw_header(version=7) + "\n" + json.dumps(make_sample(0).to_dict()) + "\n")
     with pytest.raises(RecordingError) as info:
         read_header(path)
-    assert str(info.value) == "recording version 7 is newer than this KV Scope (reads up to 1); update KV Scope"
+    assert str(info.value) == "recording version 7 is newer than this KV Scope (reads up to 2); update KV Scope"
 
 
 @pytest.mark.parametrize("version", [0, -3, "1", 1.0, None, True])
 def test_unknown_version(tmp_path, version):
     path = tmp_path / "v.jsonl"
     path.write_text(raw_header(version=version) + "\n")
-    with pytest.raises(RecordingError, match=r"^recording v.jsonl has an unknown version .*; this KV Scope reads versions 1 to 1$"):
+    with pytest.raises(RecordingError, match=r"^recording v.jsonl has an unknown version .*; this KV Scope reads versions 1 to 2$"):
         read_header(path)
 
 

@@ -80,9 +80,17 @@ class Sample:
     switch_before: str | None = None  # the setting before
     switch_after: str | None = None  # the setting asked for (applied, unless the event is "refused")
     tokens_rerun: int | None = None  # tokens the switch ran through the model again (MLA, leaving a window...)
-    # The quality probe (``--quality-probe``, off by default): the same tokens through a full-cache twin.
-    quality_top1: int | None = None  # 1 when this cache's most likely next token is the twin's, else 0
-    quality_kl: float | None = None  # KL(twin || this cache) of the next-token distributions, nats
+    # The quality probe (``--quality-probe``, off by default): the same tokens, teacher-forced, through the model as
+    # loaded (its own K/V projections, attention and layer pattern, a full dynamic cache, its default kernel),
+    # whatever the run switched (recording version 2; version 1's figures were against a full-cache twin of the
+    # running model). Sequence 0, the distribution of the token after this one.
+    quality_top1: int | None = None  # 1 when the run's most likely next token is the loaded model's, else 0
+    quality_kl: float | None = None  # KL(loaded model || the run) of the next-token distributions, nats
+    quality_token: int | None = None  # the loaded model's most likely next token (its id)
+    quality_token_text: str | None = None  # that token's text (for the window, which has no tokenizer)
+    #: Bytes the probe's own cache holds (the loaded model's full dynamic cache): KV Scope's memory, never part of
+    #: ``kv_bytes_held`` / ``kv_bytes_reserved`` (the run's cache alone).
+    quality_kv_bytes: int | None = None
     # The forward pass's peak beyond what was held before it (the allocator's high-water mark, kvscope.core.runtimes.transformers.peak), on the
     # prefill and on a switch's re-run only: measured, and as kvscope.core.prediction.predict.prefill_peak replays it.
     peak_bytes_observed: int | None = None

@@ -1,10 +1,16 @@
 """Recordings: a run's Samples in a versioned JSONL file, written as they happen, read as a stream.
 
-Format (version 1)::
+Format (version 2)::
 
-    line 1   {"format": "kvscope-recording", "version": 1, "app_version": "0.1.0",
+    line 1   {"format": "kvscope-recording", "version": 2, "app_version": "0.1.0",
               "created": "2025-01-01T12:00:00+00:00", "model": {...}, "device": {...}, "settings": {...}}
     line 2+  one ``Sample.to_dict()`` per line, UTF-8 JSON, in the order produced
+
+Versions. 2: the quality probe's figures (``quality_top1``, ``quality_kl``) compare the run with the model as loaded
+(teacher-forced, a full cache, whatever was switched); ``quality_token`` / ``quality_token_text`` say the loaded
+model's most likely next token, ``quality_kv_bytes`` what the probe's own cache holds. 1: the same lines without
+those three fields, the figures (where present) against a full-cache twin of the running model. Both are read (a
+version 1 sample's new fields are None).
 
 Durability. Every sample is written with one ``write`` and flushed to the OS at once, so a crash or a
 SIGKILL of the writing process loses at most the sample being written (the kernel already holds the
@@ -63,7 +69,7 @@ from kvscope.core.records.outputs import OutputError, check_output_path, display
 log = logging.getLogger(__name__)
 
 RECORDING_FORMAT = "kvscope-recording"
-RECORDING_VERSION = 1
+RECORDING_VERSION = 2
 #: The longest line (bytes, newline included) written or read. A prefill sample carries the whole
 #: prompt; 8 MiB is ~2M tokens of text, beyond any context window, yet small enough to hold in memory.
 MAX_LINE_BYTES = 8 * 1024 * 1024

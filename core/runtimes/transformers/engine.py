@@ -6,7 +6,7 @@ or cache strategy between two tokens and returns the event ``Sample`` that marks
 ``kvscope.core.live.run.run_generation`` drives an Engine for a ``RunRequest``.
 
 Why one file of about 720 lines: the Engine is one object whose parts (prefill, step, the switch
-transaction's checks, the kernel, the quality twin) share its model, cache and settings; the run loop
+transaction's checks, the kernel, the quality probe) share its model, cache and settings; the run loop
 is core/live/run.py, the conversions core/runtimes/transformers/convert.py, the undo core/runtimes/transformers/transaction.py.
 """
 
@@ -24,7 +24,7 @@ from kvscope.core.base.errors import (  # noqa: F401 - its old home: `from kvsco
     GenerationError)
 from kvscope.core.base.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
 from kvscope.core.model.attention import MLA, AttentionMode, SettingsError, Window, native_attention
-from kvscope.core.model.caches import CacheStrategy, Dynamic, Quantized, Static, TokenSelecting, kv_layout, static_shortfall
+from kvscope.core.model.caches import CacheStrategy, Quantized, Static, TokenSelecting, kv_layout, static_shortfall
 from kvscope.core.model.settings import RunSettings, effective_spec, parse_attn_impl, parse_switch_value
 from kvscope.core.model.spec import INDEXED_ATTENTION, SLIDING_ATTENTION, ModelSpec, SpecError
 from kvscope.core.prediction.predict import kv_bytes, kv_elem_bytes, predict
@@ -109,12 +109,13 @@ class Engine:
         self._tokens_rerun: int | None = None  # set by a switch that runs the tokens through the model again
         self._weights_observed = model_weight_bytes(self.model)
         self._pending_ids: list[int] = []
-        #: The quality probe (off by default: it costs a second forward pass per token and a second cache):
-        #: the same tokens through the same model with a full dynamic cache, teacher-forced.
+        #: The quality probe (off by default: it costs a decode step of the loaded model per token and a second
+        #: cache): the same tokens, teacher-forced, through the model as loaded (core/runtimes/transformers/reference.py),
+        #: taken below before any conversion.
         self.quality_probe = quality_probe
-        self._reference_cache = None
-        self._reference_logits: torch.Tensor | None = None
-        self._reference_stale = False
+        self._reference = None
+        self._reference_problem: str | None = None
+        self._reference_stale = False  # unused: the reference is the loaded model, no switch makes it stale
         # The embedded demo model is tiny (and, as a fallback, random): left alone it can sample lone UTF-8
         # continuation bytes and control characters, which print as U+FFFD or nothing; its text reads
         # better without them (real models: untouched).
@@ -128,6 +129,8 @@ class Engine:
         #: them, and going back to the model's own heads puts them back (None: heads that cannot be regrouped).
         #: Never changed after this (not in _SWITCH_STATE): a refused switch leaves them as they are.
         self._kv_origin = convert.keep_kv_projections(self.base_model)
+        if quality_probe:  # the model as loaded, before the starting settings convert it
+            self._keep_reference()
         # Apply the requested starting settings to the model before the prefill, checked as a whole
         # (attention x cache x device x architecture) first.
         target = settings.attention or self.mode
@@ -501,8 +504,6 @@ class Engine:
             refuse(exc)
         del snapshot
         gc.collect()
-        if name == "attention":
-            self._reference_stale = True  # the quality probe's twin cache was made by the model before
         now = self._settings_now()[name]
         text = f"{label}: {was} -> {now} ({detail})"
         return self._sample(PHASE_EVENT, text, event="switch", step_s=self.clock() - t,
@@ -629,8 +630,6 @@ class Engine:
         dt = self.clock() - t
         self._next_logits = out.logits[:, -1, :].float()
         self._trial_step()  # measures the attention kernel a decode step runs (untimed, undone)
-        if self.quality_probe:
-            self._reference_rebuild()
         return self._sample(PHASE_PREFILL, text, step_s=dt, **self._quality_now(), **self._take_peak())
 
     def _broken_byte_tokens(self) -> torch.Tensor:
@@ -670,41 +669,40 @@ class Engine:
         rate = 1.0 / dt if dt > 0 and not profiled else None  # a profiled step's time is the profiler's too
         if rate is not None:
             self.tokens_per_s = rate if self.tokens_per_s is None else 0.8 * self.tokens_per_s + 0.2 * rate
-        if self.quality_probe:  # untimed: tokens/s is the cache's own
-            if self._reference_cache is None or self._reference_stale:
-                self._reference_rebuild()
-            else:
-                self._reference_logits = self._reference_forward(token)
         return self._sample(PHASE_DECODE, self._text_piece(int(token[0, 0])), step_s=dt, **self._quality_now(),
                             **self._take_peak())
 
     # ---------------------------------------------------------------------------------- quality probe
 
-    def _reference_forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """``ids`` through the current model on the full-cache twin; its next-token logits [batch, vocab]."""
-        with torch.inference_mode(), self._kernel_context():
-            out = self.model(input_ids=ids, cache=self._reference_cache, use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1, :].float()
+    def _keep_reference(self) -> None:
+        """The quality probe's reference: a copy of the model as loaded sharing its tensors (``reference.py``)."""
+        from kvscope.core.runtimes.transformers.reference import LoadedReference
 
-    def _reference_rebuild(self) -> None:
-        """A fresh full (dynamic) twin cache from every token so far, through the model as it is now (after the
-        prefill, and after an attention switch changed the model)."""
-        self._reference_cache = None
-        gc.collect()
-        self._reference_cache = Dynamic().build(self.model.config, self.max_context())
-        self._reference_logits = self._reference_forward(self.ids)
-        self._reference_stale = False
+        try:
+            self._reference = LoadedReference(self.base_model, self.max_context())
+        except Exception as exc:  # noqa: BLE001 - a model that cannot be copied structurally: no probe, said once
+            self._reference = None
+            self._reference_problem = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+            self.notes.append(f"quality probe off: the model as loaded cannot be kept beside the run "
+                              f"({self._reference_problem})")
 
     def _quality_now(self) -> dict[str, Any]:
-        """The quality probe's figures for sequence 0 (empty when it is off): whether this cache's most likely next
-        token is the full-cache twin's (``quality_top1`` 1 or 0), and KL(twin || this cache) of the next-token
-        distributions over the whole vocabulary, in nats (``quality_kl``)."""
-        if not self.quality_probe or self._reference_logits is None or self._next_logits is None:
+        """The quality probe's figures for sequence 0 (empty when it is off), against the model as loaded on the same
+        tokens (teacher-forced, its own full dynamic cache; untimed: tokens/s is the run's own): whether the run's
+        most likely next token is the loaded model's (``quality_top1`` 1 or 0), KL(loaded || run) of the next-token
+        distributions over the whole vocabulary in nats (``quality_kl``), and the loaded model's most likely next
+        token (``quality_token``, ``quality_token_text``). The loaded model runs the tokens its cache lacks: one
+        decode step per token of the run, the prompt once; everything again only if its cache was dropped."""
+        from kvscope.core.runtimes.transformers.reference import quality
+
+        if not self.quality_probe or self._reference is None or self._next_logits is None or self.ids is None:
             return {}
-        ours, ref = self._next_logits[0], self._reference_logits[0].to(self._next_logits.device)
-        log_ours, log_ref = torch.log_softmax(ours, dim=-1), torch.log_softmax(ref, dim=-1)
-        kl = float((log_ref.exp() * (log_ref - log_ours)).sum())
-        return {"quality_top1": int(int(ours.argmax()) == int(ref.argmax())), "quality_kl": max(0.0, kl)}
+        ref = self._reference.follow(self.ids)
+        top1, kl, best = quality(self._next_logits[0], ref)
+        tokenizer = getattr(self.loaded, "tokenizer", None)
+        text = tokenizer.decode([best]) if tokenizer is not None else None
+        return {"quality_top1": top1, "quality_kl": kl, "quality_token": best,
+                "quality_token_text": None if text is None else text[:256], "quality_kv_bytes": self._reference.nbytes}
 
     def _text_piece(self, token_id: int) -> str:
         """Text of the newest token of sequence 0. Byte-level tokens can split a UTF-8 character, so
@@ -883,7 +881,8 @@ class Engine:
         """Drop the cache (after an out-of-memory error) and return its memory to the device."""
         self.cache = None
         self._next_logits = None
-        self._reference_cache = self._reference_logits = None
+        if self._reference is not None:
+            self._reference.forget()
         gc.collect()
         if self.device.startswith("cuda"):
             torch.cuda.empty_cache()

@@ -224,8 +224,10 @@ class TransformersRuntime:
         name = request.label or self.loaded.label  # as the user names it (an installed model's repo id), else its own
         out = [e.event("load", f"loaded {name} on {_device_name(self.loaded.device)} ({self.loaded.dtype})")]
         if request.quality_probe:
-            e.notes.append("quality probe on: every token also runs through a full-cache twin of the model "
-                           "(a second forward pass, and a second cache in memory); top-1 agreement and KL per token")
+            e.notes.append("quality probe on: every token is compared with the model as loaded (its own K/V "
+                           "projections, attention and layer pattern, a full dynamic cache, its default kernel), "
+                           "teacher-forced on the same tokens, whatever is switched: one more decode step per token "
+                           "and a second cache, not counted in the KV figures; top-1 agreement and KL per token")
         out += [e.event("note", note) for note in e.notes]
         return out
 

@@ -281,3 +281,22 @@ def test_smollm2_against_its_loaded_self():
         _exact(*_block(engine, block, logits))
     assert engine._reference.rebuilds == 1 and engine.seq_len == total
     _still_loaded(engine, "smollm2")
+
+
+def test_switches_prepared_off_the_token_path_change_nothing_here():
+    """MLA and back through ``begin_switch`` (the re-run on a shadow engine, on its thread, while the run goes on):
+    the figure falls, then the loaded model again, and the reference neither followed the shadow nor was rebuilt."""
+    from kvscope.core.runtimes.transformers import rerun
+
+    ids, logits = _text_and_reference("embedded", PREFIX + 3 * BLOCK)
+    engine = _engine("embedded", ids)
+    _exact(*_block(engine, BLOCK // 2, logits))
+    for switch, judge in (("mla", lambda r: _falls("embedded", "mla", *r[:2])), ("mha", lambda r: _exact(*r))):
+        prepared = engine.begin_switch("attention", switch)
+        assert isinstance(prepared, rerun.PreparedSwitch), prepared
+        _block(engine, 2, logits)  # tokens generated meanwhile, under the settings before
+        rerun.wait(engine, prepared)
+        assert engine.mode.key == switch
+        judge(_block(engine, BLOCK, logits))
+    assert engine._reference.rebuilds == 1
+    _still_loaded(engine, "embedded")

@@ -165,6 +165,9 @@ class Speaker:
         """Wait for the engine's answer to ``p`` (its switch, refusal or note on that axis)."""
         first = len(self._token_times)
         self.until(lambda: self.answered(p), timeout_s)
+        if p.answer is not None:  # the gap the answer stood in counts: up to the first token after it
+            after = len(self._token_times)
+            self.until(lambda: len(self._token_times) > after, 30.0)
         times = self._token_times[max(first - 1, 0):]
         p.longest_gap_s = max((b - a for a, b in zip(times, times[1:])), default=0.0)
         return p.answer

@@ -273,3 +273,66 @@ def test_one_profiler_session_at_a_time_and_the_token_path_never_waits_for_it(lo
     assert event.event == "switch" and event.switch_after == "mla", event.text
     s = engine.step()
     assert s.kv_bytes_held == s.kv_bytes_predicted and s.attention == "mla"
+
+
+# Switches that need no re-run but convert a large cache (issue 37, item 2: C on SmolLM2-135M at 1,000 tokens stood
+# the run still 2.8-3.8 s): converted off the token path from a frozen copy of the live cache, then caught up. Here
+# the threshold is lowered so that the embedded model's small cache takes that path.
+CONVERSIONS = [
+    (None, "dynamic", "cache", "static"),
+    (None, "dynamic", "cache", "quantized:fp8"),
+    (None, "static", "cache", "dynamic"),
+    (None, "dynamic", "attention", "gqa:2"),
+    (None, "static", "attention", "mqa"),
+    (None, "dynamic", "attention", "window:64"),
+]
+
+
+@pytest.mark.parametrize("i", range(len(CONVERSIONS)))
+def test_a_conversion_off_the_token_path_leaves_the_cache_an_applied_switch_leaves(loaded, monkeypatch, i):
+    monkeypatch.setattr(rerun, "PREPARE_BYTES", 0)
+    attention, cache, key, value = CONVERSIONS[i]
+    before, meanwhile = _case(100 + i)
+    prepared_run = _engine(loaded, attention, cache)
+    for _ in range(before):
+        prepared_run.step()
+    live = [(k.clone(), v.clone()) for k, v in dense_kv(prepared_run.cache)]
+    running = prepared_run._settings_now()
+    prep = prepared_run.begin_switch(key, value)
+    assert isinstance(prep, rerun.PreparedSwitch) and prep.convert is not None, prep
+    tokens = []
+    for _ in range(meanwhile):  # the run goes on under its own settings, its cache untouched by the conversion
+        s = prepared_run.step()
+        tokens.append(prepared_run.ids[:, -1:].clone())
+        assert (s.attention, s.cache) == (running["attention"], running["cache"])
+        assert s.kv_bytes_held == s.kv_bytes_predicted
+    prep.done.wait(120)
+    assert prep.error is None and prep.trialled
+    for (k0, v0), (k1, v1) in zip(live, dense_kv(prepared_run.cache), strict=True):  # the conversion never wrote
+        assert torch.equal(k1[..., :k0.shape[-2], :], k0) and torch.equal(v1[..., :v0.shape[-2], :], v0)  # into it
+    event = None
+    while event is None:
+        event = prepared_run.advance_switch(prep)
+    assert event.event == "switch" and "converted off the token path" in event.text, event.text
+    assert event.tokens_rerun is None and event.kv_bytes_held == event.kv_bytes_predicted, event.text
+
+    applied_run = _engine(loaded, attention, cache)
+    for _ in range(before):
+        applied_run.step()
+    for (k1, v1), (k2, v2) in zip(live, dense_kv(applied_run.cache), strict=True):  # the same run up to N
+        torch.testing.assert_close(k1[..., -k2.shape[-2]:, :] if k1.shape != k2.shape else k1, k2)
+    assert applied_run.apply(key, value).event == "switch"
+    forced = iter(tokens)
+    applied_run._sample_next = lambda: next(forced)
+    for _ in range(meanwhile):
+        applied_run.step()
+    assert torch.equal(applied_run.ids, prepared_run.ids)
+    assert cache_bytes(prepared_run.cache) == cache_bytes(applied_run.cache)
+    for (k1, v1), (k2, v2) in zip(dense_kv(prepared_run.cache), dense_kv(applied_run.cache), strict=True):
+        torch.testing.assert_close(k1, k2, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(prepared_run._next_logits, applied_run._next_logits, rtol=1e-4, atol=1e-4)
+    assert prepared_run._settings_now() == applied_run._settings_now()
+    for _ in range(3):
+        s = prepared_run.step()
+        assert s.kv_bytes_held == s.kv_bytes_predicted

@@ -51,6 +51,11 @@ CATCH_UP_S = 0.25
 CATCH_UP_CHUNK = 64
 #: The status line is refreshed at most this often while the pass runs.
 PROGRESS_EVERY_S = 0.25
+#: A switch that needs no re-run but converts a cache of at least this many bytes (a cache moved into a static,
+#: quantized or offloaded one, K/V heads regrouped or requantized, a window cut) is converted off the token path
+#: too: on SmolLM2-135M at 1,000 tokens (46 MiB of fp32 K/V) C stood the run still 2.8-3.8 s and key 1 under hqq
+#: 7.0 s (issue 37, item 2). Below it a conversion takes milliseconds and applies at once, as always.
+PREPARE_BYTES = 8 << 20
 
 
 class _Cancelled(Exception):
@@ -79,6 +84,12 @@ class PreparedSwitch:
     cancel_flag: threading.Event = field(default_factory=threading.Event)
     said: float = 0.0
     caught_up: int = 0
+    #: (name, parsed, eager_for): the conversion itself runs on the background thread too (a switch with no
+    #: re-run whose cache is large: ``PREPARE_BYTES``), from a frozen copy of the live cache.
+    convert: tuple[str, Any, str | None] | None = None
+    #: The trial pass ran on the background thread (its profiled forward: 1.6 s of the 1.9 s a switch stood the
+    #: run still on SmolLM2-135M, parsing kineto's events), at token N; the catch-up steps follow it.
+    trialled: bool = False
 
     @property
     def fraction(self) -> float:
@@ -156,6 +167,42 @@ def may_rerun(engine: "Engine", name: str, parsed: Any) -> bool:
             or parsed.needs_attention_weights)
 
 
+def frozen_cache(cache: Any) -> Any:
+    """A copy of ``cache`` that the run's next tokens do not reach: the cache object and each layer copied, sharing
+    their tensors (a token's update assigns new tensors to the live layers, never into these), except the few a
+    layer updates in place (a static layer's count, a full static sliding buffer: cloned, as the transaction's
+    undo log does). Conversions read it and assign into the copies, so the live cache is never touched."""
+    from kvscope.core.runtimes.transformers.transaction import CacheSnapshot
+
+    frozen = copy.copy(cache)
+    layers = []
+    for layer in getattr(cache, "layers", None) or []:
+        twin = copy.copy(layer)
+        vars(twin).update(CacheSnapshot._layer_fields(layer))
+        layers.append(twin)
+    if hasattr(cache, "layers"):
+        frozen.layers = layers
+    return frozen
+
+
+def worth_preparing(engine: "Engine", name: str, parsed: Any) -> bool:
+    """Whether a switch that needs no re-run should still be converted off the token path: a cache or attention
+    switch of a cache of at least ``PREPARE_BYTES`` (a kernel switch converts nothing; a token-selecting cache's
+    layers evict in place and stay on the token path)."""
+    if name not in ("cache", "attention") or engine.cache is None or not engine.seq_len:
+        return False
+    if engine.settings.cache.name in ("sink", "h2o") or (name == "cache" and getattr(parsed, "name", "") in ("sink", "h2o")):
+        return False
+    from kvscope.core.model.caches import Dynamic
+    from kvscope.core.prediction.predict import kv_bytes
+
+    try:  # the tokens' K/V as a dynamic cache holds them: what a quantized cache dequantizes to convert
+        dense = kv_bytes(engine.spec, engine._prediction_settings().with_(cache=Dynamic()), engine.seq_len)
+    except Exception:  # noqa: BLE001 - a prediction that cannot be made: the switch as it always was
+        return False
+    return dense >= PREPARE_BYTES
+
+
 def begin(engine: "Engine", key: str, value: Any) -> "Sample | PreparedSwitch":
     """Start switch ``key=value``: the event Sample when it applies at once (no re-run needed, no change, or one
     that cannot be prepared off the token path), else a PreparedSwitch whose pass runs in the background.
@@ -164,8 +211,11 @@ def begin(engine: "Engine", key: str, value: Any) -> "Sample | PreparedSwitch":
 
     name, parsed, fields = engine._asked(key, value)
     label, was, wanted = fields["switch_key"], fields["switch_before"], fields["switch_after"]
-    if wanted == was or can_prepare(engine) is not None or not may_rerun(engine, name, parsed):
-        return engine.apply(key, value)  # "no change"; the old way; a switch with no re-run, at once as always
+    if wanted == was or can_prepare(engine) is not None:
+        return engine.apply(key, value)  # "no change"; the old way
+    rerun = may_rerun(engine, name, parsed)
+    if not rerun and not worth_preparing(engine, name, parsed):
+        return engine.apply(key, value)  # a switch with no re-run and a small cache: at once, as always
     mode, impl, strategy, eager_for = engine._target_of(name, parsed)
     engine._check_target(mode, impl, strategy)
     try:
@@ -179,6 +229,17 @@ def begin(engine: "Engine", key: str, value: Any) -> "Sample | PreparedSwitch":
     shadow._tokens_rerun = None
     shadow._peak_fields = {}
     shadow.progress = lambda text: None
+    if not rerun:
+        # The conversion itself off the token path, from a copy of the cache the run's tokens do not reach.
+        shadow.cache = frozen_cache(engine.cache)
+        prep = PreparedSwitch(key=key, value=value, axis=label, wanted=wanted, fields=fields, shadow=shadow,
+                              tokens=shadow.seq_len, layers=len(decoder_layers(shadow.model)), started=engine.clock(),
+                              what=f"{label} {wanted}", detail="", convert=(name, parsed, eager_for))
+        engine.progress(f"preparing {prep.what} off the token path ({prep.tokens:,} tokens' cache)\u2026 the run goes "
+                        "on meanwhile")
+        prep.thread = threading.Thread(target=_fill, args=(prep,), name="kvscope-prepare", daemon=True)
+        prep.thread.start()
+        return prep
     live_cache = CacheSnapshot(engine.cache)  # conversions before a re-run may rewrite the live cache in place
     try:
         with torch.inference_mode():
@@ -215,14 +276,30 @@ def _fill(prep: PreparedSwitch) -> None:
     def after(module: nn.Module, args: Any, output: Any) -> None:
         prep.layers_done += 1
 
-    for layer in decoder_layers(shadow.model):
-        handles.append(layer.register_forward_pre_hook(before))
-        handles.append(layer.register_forward_hook(after))
     try:
+        if prep.convert is not None:  # the conversion first (a switch with no re-run: usually nothing follows)
+            with torch.inference_mode():
+                prep.detail = shadow._convert(*prep.convert)
+            if shadow._rerun_why is None:
+                prep.layers_done = prep.layers
+                with torch.inference_mode():
+                    shadow._trial_step()
+                prep.trialled = True
+                return
+            prep.detail += " (prepared off the token path)"
+        for layer in decoder_layers(shadow.model):
+            handles.append(layer.register_forward_pre_hook(before))
+            handles.append(layer.register_forward_hook(after))
         with torch.inference_mode(), shadow._forward_context():
             out = shadow._measured_forward()
         shadow._next_logits = out.logits[:, -1, :].float()
         shadow.cache = out.cache if getattr(out, "cache", None) is not None else shadow.cache
+        for handle in handles:
+            handle.remove()
+        handles.clear()
+        with torch.inference_mode():
+            shadow._trial_step()
+        prep.trialled = True
     except BaseException as exc:  # noqa: BLE001 - the token thread reports it (a refusal), never a dead thread
         prep.error = exc
     finally:
@@ -252,8 +329,12 @@ def advance(engine: "Engine", prep: PreparedSwitch) -> Sample | None:
     if not prep.done.is_set():
         if now - prep.said >= PROGRESS_EVERY_S:
             prep.said = now
-            engine.progress(f"preparing {prep.what}: re-running {prep.tokens:,} tokens\u2026 "
-                            f"{prep.fraction:.0%}; the run goes on meanwhile")
+            if prep.convert is not None and shadow._rerun_why is None:
+                engine.progress(f"preparing {prep.what}: converting the cache of {prep.tokens:,} tokens off the "
+                                f"token path\u2026 {now - prep.started:.0f} s; the run goes on meanwhile")
+            else:
+                engine.progress(f"preparing {prep.what}: re-running {prep.tokens:,} tokens\u2026 "
+                                f"{prep.fraction:.0%}; the run goes on meanwhile")
         return None
     if prep.error is not None:
         error, prep.error = prep.error, None
@@ -280,8 +361,9 @@ def advance(engine: "Engine", prep: PreparedSwitch) -> Sample | None:
                             "the run goes on meanwhile")
         return None
     try:
-        with torch.inference_mode():
-            shadow._trial_step()
+        if not prep.trialled:
+            with torch.inference_mode():
+                shadow._trial_step()
     except Exception as exc:  # noqa: BLE001 - the running engine was never touched
         prep.shadow = None
         refuse(exc)
@@ -294,7 +376,10 @@ def advance(engine: "Engine", prep: PreparedSwitch) -> Sample | None:
     gc.collect()
     now_setting = engine._settings_now()[prep.axis.replace("-", "_")]
     detail = prep.detail
-    if prep.caught_up:
+    if prep.convert is not None and engine._tokens_rerun is None:
+        detail += "; converted off the token path" + (f", {prep.caught_up:,} tokens generated meanwhile caught up"
+                                                      if prep.caught_up else "")
+    elif prep.caught_up:
         detail += f"; {prep.caught_up:,} tokens generated meanwhile caught up"
         engine._tokens_rerun = prep.tokens + prep.caught_up
     text = f"{prep.axis}: {prep.fields['switch_before']} -> {now_setting} ({detail})"

@@ -370,7 +370,9 @@ def _amount(option: str, text: str, kind: str, zero: bool) -> int:
         except ValueError:
             negative = text.strip().startswith("-")
         if negative:
-            need = "a size of 0 or more, e.g. 512MiB" if zero else _EXAMPLES[kind]
+            need = (("a size of 0 or more, e.g. 512MiB" if kind == "size" else
+                     "a token count of 0 or more (0: the model's trained context), e.g. 4096 or 4k")
+                    if zero else _EXAMPLES[kind])
             raise CliError(f"{option} must be {need} (got {shown})") from None
         raise CliError(f"{option}: {exc}") from None
 
@@ -385,6 +387,8 @@ def _check_amounts(args: argparse.Namespace, command: str) -> None:
         if not isinstance(value, str):
             continue
         option = f"--{dest.replace('_', '-')}"
+        # run's --context is llama-server's -c, whose 0 means the model's trained context; calc's is a list of contexts
+        zero = zero or (dest == "context" and command != "calc")
         for item in (value.split(",") if dest == "context" and command == "calc" else (value,)):
             if item.strip():
                 _amount(option, item, kind, zero)

@@ -71,7 +71,7 @@ def test_sixty_tokens_reserve_the_whole_context_at_load_and_fill_one_cell_per_to
 def test_an_attention_switch_is_refused_and_a_cache_type_reload_reserves_the_new_plan(gguf_path):
     options = LlamaCppOptions(n_ctx=4096)
     g = read_gguf(gguf_path)
-    samples = _run(RunRequest(runtime="llama.cpp", llamacpp=options, max_new_tokens=30,
+    samples = _run(RunRequest(runtime="llama.cpp", llamacpp=options, max_new_tokens=400,
                               switches=((5, "attention", "mqa"), (12, "cache-type", "q8_0"))),
                    polls=[(20, ("context", "8192"))])
     refused = [s for s in samples if s.event == "refused"]
@@ -84,9 +84,14 @@ def test_an_attention_switch_is_refused_and_a_cache_type_reload_reserves_the_new
     assert switches[0].tokens_rerun == switches[0].context_tokens > 12
     assert switches[1].kv_bytes_observed == q8_8k.kv_bytes == 2 * q8.kv_bytes
     decodes = _decodes(samples)
-    assert len(decodes) == 30  # the run went on after the refusal and through both reloads
+    assert len(decodes) == 400  # the run went on after the refusal and through both reloads
+    # The scripted reload applies between tokens 12 and 13; the live one (a press, as the window sends it) is
+    # prepared on a second context while the run goes on, and applies at the token its event says.
+    live_at = switches[1].token
+    assert live_at >= 20 and "prepared off the token path" in switches[1].text, switches[1].text
+    assert switches[1].tokens_rerun == switches[1].context_tokens
     for s in decodes:
-        want = 16 * 1024 * 1024 if s.token <= 12 else q8.kv_bytes if s.token <= 20 else q8_8k.kv_bytes
+        want = 16 * 1024 * 1024 if s.token <= 12 else q8.kv_bytes if s.token <= live_at else q8_8k.kv_bytes
         assert s.kv_bytes_observed == s.kv_bytes_predicted == want, s.token
     cell = q8.buffers[0].row_bytes
     after = [s for s in decodes if s.token > 12]
@@ -244,3 +249,28 @@ def test_transformers_then_llamacpp_on_one_model_shows_both_curves(qtbot, window
     assert reserved[0] == reserved[-1] > py[-1]  # the prepaid 4K context over the 30 tokens transformers holds
     window.plots.drop_previous()
     assert not window.plots.previous_curve.isVisible()
+
+
+def test_a_reload_pressed_live_is_prepared_on_a_second_context_while_the_run_goes_on(gguf_path):
+    """Issue 37, item 2: F and C stood a SmolLM2-135M run still 6-12 s in llama.cpp (decoding every token again).
+    A press now loads a second context and decodes the tokens so far into it on a thread while the first keeps
+    generating; it applies at a later token, exactly: the new context then holds every token, one cell each; a press
+    on another axis waits for it, and the decode steps meanwhile are the old context's, at its bytes."""
+    options = LlamaCppOptions(n_ctx=4096)
+    g = read_gguf(gguf_path)
+    samples = _run(RunRequest(runtime="llama.cpp", llamacpp=options, max_new_tokens=300),
+                   polls=[(40, ("cache-type", "q8_0")), (40, ("attn-impl", "fa-off"))])
+    switches = [s for s in samples if s.event in ("switch", "refused")]
+    assert [(s.event, s.switch_key) for s in switches] == [("switch", "cache-type"), ("refused", "attn-impl")], \
+        [s.text for s in switches]
+    assert "needs flash attention" in switches[1].text  # fa-off under the q8_0 V it waited for
+    q8 = plan(g, dataclasses.replace(options, type_k="q8_0", type_v="q8_0"))
+    at = switches[0].token
+    assert at >= 40 and "prepared off the token path" in switches[0].text
+    decodes = _decodes(samples)
+    assert len(decodes) == 300 and [s.token for s in decodes] == list(range(1, 301))
+    for s in decodes:
+        want = 16 * 1024 * 1024 if s.token <= at else q8.kv_bytes
+        assert s.kv_bytes_observed == s.kv_bytes_predicted == want, s.token
+        if s.token > at:
+            assert s.kv_bytes_used == q8.buffers[0].row_bytes * s.context_tokens and s.cache == "q8_0"

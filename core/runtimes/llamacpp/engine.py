@@ -31,6 +31,7 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -59,6 +60,10 @@ FLASH_VALUES = {"fa-on": "on", "on": "on", "flash": "on", "flash_attention_2": "
                 "fa-auto": "auto", "auto": "auto"}
 #: The cache types the window offers to reload with (the C key cycles through them).
 OFFERED_CACHE_TYPES = ("f16", "q8_0", "q4_0", "f32")
+#: A reload prepared off the token path decodes the tokens so far in calls of this many (a newer press cancels it
+#: between two), then catches up on the tokens generated meanwhile, at most this many per token of the run.
+PREPARE_CHUNK = 256
+CATCH_UP_TOKENS = 16
 
 
 class LlamaCppRunError(SettingsError):
@@ -153,17 +158,27 @@ class LlamaCppEngine:
         self.sampler = Sampler(TOP_K, seed)
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self.attention = native_attention(self.spec).key
+        self._job: dict[str, Any] | None = None  # a reload prepared off the token path (apply_live)
+        self._held: list[tuple[str, Any]] = []  # presses on another axis, waiting for it
+        self._live = False
         self._load(options)
 
     # ------------------------------------------------------------------------------------ the context
 
     def _load(self, options: LlamaCppOptions) -> None:
+        self._adopt(*self._open(options))
+
+    def _open(self, options: LlamaCppOptions) -> tuple[Any, LlamaCppOptions, Any]:
+        """A new context with ``options`` (and its allocation as llama.cpp logged it), not yet the engine's."""
         ctx = LlamaCppContext(self.path, options, n_threads=self.n_threads)
         try:
             allocation = allocation_of(ctx, self.gguf.n_swa)
         except BaseException:
             ctx.close()
             raise
+        return ctx, options, allocation
+
+    def _adopt(self, ctx: Any, options: LlamaCppOptions, allocation: Any) -> None:
         self.ctx, self.options, self.allocation = ctx, options, allocation
         self.weights = ctx.weights_bytes()
         self.flash = self._logged_flash(ctx.log, options)
@@ -187,6 +202,7 @@ class LlamaCppEngine:
         return options.flash_attn
 
     def close(self) -> None:
+        self._cancel_reload()
         if self.ctx is not None:
             self.ctx.close()
             self.ctx = None
@@ -337,7 +353,122 @@ class LlamaCppEngine:
             return dataclasses.replace(o, type_v=value)
         return dataclasses.replace(o, n_ctx=int(value))
 
-    def _reload(self, wanted: LlamaCppOptions, new_plan: LlamaCppPlan, key: str, fields: dict[str, Any]) -> Sample:
+    # ---- a reload prepared off the token path (issue 37, item 2: F and C stood a SmolLM2-135M run still 6-12 s,
+    # nearly all of it decoding the tokens so far again)
+
+    def apply_live(self, key: str, value: Any) -> list[Sample]:
+        """A switch pressed during the run: one that reloads the context loads the new one and decodes the tokens
+        so far into it on a thread of this process while this context keeps generating (llama.cpp runs two
+        contexts at once; ctypes lets go of the GIL in each call), and applies at a later token (``advance``).
+        A press on the axis of one being prepared replaces it (back to what runs: a note); a press on another axis
+        waits for it. Returns the events to emit now (a refusal, a note)."""
+        job = self._job
+        if job is not None:
+            if self.switch_fields(key, value)["switch_key"] != job["key"]:
+                self._held.append((key, value))
+                return []
+            self._cancel_reload()
+        self._live = True
+        try:
+            answer = self.apply(key, value)
+        finally:
+            self._live = False
+        return [] if answer is None else [answer]
+
+    def advance(self) -> list[Sample]:
+        """Between two tokens: the prepared reload's event once the new context holds every token (then it is the
+        engine's context, and the old one is freed), else nothing."""
+        job = self._job
+        if job is None or not job["done"].is_set():
+            return []
+        if job["error"] is not None:
+            self._job = None
+            if job["ctx"] is not None:
+                job["ctx"].close()
+            exc = job["error"]
+            return [self.event("refused", f"{job['key']}={job['fields']['switch_after']} refused: {exc}",
+                               **job["fields"])]
+        ctx, at = job["ctx"], job["at"]
+        behind = self.tokens[at:]
+        if behind:  # the tokens generated meanwhile, a few per token of the run
+            chunk = behind[:CATCH_UP_TOKENS]
+            ctx.decode_all(chunk, at)
+            job["at"] = at + len(chunk)
+            job["caught_up"] += len(chunk)
+            if job["at"] < len(self.tokens):
+                return []
+        self._job = None
+        old, before_bytes, compute_before = self.ctx, self.allocation.reserved, self.compute_observed
+        self._adopt(ctx, job["options"], job["allocation"])
+        self.plan = job["plan"]
+        old.close()
+        took = self.clock() - job["started"]
+        out = [self._reloaded(job["key"], job["fields"], before_bytes, compute_before, took,
+                              f"; prepared off the token path, {job['caught_up']:,} tokens generated meanwhile caught up")]
+        held, self._held = self._held, []
+        for key, value in held:  # the presses that waited for it
+            out += self.apply_live(key, value)
+        return out
+
+    def preparing(self) -> str | None:
+        """What the reload under way does, for the status line (None when none is)."""
+        job = self._job
+        if job is None:
+            return None
+        if not job["done"].is_set():
+            return (f"preparing {job['key']} {job['fields']['switch_after']}: llama.cpp loads a second context and "
+                    f"decodes the {job['at']:,} tokens so far into it\u2026 {self.clock() - job['started']:.0f} s; the "
+                    "run goes on meanwhile")
+        return (f"preparing {job['key']} {job['fields']['switch_after']}: catching up "
+                f"{max(len(self.tokens) - job['at'], 0):,} tokens generated meanwhile\u2026")
+
+    def _cancel_reload(self) -> None:
+        job, self._job = getattr(self, "_job", None), None
+        if job is not None:
+            job["cancel"].set()
+            job["thread"].join(60)
+            if job["ctx"] is not None:
+                job["ctx"].close()
+
+    def _begin_reload(self, wanted: LlamaCppOptions, new_plan: LlamaCppPlan, key: str, fields: dict[str, Any]) -> None:
+        job: dict[str, Any] = {"key": key, "fields": fields, "options": wanted, "plan": new_plan, "ctx": None,
+                               "allocation": None, "error": None, "done": threading.Event(),
+                               "cancel": threading.Event(), "at": len(self.tokens), "caught_up": 0,
+                               "started": self.clock()}
+        tokens = list(self.tokens)
+
+        def prepare() -> None:
+            try:
+                ctx, _, allocation = self._open(wanted)
+                job["ctx"], job["allocation"] = ctx, allocation
+                for start in range(0, len(tokens), PREPARE_CHUNK):
+                    if job["cancel"].is_set():
+                        return
+                    ctx.decode_all(tokens[start:start + PREPARE_CHUNK], start)
+            except BaseException as exc:  # noqa: BLE001 - a refusal at the token it is noticed, never a dead thread
+                job["error"] = exc
+            finally:
+                job["done"].set()
+
+        job["thread"] = threading.Thread(target=prepare, name="kvscope-llamacpp-reload", daemon=True)
+        self._job = job
+        job["thread"].start()
+
+    def _reloaded(self, key: str, fields: dict[str, Any], before_bytes: int, compute_before: Any, took: float,
+                  how: str = "") -> Sample:
+        after = self.allocation.reserved
+        fields["switch_after"] = self._settings_now().get(key, fields["switch_after"])
+        return self.event("switch", f"{key}: {fields['switch_before']} -> {fields['switch_after']}: llama.cpp reloaded "
+                                    f"the context; KV reserved {human_bytes(before_bytes)} -> {human_bytes(after)} "
+                                    f"({self.describe_allocation()}); compute buffer {_bytes(compute_before)} -> "
+                                    f"{_bytes(self.compute_observed)} (predicted {_bytes(self.plan.compute_bytes)}); "
+                                    f"re-ran {len(self.tokens)} tokens in {took:.2f} s{how}",
+                          tokens_rerun=len(self.tokens), **fields)
+
+    def _reload(self, wanted: LlamaCppOptions, new_plan: LlamaCppPlan, key: str, fields: dict[str, Any]) -> Sample | None:
+        if getattr(self, "_live", False) and self.tokens:
+            self._begin_reload(wanted, new_plan, key, fields)
+            return None
         before_bytes, old_options, old_plan = self.allocation.reserved, self.options, self.plan
         compute_before = self.compute_observed
         self.ctx.close()
@@ -354,13 +485,5 @@ class LlamaCppEngine:
             self.plan = old_plan
             self.ctx.decode_all(self.tokens, 0)
             return self.event("refused", f"{key}={fields['switch_after']} refused: {exc}", **fields)
-        took = self.clock() - t
-        after = self.allocation.reserved
-        fields["switch_after"] = self._settings_now().get(key, fields["switch_after"])
-        return self.event("switch", f"{key}: {fields['switch_before']} -> {fields['switch_after']}: llama.cpp reloaded "
-                                    f"the context; KV reserved {human_bytes(before_bytes)} -> {human_bytes(after)} "
-                                    f"({self.describe_allocation()}); compute buffer {_bytes(compute_before)} -> "
-                                    f"{_bytes(self.compute_observed)} (predicted {_bytes(self.plan.compute_bytes)}); "
-                                    f"re-ran {len(self.tokens)} tokens in {took:.2f} s",
-                          tokens_rerun=len(self.tokens), **fields)
+        return self._reloaded(key, fields, before_bytes, compute_before, self.clock() - t)
 

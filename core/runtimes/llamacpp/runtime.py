@@ -44,7 +44,8 @@ LOAD_TIMEOUT_S = 3600.0
 
 
 def _state(engine: LlamaCppEngine) -> dict[str, Any]:
-    return {"generated": engine.generated, "tokens": len(engine.tokens), "cells": engine.cells, "full": engine.full()}
+    return {"generated": engine.generated, "tokens": len(engine.tokens), "cells": engine.cells, "full": engine.full(),
+            "preparing": engine.preparing()}
 
 
 def model_info(engine: LlamaCppEngine) -> ModelInfo:
@@ -92,6 +93,10 @@ def _call(engine: LlamaCppEngine, method: str, args: tuple) -> Any:
         return engine.step()
     if method == "apply":
         return engine.apply(*args)
+    if method == "apply_live":
+        return engine.apply_live(*args)
+    if method == "advance":
+        return engine.advance()
     if method == "event":
         kind, text, fields = args
         return engine.event(kind, text, **fields)
@@ -300,6 +305,20 @@ class LlamaCppRuntime:
 
     def apply(self, key: str, value: str) -> Sample:
         return self._ask("apply", key, value)
+
+    def apply_live(self, key: str, value: str) -> list[Sample]:
+        """A press during the run: a reload (F, C) is prepared in the child on a second context while the first
+        keeps generating, and applies at a later token (``advance``)."""
+        return self._ask("apply_live", key, value)
+
+    def advance(self) -> list[Sample]:
+        out = self._ask("advance")
+        preparing = self._state.get("preparing")
+        now = time.perf_counter()
+        if preparing and not out and now - getattr(self, "_said_preparing", 0.0) >= 0.5:
+            self._said_preparing = now
+            self.progress(preparing)  # the status line, while the run goes on
+        return out
 
     def event(self, kind: str, text: str, **fields: Any) -> Sample:
         if self._crashed is None and self._process is not None and self._process.is_alive():

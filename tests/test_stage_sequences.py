@@ -58,7 +58,8 @@ def _play(qtbot, keys: list[str], tokens: int, between: int = 3, lead: int = 300
             answer = s.answer(p)
             assert not s.errors, f"key {key} ({p.axis}={p.value}) ended the run: {s.errors}"
             if answer is None and runs > 1 and s.finished and s.samples[-1].token >= tokens:
-                continue  # the run reached its last token first: the next key starts a fresh one
+                s.presses.remove(p)  # the run reached its last token first (no switch is left pending then)
+                continue  # the next key starts a fresh run
             assert answer is not None, f"key {key} ({p.axis}={p.value}) was never answered"
             assert answer.event in ANSWERS
             if answer.event == "refused":
@@ -119,8 +120,9 @@ def test_every_triple_of_keys_in_one_run(qtbot):
     keys = de_bruijn(KEYS, 3)
     s = _play(qtbot, keys, tokens=3800, between=1, runs=20)  # each run within the model's 4,096 positions
     assert all(p.answer is not None for p in s.presses)
-    gaps = sorted(((p.longest_gap_s, p.key, p.axis, p.value) for p in s.presses), reverse=True)[:5]
-    print(f"\n{len(s.presses)} presses answered, {len(s.events('refused'))} refusals; longest gaps: {gaps}")
+    gaps = sorted(((round(p.longest_gap_s, 2), p.key, p.axis, p.value) for p in s.presses), reverse=True)[:5]
+    refused = sum(p.answer.event == "refused" for p in s.presses)
+    print(f"\n{len(s.presses)} presses answered, {refused} refusals; longest gaps: {gaps}")
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -173,3 +173,21 @@ def test_c_skips_a_static_cache_that_cannot_hold_the_run_and_the_engine_refuses_
         assert short.answer(p).event == "switch"
     finally:
         short.stop()
+
+
+def test_f_on_the_cpu_says_why_nothing_moves():
+    """Issue 37: F on the CPU changed nothing visible (sdpa already runs PyTorch's CPU flash kernel), unexplained."""
+    import torch
+
+    from kvscope.core.runtimes.transformers.engine import Engine
+    from kvscope.core.runtimes.transformers.loading import load_model
+
+    engine = Engine(load_model("embedded", device="cpu"), RunSettings(), seed=0)
+    engine.prefill(torch.randint(3, 500, (1, 12), generator=torch.Generator().manual_seed(0)), "p")
+    engine.step()
+    before = engine.kernel
+    flash = engine.apply("attn-impl", "flash")
+    assert flash.event == "switch" and engine.kernel == before == "sdpa-flash-cpu"
+    assert "the kernel that already ran" in flash.text and "neither the memory nor the speed moves" in flash.text
+    eager = engine.apply("attn-impl", "eager")
+    assert engine.kernel == "eager" and "already ran" not in eager.text  # a kernel that changes says only which

@@ -15,7 +15,7 @@ from kvscope.core.base.sample import Sample
 #: The narrowest a settings badge gets on a small screen (text px; its padding comes on top).
 BADGE_FLOOR = 44
 #: What the state badge says.
-STATE_TEXT = {"idle": "idle", "loading": "\u23f3 loading", "running": "\u25cf running",
+STATE_TEXT = {"idle": "idle", "loading": "\u25d0 loading", "running": "\u25cf running",
               "paused": "\u275a\u275a paused", "stopping": "stopping\u2026"}
 
 

@@ -490,13 +490,18 @@ class Engine:
         self.progress(f"switching {label} to {wanted}\u2026")
         mode, impl, strategy, eager_for = self._target_of(name, parsed)
         self._check_target(mode, impl, strategy)
-        snapshot = Snapshot([self.base_model, self.model, self.mla_model], self.cache, self, self._SWITCH_STATE)
+        snapshot = Snapshot([self.base_model, self.model], self.cache, self, self._SWITCH_STATE)
+        kernel_before = self.kernel
         try:
             with torch.inference_mode():
                 detail = self._convert(name, parsed, eager_for)
                 self._trial_step()
                 if name == "attn_impl":
                     detail = f"kernel {self.kernel}"  # as measured on the trial pass
+                    if self.kernel == kernel_before:  # F on the CPU: nothing to see, and why (issue 37)
+                        why = ("on the CPU sdpa picks PyTorch's flash kernel itself" if self.kernel == "sdpa-flash-cpu"
+                               else "PyTorch picks the kernel per call")
+                        detail += f": the kernel that already ran ({why}), so neither the memory nor the speed moves"
         except Exception as exc:  # noqa: BLE001 - every failure is undone and reported as a refusal
             snapshot.restore()
             del snapshot

@@ -217,6 +217,12 @@ class BadgeRow(QWidget):
         keys = [k for k in self.badges if k != "model"]
         extras = self.loading_bar.width() + layout.spacing() if not self.loading_bar.isHidden() else 0
         room = self.width() - layout.spacing() * len(self.badges) - extras - 4
+        # The model's name keeps a few letters' room (issue 37: in full-screen presenter mode at 1024 px it was gone,
+        # and so was the window's title): the settings' type steps down first.
+        model = self.badges.get("model")
+        if model is not None and model.text() not in ("", "\u2014"):
+            mm = QFontMetrics(model.font())
+            room -= min(mm.horizontalAdvance(model.text()), mm.horizontalAdvance("M" * 7)) + _extra(model)
 
         def widths(pt: int, reserved: bool = True) -> dict[str, int]:
             font = QFont(self.badges[keys[0]].font())

@@ -17,7 +17,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, QuantizedC
 from kvscope.core.model.attention import GQA, MHA, MLA, MQA, SettingsError, Window
 from kvscope.core.model.caches import Dynamic, Static, kv_layout
 from kvscope.core.model.hf_config import spec_from_config
-from kvscope.core.runtimes.transformers.convert import (DynamicTruncatedLayer, build_mla_twin, convert_cache,
+from kvscope.core.runtimes.transformers.convert import (DynamicTruncatedLayer, convert_cache,
                                                         convert_cache_kv_heads, convert_cache_window, dense_kv,
                                                         kv_heads_of, refill_cache, regroup_heads, set_kv_heads,
                                                         with_window)
@@ -174,7 +174,7 @@ def test_kv_heads_that_do_not_divide_the_query_heads_are_refused():
         set_kv_heads(model, 3)
     assert kv_heads_of(model) == HEADS  # untouched
     with pytest.raises(SettingsError, match="latent"):
-        set_kv_heads(build_mla_twin(model.config), 2)
+        set_kv_heads(_tiny_deepseek(), 2)
     with pytest.raises(SettingsError, match="holds 8 K/V heads, not 2"):
         cache = DynamicCache(config=model.config)
         step(model, cache, token_ids(3))
@@ -423,27 +423,37 @@ def test_qwen2_window_set_in_place_matches_a_qwen2_built_with_it():
 # MLA
 
 
-def test_mla_twin_caches_a_latent_of_the_predicted_size(tmp_path, monkeypatch):
+def _tiny_deepseek():
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    config = DeepseekV3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
+                              q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+                              first_k_dense_replace=2, max_position_embeddings=64)
+    return DeepseekV3ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("rank", [2 * HEADS * HEAD_DIM, 16])
+def test_latent_cache_holds_the_predicted_bytes_and_is_exact_at_full_rank(rank, tmp_path, monkeypatch):
+    from kvscope.core.runtimes.transformers import latent
+    from kvscope.core.runtimes.transformers.measure import cache_bytes
+
     llama = tiny_llama()
     spec = llama_spec(llama.config, tmp_path, monkeypatch)
-    state = torch.random.get_rng_state()
-    mla = build_mla_twin(llama.config, seed=3, source_model=llama)
-    assert torch.equal(torch.random.get_rng_state(), state)  # the global RNG is left alone
-    again = build_mla_twin(llama.config, seed=3)
-    twin_attn, again_attn = mla.model.layers[1].self_attn, again.model.layers[1].self_attn
-    assert torch.equal(twin_attn.kv_a_proj_with_mqa.weight, again_attn.kv_a_proj_with_mqa.weight)
-    assert torch.equal(mla.model.embed_tokens.weight, llama.model.embed_tokens.weight)
-    assert mla.config.first_k_dense_replace == mla.config.num_hidden_layers == 2
-
-    ids = token_ids(7)
-    cache = DynamicCache(config=mla.config)
-    step(mla, cache, ids[:, :6])
-    logits = step(mla, cache, ids[:, 6:7])
-    assert logits.shape == (1, VOCAB) and torch.isfinite(logits).all()
-    rank, rope = 4 * HEAD_DIM, HEAD_DIM // 2
-    for layer in cache.layers:
-        assert layer.keys.shape == (1, 1, 7, rank) and layer.values.shape == (1, 1, 7, rope)
-    assert kv_nbytes(cache) == Dynamic().kv_bytes(kv_layout(MLA().apply(spec)), 1, 7, 4)
+    ids = token_ids(9)
+    plain = DynamicCache(config=llama.config)
+    step(llama, plain, ids[:, :6])
+    cache = DynamicCache(config=llama.config)
+    step(llama, cache, ids[:, :6])
+    how = latent.convert_to_latent(cache, llama, rank)
+    assert "rotary positions undone" in how
+    for n in (6, 7, 8):
+        ours, theirs = step(llama, cache, ids[:, n:n + 1]), step(llama, plain, ids[:, n:n + 1])
+        if rank == 2 * HEADS * HEAD_DIM:
+            assert torch.allclose(ours, theirs, atol=1e-4), (ours - theirs).abs().max()
+        assert cache_bytes(cache).logical == Dynamic().kv_bytes(kv_layout(MLA(rank).apply(spec)), 1, n + 1, 4)
+    assert cache.get_seq_length() == 9 and all(isinstance(layer, latent.LatentLayer) for layer in cache.layers)
 
 
 def test_window_cache_bytes_match_the_predictor(tmp_path, monkeypatch):
@@ -467,6 +477,10 @@ def test_conversions_run_inside_inference_mode():
         static = StaticCache(config=model.config, max_cache_len=16)
         convert_cache(cache, static)
         assert torch.isfinite(model(ids[:, 6:7], cache=static).logits).all()
-        mla = build_mla_twin(llama.config)
-        assert mla(ids, cache=DynamicCache(config=mla.config)).logits.shape == (1, 9, VOCAB)
+        from kvscope.core.runtimes.transformers import latent
+
+        plain = DynamicCache(config=llama.config)
+        llama(ids[:, :6], cache=plain)
+        latent.convert_to_latent(plain, llama, 8)
+        assert torch.isfinite(llama(ids[:, 6:7], cache=plain).logits).all()
     assert static.get_seq_length() == 7 and not model.model.layers[0].self_attn.k_proj.weight.requires_grad

@@ -57,7 +57,7 @@ def _steps(engine: Engine, n: int, what: str) -> list:
 
 
 def _no_hooks(engine: Engine) -> None:
-    models = [m for m in (engine.base_model, engine.model, engine.mla_model) if m is not None]
+    models = [m for m in (engine.base_model, engine.model) if m is not None]
     assert not any(m._forward_hooks for model in models for m in model.modules()), "h2o hooks left on the model"
 
 

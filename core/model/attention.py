@@ -10,9 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from kvscope.core.model.hf_config import model_facts
-from kvscope.core.model.spec import (FULL_ATTENTION, MAX_COUNT, NO_KV, SLIDING_ATTENTION, ModelSpec, SettingsError,
-                                     SpecError)
+from kvscope.core.model.spec import (FULL_ATTENTION, INDEXED_ATTENTION, MAX_COUNT, NO_KV, SLIDING_ATTENTION, ModelSpec,
+                                     SettingsError)
 
 
 def int_arg(arg: str | None, what: str, spelled: str) -> int:
@@ -137,61 +136,69 @@ class MQA(AttentionMode):
         return _with_kv_heads(spec, 1)
 
 
-def mla_dims(spec: ModelSpec) -> tuple[int, int]:
-    """(kv_lora_rank, qk_rope_head_dim) of the latent cache. A model without MLA gets DeepSeek-V3's
-    proportions for its own head size: rank 4 x head_dim (512 = 4 x 128), rope part head_dim / 2 (64)."""
-    if spec.is_mla:
-        return int(spec.kv_lora_rank or 0), int(spec.qk_rope_head_dim or 0)
-    return 4 * spec.head_dim, max(1, spec.head_dim // 2)
+def latent_widths(spec: ModelSpec) -> list[int]:
+    """Per full-attention layer of ``spec`` (a model that is not MLA), the elements of K and V it caches per token:
+    the widths KV Scope's MLA latent compresses (sliding layers stay as they are)."""
+    from kvscope.core.model.caches import kv_layout
 
-
-def mla_twin_config(spec: ModelSpec) -> dict:
-    """The sizes of the DeepseekV3 model that stands in for ``spec`` in MLA mode (``kvscope.core.runtimes.transformers.convert.build_mla_twin``
-    builds it; the predictor counts its parameters from the same dict, so both describe one model).
-
-    Same hidden size, layers, vocab, query heads and MLP width; a dense MLP in every layer (no MoE);
-    latent rank and rope part from ``mla_dims``; qk_nope_head_dim = v_head_dim = head_dim; no query
-    compression; full attention in every layer (DeepseekV3 has no sliding window).
-    """
-    rank, rope = mla_dims(spec)
-    inter = spec.intermediate_size
-    return dict(
-        model_type="deepseek_v3", vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
-        intermediate_size=inter, moe_intermediate_size=inter, num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_query_heads, num_key_value_heads=spec.num_query_heads,
-        kv_lora_rank=rank, q_lora_rank=None, qk_rope_head_dim=rope, qk_nope_head_dim=spec.head_dim,
-        v_head_dim=spec.head_dim, first_k_dense_replace=spec.num_layers,
-        max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=spec.tie_word_embeddings,
-        # The model's own activation: some carry parameters (Apertus' xIELU: alpha_p, alpha_n per MLP).
-        hidden_act=str(spec.config.get("hidden_act") or "silu"),
-    )
+    return [layer.heads * (layer.k_dim + layer.v_dim) for layer in kv_layout(spec) if layer.window is None]
 
 
 @dataclass(frozen=True)
 class MLA(AttentionMode):
+    """Multi-head latent attention. A DeepSeek-V2/V3 model caches its own latent; any other model gets KV Scope's
+    latent of its own keys and values (``kvscope.core.runtimes.transformers.latent``): per full-attention layer one
+    basis of ``rank`` directions over the K/V of all its heads, fitted on the tokens so far, and ``rank`` elements
+    per token. Default rank: half the layer's own K/V width (half its KV bytes per token); full rank is exact."""
+
     name: ClassVar[str] = "mla"
-    help: ClassVar[str] = "multi-head latent (DeepSeek-V2/V3): caches one compressed latent plus a rope key per token"
+    help: ClassVar[str] = ("multi-head latent: a DeepSeek model's own latent; any other model caches a low-rank latent "
+                           "of its own K/V per layer (mla:RANK; default half its KV, full rank exact)")
+    rank: int | None = None
+
+    @property
+    def key(self) -> str:
+        return "mla" if self.rank is None else f"mla:{self.rank}"
+
+    @classmethod
+    def parse(cls, arg: str | None, spelled: str) -> "MLA":
+        return cls(int_arg(arg, "mla:128", spelled) if arg else None)
+
+    def _base(self, spec: ModelSpec) -> ModelSpec:
+        # A model whose every layer slides (Mistral) runs MLA with full attention, as the head modes do.
+        return full_attention(spec) if spec.num_full_layers == 0 else spec
 
     def check(self, spec: ModelSpec) -> None:
         if spec.num_kv_layers == 0:
             raise SettingsError(f"{spec.label} has no attention layer (it caches no K/V, only fixed-size states): "
                                 "there are no keys and values to compress into a latent")
+        if spec.is_mla:
+            if self.rank is not None and self.rank != spec.kv_lora_rank:
+                raise SettingsError(f"{spec.label} caches its own latent of rank {spec.kv_lora_rank} (MLA): "
+                                    f"{self.key} cannot change it; use mla")
+            return
+        if any(t == INDEXED_ATTENTION for t in spec.layer_types):
+            raise SettingsError(f"{spec.label}'s sparse-attention layers cache indexer keys beside K/V: KV Scope's "
+                                "latent covers plain K/V layers only")
+        states = spec.layer_states or (None,) * spec.num_layers
+        if any(st and (st.elements or st.fixed_bytes) for t, st in zip(spec.layer_types, states) if t != NO_KV):
+            raise SettingsError(f"{spec.label}'s attention layers keep states beside K/V: KV Scope's latent covers "
+                                "plain K/V layers only")
+        widths = latent_widths(self._base(spec))
+        if self.rank is not None and self.rank > min(widths):
+            raise SettingsError(f"{self.key}: {spec.label}'s layers cache {min(widths)} K/V elements per token "
+                                f"(its full rank); choose a rank from 1 to {min(widths)}")
+
+    def rank_for(self, spec: ModelSpec) -> int:
+        """The latent's rank for ``spec``: the one asked, else half the narrowest full layer's K/V width."""
+        return self.rank if self.rank is not None else max(1, min(latent_widths(self._base(spec))) // 2)
 
     def apply(self, spec: ModelSpec) -> ModelSpec:
+        self.check(spec)
         if spec.is_mla:
             return spec
-        rank, rope = mla_dims(spec)
-        twin = mla_twin_config(spec)
-        try:
-            facts = model_facts(twin)
-        except SpecError:  # transformers' validation refuses the twin's config: the estimate, as for unknown types
-            facts = None
-        # The twin is a DeepseekV3 in every layer: full attention everywhere, no linear-attention states.
-        return replace(full_attention(spec), layer_types=(FULL_ATTENTION,) * spec.num_layers, layer_states=None,
-                       layer_kv=None, kv_lora_rank=rank, qk_rope_head_dim=rope,
-                       qk_nope_head_dim=spec.head_dim, v_head_dim=spec.head_dim,
-                       num_parameters=facts.parameters if facts else spec.num_parameters,
-                       buffer_bytes=facts.buffer_bytes if facts else spec.buffer_bytes, kv_bias=False)
+        # The model as loaded (its own heads and layer pattern), its full-attention layers caching the latent.
+        return replace(self._base(spec), latent_rank=self.rank_for(spec))
 
 
 @dataclass(frozen=True)
@@ -216,13 +223,13 @@ ATTENTION_MODES: list[type[AttentionMode]] = [MHA, GQA, MQA, MLA, Window]
 
 
 def parse_attention(text: str) -> AttentionMode:
-    """Parse ``mha``, ``gqa:N``, ``mqa``, ``mla`` or ``window:W``. Raises SettingsError."""
+    """Parse ``mha``, ``gqa:N``, ``mqa``, ``mla[:RANK]`` or ``window:W``. Raises SettingsError."""
     spelled = str(text).strip().lower()
     name, _, arg = spelled.partition(":")
     for mode in ATTENTION_MODES:
         if mode.name == name:
             return mode.parse(arg or None, spelled)
-    raise SettingsError(f"unknown attention mode {text!r}; use mha, gqa:N, mqa, mla or window:W")
+    raise SettingsError(f"unknown attention mode {text!r}; use mha, gqa:N, mqa, mla, mla:RANK or window:W")
 
 
 def native_attention(spec: ModelSpec) -> AttentionMode:

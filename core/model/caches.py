@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from kvscope.core.model.spec import (INDEXED_ATTENTION, MAX_COUNT, NO_KV, SLIDING_ATTENTION, ModelSpec, SettingsError,
@@ -32,6 +32,7 @@ class LayerKV:
     v_dim: int
     window: int | None = None
     extra: int = 0  # elements per token cached beside K/V in one head: a DSA layer's indexer key
+    fixed: int = 0  # elements held once per layer whatever the tokens and the batch: a latent layer's basis
 
 
     @property
@@ -50,6 +51,13 @@ def kv_layout(spec: ModelSpec) -> tuple[LayerKV, ...]:
         shape = dict(heads=spec.num_kv_heads, k_dim=spec.head_dim, v_dim=spec.v_head_dim or spec.head_dim)
     # DynamicIndexedLayer / StaticIndexedLayer: indexer keys [b, tokens, index_head_dim] beside K/V.
     extra = int(spec.indexer_head_dim or 0)
+    if spec.latent_rank is not None and not spec.is_mla:
+        # kvscope.core.runtimes.transformers.latent.LatentLayer: latent [b, tokens, rank] and basis [heads x (k + v), rank];
+        # sliding layers stay as the model caches them.
+        own = kv_layout(replace(spec, latent_rank=None))
+        return tuple(layer if layer.window is not None else
+                     LayerKV(heads=1, k_dim=spec.latent_rank, v_dim=0, fixed=layer.heads * (layer.k_dim + layer.v_dim) * spec.latent_rank)
+                     for layer in own)
     if spec.layer_kv is not None:
         # Layers that differ from the counts (kvscope.core.model.spec.ModelSpec.layer_kv): each as transformers' cache holds it.
         return tuple(LayerKV(heads=h, k_dim=k, v_dim=v, extra=e, window=spec.sliding_window if t == SLIDING_ATTENTION
@@ -111,7 +119,8 @@ class CacheStrategy:
             return 0
         max_context = max_context or tokens
         prompt_tokens = tokens if prompt_tokens is None else min(prompt_tokens, tokens)
-        return sum(self.layer_bytes(layer, batch, tokens, elem_bytes, max_context, prompt_tokens) for layer in layers)
+        return sum(self.layer_bytes(layer, batch, tokens, elem_bytes, max_context, prompt_tokens)
+                   + _dense(1, 1, 1, layer.fixed, elem_bytes) for layer in layers)
 
 
 def _dense(batch: int, heads: int, tokens: int, width: int, elem_bytes: float) -> int:

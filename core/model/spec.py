@@ -139,6 +139,9 @@ class ModelSpec:
     #: what the counts above give (MiMo-V2-Flash's sliding layers with twice the K/V heads, HY-V4's last layer
     #: without indexer keys); None: every layer as the counts say (kvscope.core.model.caches.kv_layout).
     layer_kv: tuple[KVShape, ...] | None = None
+    #: KV Scope's MLA of a model that is not MLA (``kvscope.core.model.attention.MLA``): each full-attention layer caches
+    #: a latent of this rank per token plus its basis once (``kvscope.core.runtimes.transformers.latent``); None: no latent.
+    latent_rank: int | None = None
     config: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @property

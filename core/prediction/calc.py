@@ -139,6 +139,9 @@ def kv_formula(spec: ModelSpec, settings: RunSettings, tokens: int | None = None
     layers = kv_layout(eff)  # the layers that cache K/V (linear-attention and state-space layers do not)
     if not layers:
         width, factors = 0, ["0 layers with K/V"]
+    elif eff.latent_rank is not None and not eff.is_mla and all(layer.window is None for layer in layers):
+        width = eff.latent_rank
+        factors = [f"{len(layers)} layers", f"{eff.latent_rank} latent (KV Scope's MLA of its own K/V)"]
     elif eff.is_mla:
         rank, rope = eff.kv_lora_rank, eff.qk_rope_head_dim
         width = rank + rope
@@ -166,6 +169,9 @@ def kv_formula(spec: ModelSpec, settings: RunSettings, tokens: int | None = None
     if stateful:
         notes.append(f"{stateful} of {eff.num_layers} layers keep fixed-size linear-attention, state-space or "
                      "convolution states")
+    basis = sum(layer.fixed for layer in layers)
+    if basis:
+        notes.append(f"the latent's bases, {basis:,} elements held once")
     if settings.cache.name == "static":
         notes.append(f"static cache preallocates {settings.max_context or tokens:,} tokens")
     if settings.cache.name == "quantized":

@@ -27,7 +27,8 @@ A sliding window W comes from the model's own sliding-window support (``with_win
 model gets a MistralForCausalLM twin that shares its very modules. ``convert_cache_window`` moves a
 dynamic cache to and from sliding layers.
 
-MLA is a different model (``build_mla_twin``); switching to it re-runs the tokens so far.
+MLA on a model that is not MLA is a latent of its own K/V in the cache (``kvscope.core.runtimes.transformers.latent``); ``dense_kv``
+reads such a cache's K/V reconstructed.
 
 Why one file of about 700 lines: every conversion here walks the same decoder layers and the same
 cache layers with the same helpers (head pooling, the dense K/V read-out, the layer-pattern
@@ -49,13 +50,12 @@ from transformers.cache_utils import (BaseQuantizedLayer, Cache, DynamicCache, D
                                       Fp8QuantizedLayer, QuantizedLayer, StaticLayer, StaticSlidingWindowLayer,
                                       get_layer_types_and_kwargs)
 
-from kvscope.core.model.attention import SettingsError, mla_twin_config
-from kvscope.core.model.spec import FULL_ATTENTION, SLIDING_ATTENTION, ModelSpec
+from kvscope.core.model.attention import SettingsError
+from kvscope.core.model.spec import FULL_ATTENTION, SLIDING_ATTENTION
 
 __all__ = [
     "DynamicTruncatedLayer",
     "KVOrigin",
-    "build_mla_twin",
     "cache_heads",
     "check_kv_projections",
     "convert_cache",
@@ -477,6 +477,8 @@ def _layer_kv(layer) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(layer, StaticLayer):
         held = int(layer.cumulative_length)
         return layer.keys[:, :, :held], layer.values[:, :, :held]
+    if callable(getattr(layer, "dense_kv", None)):  # kvscope.core.runtimes.transformers.latent.LatentLayer: reconstructed
+        return layer.dense_kv()
     if isinstance(layer, DynamicLayer):
         return layer.keys, layer.values
     raise SettingsError(f"a {type(layer).__name__} cache layer holds no plain K/V to read")
@@ -762,83 +764,3 @@ def convert_cache_window(cache: Cache, window: int | None, config) -> int:
             dropped = max(dropped, seen - held)
         cache.layers[i] = new
     return dropped
-
-
-# ------------------------------------------------------------------------------------------------
-# MLA
-
-
-def _spec_of(config) -> ModelSpec:
-    """The few head facts ``mla_dims`` reads, without a parameter count (not needed here)."""
-    text = config.get_text_config(decoder=True)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return ModelSpec(name="model", model_type=str(getattr(text, "model_type", "")), num_layers=text.num_hidden_layers,
-                     num_query_heads=text.num_attention_heads,
-                     num_kv_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
-                     head_dim=int(head_dim), hidden_size=text.hidden_size, vocab_size=text.vocab_size,
-                     tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
-                     max_position_embeddings=int(getattr(text, "max_position_embeddings", 2048)),
-                     dtype="float32", num_parameters=1, layer_types=(FULL_ATTENTION,) * text.num_hidden_layers,
-                     kv_lora_rank=getattr(text, "kv_lora_rank", None),
-                     qk_rope_head_dim=getattr(text, "qk_rope_head_dim", None), config=text.to_dict())
-
-
-def build_mla_twin(config, seed: int = 0, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-                   source_model: nn.Module | None = None, spec: ModelSpec | None = None):
-    """A small DeepseekV3ForCausalLM shaped like ``config``'s model, caching a compressed latent.
-
-    Same hidden size, layers, vocab, query heads and MLP width; dense MLP in every layer (no MoE);
-    kv_lora_rank and qk_rope_head_dim from ``kvscope.core.model.attention.mla_dims`` (4 x head_dim and
-    head_dim / 2), qk_nope_head_dim = v_head_dim = head_dim, no query compression. Weights are
-    random but deterministic in ``seed`` (the global RNG is left untouched). With
-    ``source_model``, its embeddings, norms, MLPs and lm_head are copied in where the shapes
-    match, so the twin's text is closer to the source's. Its cache, per layer, holds K =
-    [b, 1, s, kv_lora_rank] (the latent) and V = [b, 1, s, qk_rope_head_dim] (the rope key).
-    The engine switches to it by re-running every token so far. ``spec``: the model's spec, whose sizes the
-    prediction of the twin reads (``kvscope.core.model.attention.mla_twin_config``), so that both are of one model even where the
-    config object and its saved dict disagree (Dory's dict counts each layer twice); default: read off ``config``.
-    """
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    text = config.get_text_config(decoder=True)
-    spec = spec or _spec_of(config)
-    if spec.is_mla:
-        raise SettingsError("this model already caches a latent (MLA); it needs no MLA twin")
-    rope_parameters = getattr(text, "rope_parameters", None) or {}
-    theta = float(rope_parameters.get("rope_theta", getattr(text, "rope_theta", None) or 10000.0))
-    sizes = {k: v for k, v in mla_twin_config(spec).items() if k != "model_type"}
-    mla_config = DeepseekV3Config(
-        **sizes,
-        rms_norm_eps=getattr(text, "rms_norm_eps", None) or 1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": theta},
-        pad_token_id=getattr(text, "pad_token_id", None),
-        bos_token_id=getattr(text, "bos_token_id", None),
-        eos_token_id=getattr(text, "eos_token_id", None),
-        initializer_range=getattr(text, "initializer_range", None) or 0.02,
-    )
-    mla_config._attn_implementation = getattr(text, "_attn_implementation", None) or "sdpa"
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = DeepseekV3ForCausalLM(mla_config)
-    if source_model is not None:
-        _copy_matching(source_model, model)
-    model.to(device=device)
-    if dtype is not None:
-        # Parameters in the run's dtype; buffers stay as built (rotary tables in float32, xIELU's bfloat16
-        # beta/eps), as a loaded model keeps them and as the prediction's meta build counts them.
-        for param in model.parameters():
-            param.data = param.data.to(dtype)
-    model.eval()
-    return model
-
-
-def _copy_matching(source: nn.Module, target: nn.Module) -> None:
-    """Copy the source's parameters into the target wherever name and shape agree (attention excluded)."""
-    theirs = dict(source.named_parameters())
-    with torch.no_grad():
-        for name, param in target.named_parameters():
-            if "self_attn" in name:
-                continue
-            src = theirs.get(name)
-            if src is not None and src.shape == param.shape:
-                param.copy_(src.to(param.dtype))

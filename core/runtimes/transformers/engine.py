@@ -77,7 +77,6 @@ class Engine:
         self.device: str = loaded.device
         self.base_model = loaded.model
         self.model = loaded.model
-        self.mla_model = None
         self.probe = probe
         self.clock = clock
         #: One line before work that takes long between two tokens (re-running every token so far).
@@ -174,6 +173,10 @@ class Engine:
             raise SettingsError(f"the {strategy.key} cache scores tokens by the attention weights they receive, which "
                                 f"only eager attention returns: attn-impl {impl} cannot run while it is active "
                                 "(switch the cache first)")
+        if self._latent_mode(mode) and strategy.name != "dynamic":
+            raise SettingsError(f"MLA's latent is a dynamic cache of its own (a latent and a basis per layer): the "
+                                f"{strategy.key} cache cannot hold it; " + (
+                                    "leave MLA first" if self._latent_mode() else "switch the cache to dynamic first"))
         if isinstance(strategy, TokenSelecting) and INDEXED_ATTENTION in eff.layer_types:
             raise SettingsError(f"a {strategy.name} cache cannot evict the sparse-attention indexer keys of "
                                 f"{label}'s DSA layers; use dynamic or static")
@@ -229,7 +232,18 @@ class Engine:
         return int(self.settings.max_context or self.spec.max_position_embeddings)
 
     def _new_cache(self, strategy: CacheStrategy | None = None):
+        if self._latent_mode():
+            from kvscope.core.runtimes.transformers import latent
+
+            return latent.latent_cache(self.model, self._latent_rank())
         return (strategy or self.settings.cache).build(self.model.config, self.max_context())
+
+    def _latent_mode(self, mode: AttentionMode | None = None) -> bool:
+        """Whether ``mode`` (default: the current one) is KV Scope's MLA latent of this model (not a native MLA)."""
+        return isinstance(mode or self.mode, MLA) and not self.spec.is_mla
+
+    def _latent_rank(self, mode: AttentionMode | None = None) -> int:
+        return int(effective_spec(self.spec, self.settings.with_(attention=mode or self.mode)).latent_rank)
 
     def _set_attn_impl(self, impl: str) -> None:
         impl = parse_attn_impl(impl)
@@ -248,7 +262,7 @@ class Engine:
                     kernel = "sdpa-flash"
                 else:
                     kernel = "sdpa (flash refused: " + ("masked attention)" if needs_mask else "not on this device)")
-        for model in {id(m): m for m in (self.model, self.base_model, self.mla_model) if m is not None}.values():
+        for model in {id(m): m for m in (self.model, self.base_model) if m is not None}.values():
             model.set_attn_implementation(hf)
         self.kernel = kernel
         self.settings = self.settings.with_(attn_impl=impl)
@@ -308,21 +322,8 @@ class Engine:
         previous = self.mode
         before = effective_spec(self.spec, self.settings)
         eff = effective_spec(self.spec, self.settings.with_(attention=mode))
-        if isinstance(mode, MLA) and not self.spec.is_mla:
-            if self.mla_model is None:
-                self.mla_model = convert.build_mla_twin(self.base_model.config, seed=0,
-                                                        dtype=next(self.base_model.parameters()).dtype,
-                                                        device=self.device, source_model=self.base_model,
-                                                        spec=self.spec)
-                self.mla_model.eval()
-            self.model = self.mla_model
-            self.mode = mode
-            self.settings = self.settings.with_(attention=mode)
-            self._set_attn_impl(self.settings.attn_impl)
-            self._weights_observed = model_weight_bytes(self.model)
-            if live and self.cache is not None:
-                return self._rerun("MLA is a different model (latent cache)")
-            return "mla"
+        if self._latent_mode(mode):
+            return self._set_latent(mode, previous, before, eff, live)
         target = eff.num_kv_heads
         origin = self._kv_origin
         exact = True
@@ -343,8 +344,11 @@ class Engine:
         self._weights_observed = model_weight_bytes(self.model)
         if not live or self.cache is None:
             return mode.key
-        if previous.name == "mla" and not self.spec.is_mla:
-            return self._rerun("leaving MLA's latent cache")
+        if self._latent_mode(previous):
+            left = self._leave_latent()
+            if left:
+                return self._rerun(left)
+            before = effective_spec(self.spec, self.settings.with_(attention=native_attention(self.spec)))
         pattern_changed = (before.layer_types, before.sliding_window) != (eff.layer_types, eff.sliding_window)
         if pattern_changed and self._tokens_lost(before, eff):
             return self._rerun(f"the {previous.key} cache no longer holds the earliest tokens")
@@ -394,6 +398,92 @@ class Engine:
             notes.append(f"the model's own window ({eff.sliding_window}) stays on {eff.num_sliding_layers} of "
                          f"{eff.num_layers} layers")
         return "cache converted in place" + (f": {'; '.join(notes)}" if notes else "")
+
+    def _set_latent(self, mode: AttentionMode, previous: AttentionMode, before: ModelSpec, eff: ModelSpec,
+                    live: bool) -> str:
+        """MLA on a model that is not MLA: the model as loaded (its own K/V projections, its own layer pattern) and
+        its cache's full-attention layers turned into latents of its own K/V (``kvscope.core.runtimes.transformers.latent``),
+        in place; the tokens so far re-run only where the cache no longer holds the model's own K/V of them."""
+        from kvscope.core.runtimes.transformers import convert, latent
+
+        origin = self._kv_origin
+        rank = self._latent_rank(mode)
+        if origin is not None:
+            try:
+                current = convert.kv_heads_of(self.base_model)
+            except SettingsError:
+                current = None
+            if current is not None and current != origin.heads:
+                convert.set_kv_heads(self.base_model, origin.heads, origin=origin)
+        self.model = self._layer_pattern_model(eff)
+        self.mode = mode
+        self.settings = self.settings.with_(attention=mode)
+        self._set_attn_impl(self.settings.attn_impl)
+        self._weights_observed = model_weight_bytes(self.model)
+        if not live or self.cache is None or not self.seq_len:
+            return f"latent of rank {rank} per layer, fitted at the prefill"
+        why = self._latent_rerun(mode, previous)
+        if why:
+            return self._rerun(why)
+        notes = []
+        if self._latent_mode(previous):
+            # Down in rank: each layer fits its new basis on what its latent holds (no re-run).
+            for layer in self.cache.layers:
+                if isinstance(layer, latent.LatentLayer):
+                    layer.refit(rank)
+            return f"latent refitted to rank {rank} in place, on what the rank-{self._latent_rank(previous)} latent held"
+        held = convert.cache_heads(self.cache)
+        own = origin.heads if origin is not None else self.spec.num_kv_heads
+        if held is not None and held != own:
+            convert.convert_cache_kv_heads(self.cache, held, own)  # repeated heads: one of each (exact)
+            notes.append(f"{held} -> {own} K/V heads (the model's own, as loaded)")
+        if (before.layer_types, before.sliding_window) != (eff.layer_types, eff.sliding_window):
+            fresh = self.settings.cache.build(self.model.config, self.max_context())
+            convert.refill_cache(fresh, convert.dense_kv(self.cache), seq_length=self.seq_len)
+            self.cache = fresh
+            notes.append("the model's own layer pattern")
+        t = time.perf_counter()
+        how = latent.convert_to_latent(self.cache, self.model, rank)
+        notes.append(f"fitted on the {self.seq_len:,} tokens so far in {1000 * (time.perf_counter() - t):.0f} ms; {how}")
+        return f"cache converted in place to a latent of rank {rank} per layer: " + "; ".join(notes)
+
+    def _latent_rerun(self, mode: AttentionMode, previous: AttentionMode | None = None) -> str | None:
+        """Why a switch to MLA's latent re-runs the tokens so far (None: the cache converts in place): the cache must
+        hold the model's own K/V of every token (``rerun.may_rerun`` asks this too)."""
+        previous = previous or self.mode
+        if self.cache is None or not self.seq_len:
+            return None
+        if self._latent_mode(previous):
+            held = self._latent_rank(previous)
+            rank = self._latent_rank(mode)
+            return None if rank <= held else (f"a latent of rank {held} cannot give back the directions a rank of "
+                                              f"{rank} keeps")
+        native = native_attention(self.spec)
+        before = effective_spec(self.spec, self.settings.with_(attention=previous))
+        after = effective_spec(self.spec, self.settings.with_(attention=native))
+        if self._tokens_lost(before, after):
+            return f"the {previous.key} cache no longer holds the earliest tokens"
+        if self._tokens_dropped(before):
+            return f"the {self.settings.cache.key} cache no longer holds the tokens it dropped"
+        if before.layer_states and (before.layer_types, before.sliding_window) != (after.layer_types, after.sliding_window):
+            return "the layers' states beside K/V are recomputed in the new cache"
+        return self._pooled_cache_rerun(native, previous)
+
+    def _leave_latent(self) -> str | None:
+        """Leaving MLA's latent: a full-rank latent gives every token's K/V back (to rounding) into a dynamic cache;
+        below full rank the tokens' own K/V are gone, and the reason to re-run them is returned."""
+        from kvscope.core.runtimes.transformers import convert, latent
+
+        if self.cache is None or not self.seq_len:
+            return None
+        layers = [layer for layer in self.cache.layers if isinstance(layer, latent.LatentLayer)]
+        if any(layer.rank < layer.width for layer in layers):
+            return (f"a latent of rank {layers[0].rank} kept only part of the tokens' K/V; the model as loaded "
+                    "computes them again")
+        fresh = self.settings.cache.build(self.model.config, self.max_context())
+        convert.refill_cache(fresh, convert.dense_kv(self.cache), seq_length=self.seq_len)
+        self.cache = fresh
+        return None
 
     def _pooled_cache_rerun(self, mode: AttentionMode, previous: AttentionMode | None = None) -> str | None:
         """Why a switch to ``mode`` re-runs the tokens so far for the cache's K/V heads (None: it need not).
@@ -464,7 +554,7 @@ class Engine:
         return f"re-ran {self.seq_len} tokens: {why}"
 
     #: Engine fields a switch may change; the transaction restores them on failure.
-    _SWITCH_STATE = ("model", "mla_model", "mode", "settings", "kernel", "cache", "cache_base_tokens",
+    _SWITCH_STATE = ("model", "mode", "settings", "kernel", "cache", "cache_base_tokens",
                      "_next_logits", "_weights_observed")
 
     def apply(self, key: str, value: str | AttentionMode | CacheStrategy) -> Sample:

@@ -145,7 +145,7 @@ def may_rerun(engine: "Engine", name: str, parsed: Any) -> bool:
     """Whether switch ``name=parsed`` may re-run the tokens so far, judged from the settings alone (the engine's
     own conversions decide; this only spares the others a shadow: a switch judged False applies at once, as it
     always did, and one judged True that turns out not to re-run does too)."""
-    from kvscope.core.model.attention import MLA
+    from kvscope.core.model.attention import MLA, latent_widths
     from kvscope.core.model.settings import effective_spec
     from kvscope.core.model.spec import INDEXED_ATTENTION
 
@@ -153,8 +153,12 @@ def may_rerun(engine: "Engine", name: str, parsed: Any) -> bool:
         return False
     settings = engine.settings
     if name == "attention":
-        if isinstance(parsed, MLA) != isinstance(engine.mode, MLA) or settings.cache.needs_attention_weights:
+        if settings.cache.needs_attention_weights:
             return True
+        if not engine.spec.is_mla and isinstance(parsed, MLA):  # MLA's latent of this model: in place, mostly
+            return engine._latent_rerun(parsed) is not None
+        if not engine.spec.is_mla and isinstance(engine.mode, MLA):  # leaving it: a re-run below full rank
+            return engine.cache is not None and engine._latent_rank() < min(latent_widths(engine.spec))
         if engine._pooled_cache_rerun(parsed):  # a mean-pooled cache going back to the model's own heads, or up
             return True
         before = effective_spec(engine.spec, settings)
@@ -220,8 +224,7 @@ def begin(engine: "Engine", key: str, value: Any) -> "Sample | PreparedSwitch":
     engine._check_target(mode, impl, strategy)
     try:
         shadow = copy.copy(engine)
-        shadow.base_model, shadow.model, shadow.mla_model = shadow_models(
-            [engine.base_model, engine.model, engine.mla_model])
+        shadow.base_model, shadow.model = shadow_models([engine.base_model, engine.model])
     except Exception:  # noqa: BLE001 - a model that cannot be copied structurally: the switch the old way
         return engine.apply(key, value)
     shadow._defer_rerun = True

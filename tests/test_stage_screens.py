@@ -345,3 +345,25 @@ def test_token_labels_never_print_over_each_other_at_any_width(qtbot, width):
         assert rects, (width, top)  # at least one label, however narrow
         for a, b in zip(rects, rects[1:]):
             assert a.right() < b.left(), (width, top, a, b)
+
+
+def test_the_first_start_offer_leaves_the_plots_their_room_at_the_minimum_size(qtbot, tmp_path):
+    """Issue 37: at the 884x515 minimum the first start's banner (three wrapped lines) crushed the plots to ~30 px;
+    on a short window it is its button alone, and its text comes back on a tall one."""
+    from PySide6.QtCore import QSettings
+
+    fresh = QSettings(str(tmp_path / "first.ini"), QSettings.Format.IniFormat)  # a first start: the offer shows
+    w = MainWindow(settings=fresh)
+    qtbot.addWidget(w)
+    w.resize(884, 515)
+    w.show()
+    qtbot.wait(100)
+    if not w.demo_banner.isVisible():
+        pytest.skip("no demo recording shipped here: no offer")
+    assert not w.demo_banner.text.isVisible() and w.demo_banner.button.isVisible()
+    assert w.demo_banner.height() <= 48, w.demo_banner.height()
+    assert w.plots.kv_widget.height() >= 80, w.plots.kv_widget.height()
+    w.resize(1280, 900)
+    qtbot.wait(100)
+    assert w.demo_banner.text.isVisible()
+    w.close()

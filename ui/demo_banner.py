@@ -24,6 +24,7 @@ class DemoBanner(QFrame):
         text = QLabel("New here? Replay a run recorded with the embedded model: MHA \u2192 GQA \u2192 MQA, "
                       "flash off \u2192 on, dynamic \u2192 static cache. No model or GPU needed.")
         text.setWordWrap(True)
+        self.text = text
         self.button = QPushButton("\u25b6 Play the demo recording")
         self.button.setObjectName("primary")
         self.button.clicked.connect(self._play)
@@ -35,6 +36,12 @@ class DemoBanner(QFrame):
         row.addWidget(self.button)
         row.addWidget(close)
         self.setVisible(False)
+
+    def set_compact(self, compact: bool) -> None:
+        """On a short window (the 884x515 minimum) the offer is its button alone, one row: the text of three wrapped
+        lines crushed the plots to about 30 px there (issue 37); its tooltip says the rest."""
+        self.text.setVisible(not compact)
+        self.button.setToolTip(self.text.text() if compact else "")
 
     def _play(self) -> None:
         self.setVisible(False)

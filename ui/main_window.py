@@ -38,6 +38,8 @@ from kvscope.ui.theme import Theme, stylesheet, theme as make_theme
 from kvscope.workers.gpu_poller import GpuProcessPoller
 
 log = logging.getLogger(__name__)
+#: Shorter than this, the first start's offer is its button alone (its three wrapped lines crushed the plots).
+COMPACT_BANNER_BELOW_H = 700
 
 ORG, APP = "KVScope", "KV Scope"
 REDRAW_HZ = 30
@@ -410,6 +412,7 @@ class MainWindow(QMainWindow):
     def resizeEvent(self, event) -> None:  # noqa: N802 - Qt's name
         super().resizeEvent(event)
         self.live.fit_to_width(self.width(), self.presenter)
+        self.demo_banner.set_compact(self.height() < COMPACT_BANNER_BELOW_H)
 
     # ============================================================================================
     # settings and shutdown

@@ -367,3 +367,34 @@ def test_the_first_start_offer_leaves_the_plots_their_room_at_the_minimum_size(q
     qtbot.wait(100)
     assert w.demo_banner.text.isVisible()
     w.close()
+
+
+@pytest.mark.parametrize("size", [(1024, 768), (1280, 720)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_after_presenter_mode_and_back_the_breakdown_legend_is_there_again(qtbot, settings, size):
+    """Issue 37: after F11 and back the breakdown's legend was gone (rows hidden in presenter type shrank its size
+    hint, and the column never gave the room back)."""
+    from tests.test_breakdown import MiB, _sample
+
+    from kvscope.core.live.breakdown import memory_breakdown
+
+    w = MainWindow(settings=settings)
+    qtbot.addWidget(w)
+    w.resize(*size)
+    w.show()
+    w.add_samples(synthetic_samples(200))
+    cpu = _sample(process_rss=500 * MiB, weights_bytes=40 * MiB, kv_bytes_held=MiB, kv_bytes_reserved=MiB,
+                  activations_predicted=2 * MiB)
+    w.breakdown_view.show_breakdown(memory_breakdown(cpu))
+    qtbot.wait(100)
+
+    def shown():
+        return [name for name, (label, _, _) in w.breakdown_view.rows.items() if label.isVisible()]
+
+    before = shown()
+    assert len(before) >= 3, before
+    w.set_presenter(True, fullscreen=False)
+    qtbot.wait(100)
+    w.set_presenter(False, fullscreen=False)
+    qtbot.wait(100)
+    assert shown() == before
+    w.close()

@@ -126,6 +126,18 @@ class BreakdownView(QGroupBox):
         frame = max(self.height() - self.contentsRect().height(), self.fontMetrics().height() + 8)
         return QSize(1, frame + margins.top() + margins.bottom() + self.bar.minimumHeight())
 
+    def sizeHint(self) -> QSize:  # noqa: N802 - Qt's name
+        """Every row the breakdown has something for, shown or not: rows hidden for lack of room (presenter type)
+        shrank the hint, the column then never gave the room back, and after F11 and back the legend was gone
+        (issue 37)."""
+        base = super().sizeHint()
+        margins = self.layout().contentsMargins()
+        frame = max(self.height() - self.contentsRect().height(), self.fontMetrics().height() + 8)
+        rows = sum(name in self._wanted for name in (*PARTS, UNATTRIBUTED))
+        want = (frame + margins.top() + margins.bottom() + self.total_label.sizeHint().height()
+                + self.bar.minimumHeight() + 2 * self.layout().spacing() + rows * self._row_height())
+        return QSize(base.width(), max(base.height(), want))
+
     def resizeEvent(self, event) -> None:  # noqa: N802 - Qt's name
         super().resizeEvent(event)
         self._fit_rows()

@@ -164,10 +164,6 @@ class MLA(AttentionMode):
     def parse(cls, arg: str | None, spelled: str) -> "MLA":
         return cls(int_arg(arg, "mla:128", spelled) if arg else None)
 
-    def _base(self, spec: ModelSpec) -> ModelSpec:
-        # A model whose every layer slides (Mistral) runs MLA with full attention, as the head modes do.
-        return full_attention(spec) if spec.num_full_layers == 0 else spec
-
     def check(self, spec: ModelSpec) -> None:
         if spec.num_kv_layers == 0:
             raise SettingsError(f"{spec.label} has no attention layer (it caches no K/V, only fixed-size states): "
@@ -184,21 +180,25 @@ class MLA(AttentionMode):
         if any(st and (st.elements or st.fixed_bytes) for t, st in zip(spec.layer_types, states) if t != NO_KV):
             raise SettingsError(f"{spec.label}'s attention layers keep states beside K/V: KV Scope's latent covers "
                                 "plain K/V layers only")
-        widths = latent_widths(self._base(spec))
+        if spec.num_full_layers == 0:
+            raise SettingsError(f"every layer of {spec.label} slides (a window of {spec.sliding_window} tokens): KV "
+                                "Scope's latent compresses full-attention layers and leaves sliding ones as they are, "
+                                "so there is nothing to compress here")
+        widths = latent_widths(spec)
         if self.rank is not None and self.rank > min(widths):
             raise SettingsError(f"{self.key}: {spec.label}'s layers cache {min(widths)} K/V elements per token "
                                 f"(its full rank); choose a rank from 1 to {min(widths)}")
 
     def rank_for(self, spec: ModelSpec) -> int:
         """The latent's rank for ``spec``: the one asked, else half the narrowest full layer's K/V width."""
-        return self.rank if self.rank is not None else max(1, min(latent_widths(self._base(spec))) // 2)
+        return self.rank if self.rank is not None else max(1, min(latent_widths(spec)) // 2)
 
     def apply(self, spec: ModelSpec) -> ModelSpec:
         self.check(spec)
         if spec.is_mla:
             return spec
         # The model as loaded (its own heads and layer pattern), its full-attention layers caching the latent.
-        return replace(self._base(spec), latent_rank=self.rank_for(spec))
+        return replace(spec, latent_rank=self.rank_for(spec))
 
 
 @dataclass(frozen=True)

@@ -201,3 +201,37 @@ def latent_mode(text: str):
     from kvscope.core.model.attention import parse_attention
 
     return parse_attention(text)
+
+
+@pytest.mark.parametrize("model_type", ["gpt_neox", "persimmon", "phi3", "gemma3_text", "qwen2", "cohere", "glm"])
+def test_the_rotary_undone_is_the_models_own(model_type):
+    """Partial rotary (GPT-NeoX, Persimmon), fused q/k/v (Phi-3), norms on K and sliding layers (Gemma 3), K/V biases
+    (Qwen2), interleaved rotary (Cohere, GLM): the same token at two positions has, in the first layer, one key before
+    its rotation, so the un-rotated cached keys of a repeated token must agree (and the rotated ones must not); a full
+    rank latent gives the model's own logits."""
+    from transformers import DynamicCache
+
+    from tests import archs
+
+    try:
+        m = archs.build_tiny_model(model_type)
+    except archs.TinyBuildError as exc:
+        pytest.skip(str(exc))
+    ids = torch.tensor([[5, 9, 7, 11, 9, 13, 17, 9]])
+    with torch.inference_mode():
+        cache = DynamicCache(config=m.config)
+        m(input_ids=ids[:, :6], cache=cache)
+        first = next(i for i, layer in enumerate(cache.layers) if type(layer).__name__ == "DynamicLayer")
+        rope = latent.rope_of(m, first)
+        assert rope.active, rope.how
+        keys = cache.layers[first].keys
+        pre = rope.unrotate(keys, 0)
+        if first == 0:
+            assert torch.allclose(pre[:, :, 1], pre[:, :, 4], atol=1e-5), (pre[:, :, 1] - pre[:, :, 4]).abs().max()
+            assert not torch.allclose(keys[:, :, 1], keys[:, :, 4], atol=1e-3)
+        plain = DynamicCache(config=m.config)
+        m(input_ids=ids[:, :6], cache=plain)
+        width = keys.shape[1] * (keys.shape[-1] + cache.layers[first].values.shape[-1])
+        latent.convert_to_latent(cache, m, width)
+        ours, theirs = m(input_ids=ids[:, 6:], cache=cache).logits, m(input_ids=ids[:, 6:], cache=plain).logits
+    assert torch.allclose(ours, theirs, atol=1e-5), (ours - theirs).abs().max()

@@ -79,8 +79,8 @@ def _attention_of(model: nn.Module) -> dict[int, nn.Module]:
 
     try:
         modules = _attention_modules(model)
-    except SettingsError:
-        return {}
+    except SettingsError:  # fused q/k/v (GPT-NeoX, Phi-3): no heads to regroup, but attention modules all the same
+        modules = [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
     return {int(getattr(m, "layer_idx", i)): m for i, m in enumerate(modules)}
 
 
@@ -113,7 +113,7 @@ def rope_of(model: nn.Module, layer_idx: int) -> Rope:
         with torch.inference_mode():
             dtype = next(model.parameters()).dtype
             device = next(model.parameters()).device
-            head = int(getattr(attn, "head_dim", 0) or 0) or 64
+            head = int(getattr(attn, "head_dim", 0) or getattr(attn, "head_size", 0) or 0) or 64
             x = torch.randn(1, 1, 5, head, generator=torch.Generator().manual_seed(0)).to(device=device,
                                                                                               dtype=torch.float32)
             probe = x.to(dtype)

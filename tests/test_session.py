@@ -272,3 +272,18 @@ def test_the_predicted_growth_is_the_engines_own_and_starts_afresh_at_a_switch()
     session.take_samples(after[:2])
     assert session.predicted_slope == after[1].kv_bytes_predicted - after[0].kv_bytes_predicted
     assert session.predicted_slope < before[-1].kv_bytes_predicted - before[-2].kv_bytes_predicted  # MQA: less
+
+
+def test_the_setting_that_runs_is_the_newest_samples_even_an_events():
+    """A switch's event arrives after the token before it in one batch: read from the last token, a key pressed
+    right after the switch took the setting left for the one that runs ('attention: already mha' under window:256)."""
+    session = Session(lambda: 0.0)
+    session.begin_live(RunRequest(), "cpu")
+    tokens = synthetic_samples(5, prompt_tokens=4)
+    switch = tokens[-1].replace(phase="event", event="switch", attention="window:256", switch_key="attention",
+                                switch_before="mha", switch_after="window:256", text="attention: mha -> window:256")
+    session.switch_sent("attention", "window:256")
+    session.take_samples([*tokens, switch])
+    assert session.last_sample.attention == "mha"  # the last token's, from before the switch
+    assert session.running_setting("attention") == "window:256" and session.switches_pending == 0
+    assert session.switch_sent("attention", "mha")  # pressing 1 now is a switch, not "already mha"

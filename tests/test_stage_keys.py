@@ -119,8 +119,12 @@ def test_a_30_key_mash_in_a_real_run_is_at_most_one_switch_per_axis(qtbot, threa
         qtbot.waitUntil(lambda: window.decode_tokens > tokens + 1, timeout=60_000)  # late answers are in
         per_axis = {axis: [s for s in answers if s.switch_key == axis] for axis in AXES}
         limit = 1 if phase == "paused" else 2
-        assert all(len(v) <= limit for v in per_axis.values()), (phase, {a: [(s.event, s.switch_after) for s in v]
-                                                                         for a, v in per_axis.items()})
+        # What costs is a switch applied (a conversion, a re-run); a refusal or a no-op answers at once and lets the
+        # next press through (MLA's latent refuses a sink cache, and the mash goes on): counted apart.
+        applied = {axis: [s for s in v if s.event == "switch"] for axis, v in per_axis.items()}
+        assert all(len(v) <= limit for v in applied.values()), (phase, {a: [(s.event, s.switch_after) for s in v]
+                                                                        for a, v in per_axis.items()})
+        assert all(len(v) <= limit + 3 for v in per_axis.values()), (phase, per_axis)
         reruns = [s for s in answers if s.tokens_rerun]
         assert len(reruns) <= limit * 3
         for axis, value in wanted.items():

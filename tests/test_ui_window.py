@@ -129,20 +129,23 @@ def test_a_refused_switch_puts_the_controls_back_to_what_runs(qtbot, window):
 
 
 def test_a_long_conversion_says_so_and_keys_meanwhile_show_as_queued(qtbot, window):
-    """Issue 12, item 2: MLA re-runs every token so far (seconds on a long run): the engine says so
-    before it starts, and keys pressed meanwhile are shown as queued, one per axis (issue 25: a second
-    press on the same axis replaces the first)."""
+    """Issue 12, item 2: a switch that re-runs every token so far (leaving a sliding window that has dropped tokens:
+    seconds on a long run) says so before it starts, and keys pressed meanwhile are shown as queued, one per axis
+    (issue 25: a second press on the same axis replaces the first)."""
     said = []
     window.controller.progress.connect(said.append)
     window.start_run(RunRequest(source="embedded", max_new_tokens=3000))  # a static cache holds it: C offers static
-    qtbot.waitUntil(lambda: window.decode_tokens >= 20, timeout=120_000)
-    qtbot.keyClick(window, Qt.Key.Key_4)  # MLA
-    qtbot.keyClick(window, Qt.Key.Key_C)  # the next cache, while MLA is still to come
-    assert window.status_line.current_message().endswith("(2 queued)")
-    qtbot.waitUntil(lambda: window.badges["attention"].text() == "MLA", timeout=60_000)
+    qtbot.waitUntil(lambda: window.decode_tokens >= 1500, timeout=180_000)  # a re-run of seconds, not a blink
+    qtbot.keyClick(window, Qt.Key.Key_5)  # window:256: the cache drops the earliest tokens
+    qtbot.waitUntil(lambda: window.badges["attention"].text() == "WINDOW:256", timeout=60_000)
     qtbot.waitUntil(lambda: window.session.switches_pending == 0, timeout=60_000)
-    assert [m.label for m in window.plots.markers][-2:] == ["mla", "cache static"]
-    assert any(text.startswith("re-running ") and "tokens (MLA" in text for text in said), said
+    qtbot.keyClick(window, Qt.Key.Key_1)  # back to MHA: every token so far again
+    qtbot.keyClick(window, Qt.Key.Key_C)  # the next cache, while MHA is still to come
+    assert window.status_line.current_message().endswith("(2 queued)")
+    qtbot.waitUntil(lambda: window.badges["attention"].text() == "MHA", timeout=60_000)
+    qtbot.waitUntil(lambda: window.session.switches_pending == 0, timeout=60_000)
+    assert [m.label for m in window.plots.markers][-2:] == ["mha", "cache static"]
+    assert any(text.startswith("re-running ") and "the window:256 cache" in text for text in said), said
     with qtbot.waitSignal(window.run_finished, timeout=10_000):
         window.stop_run()
 

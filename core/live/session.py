@@ -139,6 +139,7 @@ class Session:
     def _reset_run(self) -> None:
         """What one run accumulates (also set up here for the first)."""
         self.last_sample: Sample | None = None
+        self._newest: Sample | None = None  # the newest Sample of any kind (its settings are what runs)
         self.decode_tokens = 0
         self.switch_events = 0
         self.spike_count = 0
@@ -247,8 +248,10 @@ class Session:
         return max(int(getattr(self.request, "max_new_tokens", 0) or 0) - done, 0)
 
     def running_setting(self, key: str) -> str | None:
-        """The setting the engine last reported on axis ``key`` (attention / attn-impl / cache)."""
-        s = self.last_sample
+        """The setting the engine last reported on axis ``key`` (attention / attn-impl / cache): its newest Sample's,
+        event or token (a switch's event is newer than the token before it: read from the last token, a key
+        pressed right after a switch took the setting left for the one that runs and said 'already mha')."""
+        s = self._newest or self.last_sample
         return None if s is None else getattr(s, SETTING_FIELDS.get(key, ""), None)
 
     def switch_sent(self, key: str, value: str) -> bool:
@@ -302,6 +305,7 @@ class Session:
                     self._monitor_last_t = s.time_s
                     spikes.extend(self.monitor.feed(reading_from_sample(s)))
             self._prev_cache = s.cache
+            self._newest = s  # every Sample carries the settings in force: the newest says what runs
             if s.phase == PHASE_EVENT:
                 self._take_event(s)
                 continue

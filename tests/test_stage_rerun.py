@@ -69,6 +69,22 @@ def _case(i: int) -> tuple[int, int]:
     return rng.randint(12, 40), rng.randint(1, 9)
 
 
+def _same_cache_and_runs_on(prepared_run: Engine, applied_run: Engine) -> None:
+    """The prepared switch left the cache, the next logits and the settings the applied one left, and runs on exact."""
+    assert cache_bytes(prepared_run.cache) == cache_bytes(applied_run.cache)
+    # MLA's latent: the tokens generated meanwhile reach it in chunks here, one by one there; each grouping extends
+    # or refits the basis on the same tokens, equal to the fit's float32 rounding.
+    tol = 2e-3 if latent.is_latent(applied_run.cache) else 1e-5
+    for (k1, v1), (k2, v2) in zip(dense_kv(prepared_run.cache), dense_kv(applied_run.cache), strict=True):
+        torch.testing.assert_close(k1, k2, rtol=tol, atol=tol)
+        torch.testing.assert_close(v1, v2, rtol=tol, atol=tol)
+    torch.testing.assert_close(prepared_run._next_logits, applied_run._next_logits, rtol=10 * tol, atol=10 * tol)
+    assert prepared_run._settings_now() == applied_run._settings_now()
+    for _ in range(3):  # and it runs on, exact
+        s = prepared_run.step()
+        assert s.kv_bytes_held == s.kv_bytes_predicted and s.attention == applied_run.mode.key
+
+
 @pytest.mark.parametrize("i", range(len(RERUNS)))
 def test_a_prepared_rerun_leaves_the_cache_an_applied_switch_leaves(loaded, i):
     attention, cache, key, value = RERUNS[i]
@@ -111,18 +127,7 @@ def test_a_prepared_rerun_leaves_the_cache_an_applied_switch_leaves(loaded, i):
         applied_run.step()
     assert torch.equal(applied_run.ids, prepared_run.ids)
     assert prepared_run.cache_base_tokens == applied_run.cache_base_tokens == PROMPT + before
-    assert cache_bytes(prepared_run.cache) == cache_bytes(applied_run.cache)
-    # MLA's latent: the tokens generated meanwhile reach it in chunks here, one by one there; each grouping extends
-    # or refits the basis on the same tokens, equal to the fit's float32 rounding.
-    tol = 2e-3 if latent.is_latent(applied_run.cache) else 1e-5
-    for (k1, v1), (k2, v2) in zip(dense_kv(prepared_run.cache), dense_kv(applied_run.cache), strict=True):
-        torch.testing.assert_close(k1, k2, rtol=tol, atol=tol)
-        torch.testing.assert_close(v1, v2, rtol=tol, atol=tol)
-    torch.testing.assert_close(prepared_run._next_logits, applied_run._next_logits, rtol=10 * tol, atol=10 * tol)
-    assert prepared_run._settings_now() == applied_run._settings_now()
-    for _ in range(3):  # and it runs on, exact
-        s = prepared_run.step()
-        assert s.kv_bytes_held == s.kv_bytes_predicted and s.attention == applied_run.mode.key
+    _same_cache_and_runs_on(prepared_run, applied_run)
 
 
 def test_switches_that_need_no_rerun_apply_at_once(loaded):
@@ -333,15 +338,4 @@ def test_a_conversion_off_the_token_path_leaves_the_cache_an_applied_switch_leav
     for _ in range(meanwhile):
         applied_run.step()
     assert torch.equal(applied_run.ids, prepared_run.ids)
-    assert cache_bytes(prepared_run.cache) == cache_bytes(applied_run.cache)
-    # MLA's latent: the tokens generated meanwhile reach it in chunks here, one by one there; each grouping extends
-    # or refits the basis on the same tokens, equal to the fit's float32 rounding.
-    tol = 2e-3 if latent.is_latent(applied_run.cache) else 1e-5
-    for (k1, v1), (k2, v2) in zip(dense_kv(prepared_run.cache), dense_kv(applied_run.cache), strict=True):
-        torch.testing.assert_close(k1, k2, rtol=tol, atol=tol)
-        torch.testing.assert_close(v1, v2, rtol=tol, atol=tol)
-    torch.testing.assert_close(prepared_run._next_logits, applied_run._next_logits, rtol=10 * tol, atol=10 * tol)
-    assert prepared_run._settings_now() == applied_run._settings_now()
-    for _ in range(3):
-        s = prepared_run.step()
-        assert s.kv_bytes_held == s.kv_bytes_predicted
+    _same_cache_and_runs_on(prepared_run, applied_run)

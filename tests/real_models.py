@@ -135,3 +135,12 @@ def smollm2_folder() -> Path:
                 shutil.rmtree(folder)  # a build interrupted before .complete
             staged.rename(folder)
     return folder
+
+
+def load(name: str):
+    """``load_model`` of ``name``: "smollm2" (the real weights above, built on first use) or "embedded", on the CPU."""
+    from kvscope.core.runtimes.transformers.loading import load_model
+
+    if name == "smollm2":
+        return load_model(str(smollm2_folder()), device="cpu")
+    return load_model("embedded", device="cpu")

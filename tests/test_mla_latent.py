@@ -18,7 +18,6 @@ from kvscope.core.model.attention import SettingsError
 from kvscope.core.model.settings import RunSettings
 from kvscope.core.runtimes.transformers import latent
 from kvscope.core.runtimes.transformers.engine import Engine
-from kvscope.core.runtimes.transformers.loading import load_model
 from tests import helpers, real_models
 
 _one_thread = pytest.fixture(autouse=True, scope="module")(helpers.one_torch_thread)
@@ -55,10 +54,7 @@ DEFAULT_KL_BELOW = {"smollm2": 0.2, "embedded": 0.02}
 COMMON = ("the", "a", "and", "of", "to", "is", "in", "it", "that", "for", "as", "with", "on")
 
 
-def _load(name: str):
-    if name == "smollm2":
-        return load_model(str(real_models.smollm2_folder()), device="cpu")
-    return load_model("embedded", device="cpu")
+_load = real_models.load
 
 
 @pytest.fixture(scope="module", params=["smollm2", "embedded"])

@@ -18,7 +18,6 @@ from kvscope.core.model.attention import SettingsError, parse_attention
 from kvscope.core.model.settings import RunSettings
 from kvscope.core.runtimes.transformers import convert, rerun
 from kvscope.core.runtimes.transformers.engine import Engine
-from kvscope.core.runtimes.transformers.loading import load_model
 from tests import helpers, real_models
 
 _one_thread = pytest.fixture(autouse=True, scope="module")(helpers.one_torch_thread)
@@ -44,10 +43,7 @@ MQA_KL_ABOVE = {"smollm2": 3.0, "embedded": 0.2}
 EXACT_KL = 1e-6
 
 
-def _load(name: str):
-    if name == "smollm2":
-        return load_model(str(real_models.smollm2_folder()), device="cpu")
-    return load_model("embedded", device="cpu")
+_load = real_models.load
 
 
 @pytest.fixture(scope="module", params=["smollm2", "embedded"])

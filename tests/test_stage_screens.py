@@ -7,7 +7,7 @@ cut at 1280x720)."""
 from __future__ import annotations
 
 import pytest
-from PySide6.QtCore import QPoint, QRect
+from PySide6.QtCore import QPoint, QRect, Qt
 from PySide6.QtWidgets import QAbstractScrollArea, QLabel, QWidget
 
 from kvscope.core.live.breakdown import memory_breakdown
@@ -397,4 +397,31 @@ def test_after_presenter_mode_and_back_the_breakdown_legend_is_there_again(qtbot
     w.set_presenter(False, fullscreen=False)
     qtbot.wait(100)
     assert shown() == before
+    w.close()
+
+
+@pytest.mark.parametrize("size,presenter", [((1024, 768), False), ((1024, 768), True), ((1280, 720), False)],
+                         ids=["1024-normal", "1024-presenter", "1280-normal"])
+def test_the_models_name_is_on_screen(qtbot, settings, size, presenter):
+    """Issue 37, item 6: the model's name disappeared from the badge row at 1024 px (normal and presenter), and full
+    screen hides the window title, its other place."""
+    from kvscope.core.model.request import ModelInfo
+    from kvscope.core.model.sources import load_spec
+
+    w = MainWindow(settings=settings)
+    qtbot.addWidget(w)
+    w.resize(*size)
+    w.show()
+    if presenter:
+        w.set_presenter(True, fullscreen=False)
+    spec = load_spec("embedded")
+    w.set_model_info(ModelInfo(label="HuggingFaceTB/SmolLM2-135M-Instruct", source="x", device="cpu",
+                               device_name="CPU", dtype="float32", spec=spec, total_memory=None,
+                               attention_choices=(), cache_choices=(), attn_impl_choices=()))
+    w.add_samples(synthetic_samples(50))
+    qtbot.wait(100)
+    badge = w.badges["model"]
+    assert badge.isVisible() and badge.width() >= 50, badge.width()
+    shown = badge.fontMetrics().elidedText(badge.text(), Qt.TextElideMode.ElideRight, badge.contentsRect().width())
+    assert len(shown.rstrip("\u2026")) >= 4, shown
     w.close()

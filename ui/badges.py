@@ -337,6 +337,7 @@ class BadgeRow(QWidget):
         self.badges["model"].set_tip(f"{name}\nsource: {safe_text(info.source)}\n{info.spec.num_layers} layers, "
                                         f"{info.spec.num_query_heads} query / {info.spec.num_kv_heads} KV heads of "
                                         f"{info.spec.head_dim}, {info.dtype}")
+        self._fit_names()  # the name's room is counted once there is a name
 
     def show_recording(self, recording: str | None, armed: str | None) -> None:
         """'● REC' while a live run records to ``recording``; '○ REC next run' while File › Record is armed."""

@@ -81,15 +81,21 @@ def test_from_the_start_flat_at_capacity(embedded, key):
 def test_switches_in_and_out_exact_at_every_sample(embedded):
     """dynamic -> sink (copied across) -> attention changes under it -> h2o (the kernel goes eager; re-run for
     the scores) -> attention under h2o (re-run: per-head selections) -> sdpa refused -> out again (re-run:
-    the dropped tokens are gone) -> window and MLA with a sink cache."""
+    the dropped tokens are gone) -> a window with a sink cache; MLA (a latent of the model's own K/V, a dynamic
+    cache of its own) refused under sink and h2o, then in and out from dynamic."""
     engine = _engine(embedded)
     _steps(engine, 4, "dynamic")
     plan = [("cache", "sink:4+12"), ("attention", "gqa:2"), ("attention", "mqa"), ("cache", "sink:2+6"),
             ("cache", "h2o:6+6"), ("attention", "gqa:4"), ("cache", "dynamic"), ("attention", "mha"),
-            ("cache", "sink:3+9"), ("attention", "window:8"), ("attention", "mha"), ("attention", "mla"),
-            ("cache", "h2o:5+5"), ("attention", "mha"), ("cache", "dynamic")]
+            ("cache", "sink:3+9"), ("attention", "window:8"), ("attention", "mha"), ("mla refused", "sink"),
+            ("cache", "dynamic"), ("attention", "mla"), ("attention", "mha"), ("cache", "h2o:5+5"),
+            ("mla refused", "h2o"), ("cache", "dynamic")]
     events = []
     for key, value in plan:
+        if key == "mla refused":
+            with pytest.raises(SettingsError, match="dynamic cache of its own"):
+                engine.apply("attention", "mla")
+            continue
         event = engine.apply(key, value)
         assert event.event == "switch", event.text
         _exact(event, f"{key}={value} event")

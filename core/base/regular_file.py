@@ -15,7 +15,7 @@ import stat
 
 from kvscope.core.base.errors import BAD_INPUT, KVScopeError
 
-__all__ = ["FileRefused", "read_regular_file", "file_kind"]
+__all__ = ["FileRefused", "read_regular_file", "read_at_most", "file_kind"]
 
 _KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
           (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"))
@@ -66,17 +66,24 @@ def read_regular_file(path: str | os.PathLike[str], limit: int, what: str) -> by
         if st.st_size > limit:
             raise FileRefused(f"{what} is {_size(st.st_size)} ({st.st_size:,} bytes); it may be at most "
                               f"{_size(limit)} ({limit:,} bytes), so it was not read")
-        chunks, got = [], 0
-        while got <= limit:
-            chunk = os.read(fd, min(1 << 20, limit + 1 - got))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            got += len(chunk)
+        data = read_at_most(fd, limit)
     except OSError as exc:
         raise FileRefused(f"cannot read {what}: {exc.strerror or exc}") from None
     finally:
         os.close(fd)
-    if got > limit:  # it grew while it was read
+    if len(data) > limit:  # it grew while it was read
         raise FileRefused(f"{what} is more than {_size(limit)} ({limit:,} bytes); it was not read")
+    return data
+
+
+def read_at_most(fd: int, limit: int) -> bytes:
+    """What the open descriptor ``fd`` holds, up to ``limit`` + 1 bytes (one more than allowed: a longer result says
+    the file is over the limit, never read to its end). OSError as ``os.read`` raises it."""
+    chunks, got = [], 0
+    while got <= limit:
+        chunk = os.read(fd, min(1 << 20, limit + 1 - got))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
     return b"".join(chunks)

@@ -18,6 +18,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from kvscope.core.base.regular_file import read_at_most
 from kvscope.core.model.hf import compute_view
 from kvscope.core.model.spec import (FULL_ATTENTION, INDEXED_ATTENTION, MAX_COUNT, NO_KV, PRESETS_DIR,
                                      SLIDING_ATTENTION, ConfigView, ModelFacts, ModelSpec, SpecError, _cache_dir,
@@ -83,20 +84,13 @@ def read_config_json(path: Path, max_bytes: int = MAX_CONFIG_BYTES) -> dict[str,
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise SpecError(f"{path} is not a regular file")
-            chunks, got = [], 0
-            while got <= max_bytes:
-                chunk = os.read(fd, min(1 << 20, max_bytes + 1 - got))
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                got += len(chunk)
+            raw = read_at_most(fd, max_bytes)
         finally:
             os.close(fd)
     except OSError as exc:
         raise SpecError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    if got > max_bytes:  # it grew since its size was looked at
+    if len(raw) > max_bytes:  # it grew since its size was looked at
         raise SpecError(f"{path} is more than {human_bytes(max_bytes)}; a config.json is at most that here")
-    raw = b"".join(chunks)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
+import tempfile
 import threading
 from typing import Callable
 
@@ -48,22 +50,52 @@ def kernel_from_ops(names: set[str]) -> str:
     return "unknown"
 
 
+#: What the profiler's C++ side writes to file descriptor 2 by itself, around and during a session: kineto's log
+#: lines (``USDT:2026-12-03 17:22:14 9035:9035 SyncActivityProfilerHandler.cpp:52] profiler_start``, STAGE,
+#: WARNING...), its one ``fprintf`` (the first session on a thread other than the one that imported torch), and
+#: c10's line when a block allocated before the session is freed in it (``[W1203 17:22:15.272649651
+#: CPUAllocator.cpp:245] Memory block of unknown size was allocated before the profiling started, ...``).
+_PROFILER_LINE = re.compile(
+    rb"(?:VERBOSE|INFO|WARNING|STAGE|ERROR|USDT):\d{4}-\d\d-\d\d [\d:]+ \d+:\d+ [\w.]+:\d+\] "
+    rb"|ERROR: External init callback must run in same thread as registerClient"
+    rb"|\[[WIEF]\d{4} [\d:.]+ (?:\d+ )?[\w.]+:\d+\] .*profil")
+
+
 @contextlib.contextmanager
-def _quiet_stderr():
-    """The profiler's C++ side prints two lines to file descriptor 2 at start and stop; hide them."""
+def quiet_profiler():
+    """Around one profiler session (start, the profiled call, stop): what reaches file descriptor 2 meanwhile is
+    spooled, and on the way out written back to it less the profiler's own lines (``_PROFILER_LINE``).
+
+    libkineto and c10 write to fd 2 from C++ (std::cerr, fprintf), past sys.stderr, so only the descriptor can be
+    caught; kineto's level (KINETO_LOG_LEVEL) gates its log lines but not its fprintf nor c10's warning. Every
+    other line written meanwhile, ours or a library's, comes out after the session, in order."""
     try:
-        fd = sys.stderr.fileno()
+        sys.stderr.flush()  # what was written before the session goes out before it
     except (AttributeError, ValueError, OSError):
+        pass
+    try:
+        saved = os.dup(2)
+    except OSError:  # no fd 2 (closed): nothing to keep clean
         yield
         return
-    saved = os.dup(fd)
+    spool = tempfile.TemporaryFile()
     try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), fd)
+        os.dup2(spool.fileno(), 2)
+        try:
             yield
+        finally:
+            try:
+                sys.stderr.flush()  # Python's lines written meanwhile join the spool, in order
+            except (AttributeError, ValueError, OSError):
+                pass
+            os.dup2(saved, 2)
+        spool.seek(0)
+        kept = b"".join(line for line in spool.read().splitlines(keepends=True) if not _PROFILER_LINE.match(line))
+        while kept:
+            kept = kept[os.write(2, kept):]
     finally:
-        os.dup2(saved, fd)
         os.close(saved)
+        spool.close()
 
 
 def measure_kernel(forward: Callable[[], object]) -> str | None:
@@ -78,17 +110,20 @@ def measure_kernel(forward: Callable[[], object]) -> str | None:
             from torch.profiler import ProfilerActivity, profile
 
             prof = profile(activities=[ProfilerActivity.CPU])
-            with _quiet_stderr():
-                prof.__enter__()
         except Exception:  # noqa: BLE001 - no profiler (a stripped build): the kernel stays unmeasured
             forward()
             return None
-        try:
-            forward()
-        finally:
-            with _quiet_stderr():
-                prof.__exit__(None, None, None)
-        return kernel_from_ops({e.name for e in prof.events()})
+        with quiet_profiler():
+            try:
+                prof.__enter__()
+            except Exception:  # noqa: BLE001 - the profiler cannot start here: the kernel stays unmeasured
+                prof = None
+            try:
+                forward()
+            finally:
+                if prof is not None:
+                    prof.__exit__(None, None, None)
+        return kernel_from_ops({e.name for e in prof.events()}) if prof is not None else None
     finally:
         PROFILER.release()
 

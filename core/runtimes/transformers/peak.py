@@ -4,7 +4,8 @@ CUDA: torch's own counters (``reset_peak_memory_stats`` before, ``max_memory_all
 bytes allocated at the start). The CPU allocator keeps no counter, so on the CPU the call runs under the
 PyTorch profiler with ``profile_memory=True``: every allocation and free of the CPU allocator comes as a
 ``[memory]`` event with its signed size, and replaying them in order gives the high-water mark (a call that
-frees tensors made before the session, a decode step's cache, has them copied in first: ``adopt_dynamic_cache``).
+frees tensors made before the session, a decode step's cache, has them copied in first: ``adopt_dynamic_cache``;
+what the profiler prints of its own stays off the terminal: ``kernels.quiet_profiler``).
 Other devices (MPS): not measured (None). ``matmul_scratch`` asks oneDNN what a bf16/fp16 matmul of a shape takes
 from the allocator inside the call, for ``kvscope.core.prediction.predict.prefill_peak``'s replay.
 
@@ -19,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from kvscope.core.runtimes.transformers.kernels import PROFILER
+from kvscope.core.runtimes.transformers.kernels import PROFILER, quiet_profiler
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ def measure_peak(call: Callable[[], Any], device: str, adopt: Callable[[], None]
     if not PROFILER.acquire(blocking=wait):
         return call(), None
     try:
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with quiet_profiler(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             if adopt is not None:
                 adopt()
             marker = torch.empty(_MARKER_BYTES, dtype=torch.uint8)

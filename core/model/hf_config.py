@@ -238,12 +238,6 @@ def model_facts(cfg: dict[str, Any]) -> ModelFacts | None:
     return config_view(cfg).facts
 
 
-def parameter_count(cfg: dict[str, Any]) -> int | None:
-    """Exact parameter count from a meta-device build (memoised on disk)."""
-    facts = model_facts(cfg)
-    return None if facts is None else facts.parameters
-
-
 
 # --------------------------------------------------------------------------------------------
 # Deriving the spec

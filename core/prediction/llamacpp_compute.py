@@ -81,10 +81,6 @@ class Tensor:
             return TYPES[self.type][1] + sum((self.ne[i] - 1) * self.nb[i] for i in range(4))
         return self.ne[0] * self.nb[0] // block + sum((self.ne[i] - 1) * self.nb[i] for i in range(1, 4))
 
-    @property
-    def is_view(self) -> bool:
-        return self.view_src is not None
-
 
 def _shape(*ne: int) -> tuple[int, int, int, int]:
     return tuple(list(ne) + [1] * (4 - len(ne)))  # type: ignore[return-value]

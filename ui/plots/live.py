@@ -176,9 +176,6 @@ class LivePlots(QWidget):
     def declutter_spike_labels(self) -> int:
         return self.memory.declutter()
 
-    def declutter_marker_labels(self) -> int:
-        return self.kv.declutter()
-
     def _add_marker(self, s: Sample) -> None:
         label = marker_label(s, MARK_LABEL_CHARS)  # the session's rule: the plot only draws it
         marker = Marker(max(int(s.token), 0), s.time_s, label, s.event or "switch", ())

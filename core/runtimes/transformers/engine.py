@@ -114,7 +114,6 @@ class Engine:
         self.quality_probe = quality_probe
         self._reference = None
         self._reference_problem: str | None = None
-        self._reference_stale = False  # unused: the reference is the loaded model, no switch makes it stale
         # The embedded demo model is tiny (and, as a fallback, random): left alone it can sample lone UTF-8
         # continuation bytes and control characters, which print as U+FFFD or nothing; its text reads
         # better without them (real models: untouched).

@@ -379,8 +379,6 @@ def advance(engine: "Engine", prep: PreparedSwitch) -> Sample | None:
         setattr(engine, name, getattr(shadow, name))
     peak = shadow._take_peak()
     prep.shadow = None
-    if prep.axis == "attention":
-        engine._reference_stale = True  # the quality probe's twin cache was made by the model before
     gc.collect()
     now_setting = engine._settings_now()[prep.axis.replace("-", "_")]
     detail = prep.detail

@@ -207,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     calc.add_argument("--fit-target", type=int, default=1024, metavar="MiB",
                       help="--runtime llama.cpp --gpu-memory: memory llama.cpp's --fit leaves free (default 1024, "
                            "llama.cpp's)")
+    calc.add_argument("--no-dry-run", action="store_true",
+                      help="--runtime llama.cpp: KV Scope's replay only, without llama.cpp's own dry run of the GGUF "
+                           "(no_alloc, in a child process; on by default where llama.cpp is installed)")
     _add_mlx_options(calc, calc=True)
     calc.add_argument("--json", action="store_true", help="print one JSON object")
 

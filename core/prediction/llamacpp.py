@@ -376,6 +376,79 @@ def _compute_and_output(source, o: LlamaCppOptions, n_batch: int, n_ubatch: int,
     return compute, output_buffer_bytes(n_vocab, o.n_seq_max) if n_vocab else None
 
 
+#: ggml-cpu's extra buffer type CPU_REPACK (ggml/src/ggml-cpu/repack.cpp ``ggml_repack_get_optimal_repack_type``): per
+#: CPU feature set, the ggml types whose weights llama.cpp re-lays in interleaved rows at load, each with the row
+#: count that must divide the tensor's ne[1]. Checked against llama.cpp's dry run on AVX-512 (Q4_0, MXFP4: the types
+#: the ``gguf`` package can write); the others are the source's, not checked here.
+REPACK_TYPES: dict[str, dict[str, int]] = {
+    "avx2": {"Q4_0": 8, "Q4_K": 8, "IQ4_NL": 8, "MXFP4": 8},
+    "avx512": {"Q4_0": 8, "Q4_K": 8, "IQ4_NL": 8, "MXFP4": 8, "Q2_K": 8},
+    "neon-i8mm": {"Q4_0": 4, "Q4_K": 8, "Q5_K": 8, "Q6_K": 8, "IQ4_NL": 4, "MXFP4": 4, "Q8_0": 4},
+    "neon-dotprod": {"Q4_0": 4, "Q4_K": 8, "Q5_K": 8, "Q6_K": 8, "IQ4_NL": 4, "MXFP4": 4, "Q8_0": 4},
+    "none": {},
+}
+#: Weights llama.cpp reads by row (GGML_OP_GET_ROWS), never by a matrix product: the repack buffer cannot take them.
+_GET_ROWS = ("token_embd.weight", "pos_embd.weight", "token_types.weight", "per_layer_token_embd.weight")
+#: ggml's CPU buffer alignment (TENSOR_ALIGNMENT), and a GGUF's default tensor alignment in the file.
+CPU_ALIGNMENT = 32
+
+
+@dataclass(frozen=True)
+class CpuModelBuffers:
+    """llama.cpp's model buffers on a CPU build (``llama_model::load_tensors``, ``select_weight_buft``: the CPU's extra
+    buffer types first): the tensors CPU_REPACK takes (a 2-D matrix-product weight, or 3-D experts under MUL_MAT_ID,
+    of a type the CPU repacks, with ne[1] a multiple of its rows), and the rest in the default CPU buffer: with mmap
+    (llama.cpp's default) the file's range from the first of them to the end of the last, ``CPU_Mapped`` (repacked
+    tensors between them included); without mmap their bytes, each padded to 32, ``CPU``."""
+
+    isa: str
+    cpu: int  # the default buffer's tensors, padded (a load without mmap: "CPU")
+    mapped: int  # the file range that holds them (a load with mmap: "CPU_Mapped")
+    repack: int  # CPU_REPACK
+    repacked: tuple[str, ...]  # the tensors in CPU_REPACK (a tied output's copy of the token embedding included)
+
+    def by_type(self, mmap: bool = True) -> dict[str, int]:
+        """The buffers llama.cpp logs (``load_tensors: X model buffer size``), per type, with or without mmap."""
+        out = {("CPU_Mapped" if mmap else "CPU"): self.mapped if mmap else self.cpu}
+        if self.repack:
+            out["CPU_REPACK"] = self.repack
+        return out
+
+
+def cpu_model_buffers(g: GgufModel, isa: str = "avx2") -> CpuModelBuffers:
+    """The model buffers per type of ``g`` on a CPU build whose CPU has ``isa`` (a key of ``REPACK_TYPES``)."""
+    rules = REPACK_TYPES.get(isa)
+    if rules is None:
+        raise SettingsError(f"unknown CPU feature set {isa!r}; use one of {', '.join(REPACK_TYPES)}")
+
+    def pad(n: int) -> int:
+        return (n + CPU_ALIGNMENT - 1) // CPU_ALIGNMENT * CPU_ALIGNMENT
+
+    def repacks(t, as_output: bool = False) -> bool:
+        rows = rules.get(t.ggml_type)
+        if not rows or len(t.shape) < 2 or t.shape[1] % rows:
+            return False
+        if t.name.endswith("_exps.weight"):  # MUL_MAT_ID
+            return len(t.shape) == 3
+        return len(t.shape) == 2 and (as_output or t.name not in _GET_ROWS)
+
+    repacked = [t for t in g.tensors if repacks(t)]
+    names = {t.name for t in repacked}
+    rest = [t for t in g.tensors if t.name not in names]
+    extra = 0
+    embd = next((t for t in g.tensors if t.name == "token_embd.weight"), None)
+    if embd is not None and not any(t.name == "output.weight" for t in g.tensors) and repacks(embd, as_output=True):
+        extra = pad(embd.n_bytes)  # a tied output: the token embedding again, as the output layer's matrix product
+    offsets, at = {}, 0
+    for t in g.tensors:  # gguf.cpp: each tensor at the previous ones' sizes, padded to the alignment
+        offsets[t.name] = at
+        at += pad(t.n_bytes)
+    mapped = (max(offsets[t.name] + t.n_bytes for t in rest) - min(offsets[t.name] for t in rest)) if rest else 0
+    return CpuModelBuffers(isa, sum(pad(t.n_bytes) for t in rest), mapped,
+                           sum(pad(t.n_bytes) for t in repacked) + extra,
+                           tuple(t.name for t in repacked) + (("token_embd.weight (output)",) if extra else ()))
+
+
 def render(p: LlamaCppPlan, trained: int | None = None) -> list[str]:
     """Lines for ``calc --runtime llama.cpp``: the settings as llama.cpp takes them, each cache, the totals."""
     o = p.options
@@ -441,6 +514,7 @@ class LlamaCppCalc:
 
     fit: "LlamaCppFit | None" = None
     fit_auto: "LlamaCppFit | None" = None  # the same with -c 0 (llama-server's default: the trained context)
+    source: str = ""  # the model as given (a .gguf path where ``gguf``)
 
     def rows(self) -> list[dict]:
         """One row per context: weights, KV, compute and output buffers; total_bytes is their sum (None where the
@@ -594,7 +668,7 @@ def calculate_llamacpp(source: str, spec: ModelSpec, contexts: list[int], option
     fit_auto = (fit_llamacpp(model, replace(options_for(contexts[-1]), n_ctx=0), gpu_memory, weights, fit_target)
                 if gpu_memory else None)
     return LlamaCppCalc(spec.label, gguf, plans, tuple(contexts), weights, gpu_memory, fits, trained, by_type, fit,
-                        fit_auto)
+                        fit_auto, source)
 
 
 def _fit_json(f: "LlamaCppFit | None") -> dict | None:
@@ -614,7 +688,9 @@ def render_llamacpp_json(r: LlamaCppCalc) -> str:
                        "compute_buffer_note": COMPUTE_NOTE})
 
 
-def render_llamacpp_table(r: LlamaCppCalc) -> str:
+def render_llamacpp_table(r: LlamaCppCalc, totals: dict[int, str] | None = None) -> str:
+    """The table and the last context's allocation in words; ``totals``: a context's total cell where the replay
+    has none and another source does (llama.cpp's dry run, said in the cell)."""
     lines = [f"{safe_text(r.model, limit=NAME_LIMIT)}: llama.cpp runtime ({LLAMA_CPP_VERSION})",
              "weights: the GGUF file's tensors, exact: " + ", ".join(f"{t} {human_bytes(n)}" for t, n in r.by_type)
              if r.gguf else
@@ -630,7 +706,7 @@ def render_llamacpp_table(r: LlamaCppCalc) -> str:
         table.append((f"{c:,}{mark}", cells, bytes_cell(p.kv_bytes),
                       bytes_cell(p.compute_bytes) if p.compute_bytes is not None else "n/a",
                       bytes_cell(p.output_bytes) if p.output_bytes is not None else "n/a", bytes_cell(r.weights),
-                      bytes_cell(total) if total is not None else "n/a"))
+                      bytes_cell(total) if total is not None else (totals or {}).get(c, "n/a")))
     lines += aligned(table)
     lines.append("")
     if beyond:

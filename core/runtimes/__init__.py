@@ -150,7 +150,7 @@ register(RuntimeInfo(
     label="llama.cpp (a GGUF in the real llama.cpp, in its own process)",
     parse_switch="kvscope.core.runtimes.llamacpp.switches:parse_llamacpp_switch_value", claims="kvscope.core.model.gguf:is_gguf_source",
     missing="kvscope.core.runtimes.llamacpp.switches:llamacpp_missing", cli_options="kvscope.core.runtimes.llamacpp.runtime:cli_options",
-    calc="kvscope.core.runtimes.llamacpp.runtime:calc_text", calculator="kvscope.core.runtimes.llamacpp.calc:RULES",
+    calc="kvscope.core.runtimes.llamacpp.calc:calc_text", calculator="kvscope.core.runtimes.llamacpp.calc:RULES",
     source_entry="llamacpp", cache_switch_reloads=True, reserves_at_load=True,
     switch_problem="kvscope.core.runtimes.llamacpp.switches:llamacpp_switch_problem"))
 register(RuntimeInfo(

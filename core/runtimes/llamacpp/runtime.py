@@ -390,16 +390,6 @@ def options_from_args(args: Any, n_ctx: int) -> LlamaCppOptions:
                            offload_kqv=not args.no_kv_offload)
 
 
-def calc_text(args: Any, spec: Any, contexts: list[int], gpu_memory: int | None) -> str:
-    """``calc --runtime llama.cpp``: what llama.cpp allocates at load for each context (KV, compute and output
-    buffers, the model's), and with ``--gpu-memory`` the fit as llama.cpp's ``--fit`` decides it."""
-    from kvscope.core.prediction.llamacpp import calculate_llamacpp, render_llamacpp_json, render_llamacpp_table
-
-    result = calculate_llamacpp(args.model, spec, contexts, lambda n: options_from_args(args, n), gpu_memory,
-                                fit_target=max(0, args.fit_target) << 20)
-    return render_llamacpp_json(result) if args.json else render_llamacpp_table(result)
-
-
 def cli_options(args: Any) -> dict[str, Any]:
     """The RunRequest fields of ``run --runtime llama.cpp``'s own flags: the model must be a GGUF (or the
     embedded model, converted); ``-c`` defaults to 4096, and 0 is the file's trained context (llama-server's)."""

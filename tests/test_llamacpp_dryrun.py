@@ -207,6 +207,20 @@ def test_a_file_llama_cpp_aborts_on_is_one_line_and_the_replay_stays(files, tmp_
         dry_run(files["gemma3-swa"], [LlamaCppOptions(n_ctx=512)], timeout_s=0.05)
 
 
+def test_a_file_llama_cpp_refuses_says_llama_cpps_reason(tmp_path, monkeypatch):
+    """A GGUF without one of its tensors (KV Scope's header reader takes it; llama.cpp's loader does not): one line
+    with the loader's own reason, not its summary."""
+    real = gguf_models.write_gguf
+    monkeypatch.setattr(gguf_models, "write_gguf", lambda path, arch, meta, tensors, *rest, **kw: real(
+        path, arch, meta, [t for t in tensors if t[0] != "blk.1.ffn_down.weight"], *rest, **kw))
+    path = gguf_models.llama(tmp_path / "missing.gguf")
+    with pytest.raises(DryRunError) as caught:
+        dry_run(path, [LlamaCppOptions(n_ctx=512)])
+    line = str(caught.value)
+    assert "\n" not in line and line.startswith("llama.cpp's dry run of missing.gguf: llama.cpp could not load it")
+    assert "'blk.1.ffn_down.weight' not found" in line
+
+
 def test_no_dry_run_turns_it_off(files, capsys):
     rc, text = _calc(capsys, files["gemma3-swa"], "--context", "512", "--no-dry-run")
     assert rc == 0 and "llama.cpp's dry run: off (--no-dry-run)" in text and "Where each figure" not in text

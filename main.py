@@ -61,8 +61,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    help="allow pickle (.bin) weights when no safetensors exist (off by default: pickle can run code)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--quality-probe", action="store_true",
-                   help="also run every token through a full-cache twin and report top-1 agreement and KL of the "
-                        "next-token distributions (costs a second forward pass and a second cache; off by default)")
+                   help="also run every token through the model as loaded (teacher-forced, whatever was switched) "
+                        "and report top-1 agreement and KL of the next-token distributions (costs a second forward "
+                        "pass and a second cache; off by default)")
     p.add_argument("--runtime", default=None, choices=_runtime_names(),
                    help="llama.cpp: generate in the real llama.cpp (a .gguf --model; default the embedded model "
                         "converted) and watch the KV cache it reserves at load against the cells that hold tokens "

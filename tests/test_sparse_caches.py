@@ -260,7 +260,7 @@ def test_quality_probe_in_the_terminal_and_the_recording(tmp_path, capsys):
                             record_path=str(record), quality_probe=True))
     out = capsys.readouterr().out
     assert "top-1" in out and "KL (nats)" in out and "quality probe on" in out
-    assert "quality probe (full-cache twin, teacher-forced): top-1 the same at" in out
+    assert "quality probe (against the model as loaded, teacher-forced): top-1 the same at" in out
     with RecordingReader(record) as reader:
         samples = [s for s in reader if not s.is_event]
     assert all(s.quality_top1 in (0, 1) and s.quality_kl is not None for s in samples)

@@ -17,7 +17,7 @@ from kvscope.core.model.spec import human_bytes
 from kvscope.core.records.outputs import display_path
 
 COLUMNS = ("token", "phase", "KV observed", "KV predicted", "match", "allocator", "device used", "RSS", "tok/s")
-#: Added with --quality-probe: the cache's next token against the full-cache twin's.
+#: Added with --quality-probe: the run's next token against the model as loaded (teacher-forced, whatever was switched).
 QUALITY_COLUMNS = ("top-1", "KL (nats)")
 #: A runtime that reserves its KV cache at load (llama.cpp): what it reserved, and what the tokens hold of it.
 RESERVED_COLUMNS = ("token", "phase", "KV reserved", "KV predicted", "match", "KV used", "RSS", "tok/s")
@@ -106,7 +106,7 @@ class TerminalView:
         if self.quality_rows:
             agree = sum(a for a, _ in self.quality_rows)
             kls = [k for _, k in self.quality_rows]
-            print(f"quality probe (full-cache twin, teacher-forced): top-1 the same at {agree} of {len(kls)} tokens "
+            print(f"quality probe (against the model as loaded, teacher-forced): top-1 the same at {agree} of {len(kls)} tokens "
                   f"({100 * agree / len(kls):.1f}%); KL mean {sum(kls) / len(kls):.4f}, max {max(kls):.4f} nats",
                   file=self.out, flush=True)
 

@@ -35,8 +35,8 @@ class RunRequest:
     memory_budget: int | None = None  # bytes the model may use: weights + KV + activations
     snapshot_path: str | None = None
     seed: int = 0
-    #: Also run every token through a full-cache twin (teacher-forced) and report top-1 agreement and the KL
-    #: divergence of the next-token distributions; costs a second forward pass and a second cache.
+    #: Also run every token through the model as loaded (teacher-forced, whatever was switched) and report top-1
+    #: agreement and the KL divergence of the next-token distributions; costs a second forward pass and a second cache.
     quality_probe: bool = False
     #: A name in ``kvscope.core.runtimes``' registry: "transformers" (the model in torch), "llama.cpp" (a GGUF in the
     #: real llama.cpp, in a child process)...

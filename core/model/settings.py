@@ -237,8 +237,8 @@ def switch_problem(spec: ModelSpec, device: str | None, now: Now, key: str, valu
 @functools.lru_cache(maxsize=256)
 def _applied_known(spec: ModelSpec, mode: AttentionMode) -> ModelSpec:
     # The window's process asks this for every choice at every settings change, and never loads torch: a
-    # view transformers would have to find raises ViewNotKnown (an estimate swallowed inside apply, MLA's twin
-    # weights, is fine for these structural checks; kept apart from _applied, which the engine predicts with).
+    # view transformers would have to find raises ViewNotKnown (an estimate swallowed inside apply is fine for these
+    # structural checks; kept apart from _applied, which the engine predicts with).
     with known_views_only():
         mode.check(spec)
         return mode.apply(spec)

@@ -10,8 +10,9 @@ loaded with (no process-wide SDPA backend forced), whatever the run has switched
 buffer and tensor attribute shared, so it costs no weight memory). It stays the loaded model because the
 conversions only ever *assign* into the running model's modules and configs (new Parameters for K/V heads,
 ``_own_storage``'s copies of fused q/k/v views, a window's config fields and module attributes, a Mistral twin
-built around the Llama's own modules, the attention implementation) and never write into a tensor; the MLA twin
-is a model of its own that only reads the loaded weights. ``is_loaded`` checks the K/V half of that at any time.
+built around the Llama's own modules, the attention implementation) and never write into a tensor; MLA changes the
+running model's cache only (a latent of its own K/V, ``latent``), never the model. ``is_loaded`` checks the K/V half
+of that at any time.
 
 Cost: one decode step of the loaded model per token of the run, for sequence 0 only, while the probe is on, off
 the timed step; the prompt once at the prefill; a rebuild (every token so far in one batched pass) only when the

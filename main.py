@@ -182,6 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
     calc.add_argument("--kv-dtype", default=None, help="KV cache dtype: fp16, bf16, fp8, int8, int4 (default: weights dtype)")
     calc.add_argument("--max-context", default=None, help="what a static cache preallocates (default: each context)")
     calc.add_argument("--gpu-memory", default=None, help="answer the largest context that fits, e.g. 24GiB (per GPU)")
+    calc.add_argument("--device", default=None,
+                      help="where --json's prefill and decode peaks run: cuda, mps (a GPU, the default) or cpu")
+    calc.add_argument("--cpu-threads", type=int, default=None, metavar="N",
+                      help="--device cpu: torch's threads (default: the app's engine's)")
     calc.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                       help="split each layer over N GPUs, vLLM's way (KV heads split, replicated past their count)")
     calc.add_argument("--pipeline-parallel", type=int, default=1, metavar="M", help="split the layers over M GPU stages")
@@ -421,6 +425,24 @@ def _vllm_options(args: argparse.Namespace):
     return VllmOptions(**{k: v for k, v in given.items() if v is not None})
 
 
+def _calc_device(args: argparse.Namespace) -> tuple[str, int]:
+    """calc's --device (run's spellings; "cpu", or a GPU: the figures without the CPU's sdpa scratch) and
+    --cpu-threads, checked: at least 1, only with --device cpu; default the app's thread count."""
+    from kvscope.core.runtimes.transformers.calc import app_cpu_threads
+
+    device = (args.device or "cuda").strip().lower()
+    if device not in ("auto", "cpu", "cuda", "mps") and not re.fullmatch(r"cuda:\d+", device):
+        raise CliError(f"--device {safe_text(repr(args.device), limit=40)}: give auto, cpu, cuda, cuda:N or mps")
+    device = "cpu" if device == "cpu" else "cuda"
+    if args.cpu_threads is None:
+        return device, app_cpu_threads()
+    if device != "cpu":
+        raise CliError("--cpu-threads is the CPU's torch threads: give it with --device cpu")
+    if args.cpu_threads < 1:
+        raise CliError(f"--cpu-threads must be at least 1 (got {args.cpu_threads})")
+    return device, args.cpu_threads
+
+
 def cmd_calc(args: argparse.Namespace) -> int:
     from kvscope.core.model.sources import load_spec
     from kvscope.core.model.spec import parse_size, parse_tokens
@@ -435,6 +457,7 @@ def cmd_calc(args: argparse.Namespace) -> int:
     spec = load_spec(args.model)
     gpu = parse_size(args.gpu_memory) if args.gpu_memory else None
     settings = _settings_from(args)  # transformers' flags, checked whatever the runtime (a typo is said, not ignored)
+    device, cpu_threads = _calc_device(args)
     vllm_options = _vllm_options(args)  # and vLLM's (--block-size -3 was ignored under any other runtime)
     if args.runtime != CALC_VLLM:  # a runtime of the registry with its own calc (llama.cpp's, mlx-lm's flags)
         from kvscope.core import runtimes
@@ -446,7 +469,7 @@ def cmd_calc(args: argparse.Namespace) -> int:
     from kvscope.core.prediction.parallel import Parallelism
 
     parallelism = Parallelism(args.tensor_parallel, args.pipeline_parallel)
-    result = calculate(spec, settings, contexts, gpu, parallelism)
+    result = calculate(spec, settings, contexts, gpu, parallelism, device, cpu_threads)
     if args.runtime == CALC_VLLM:
         from dataclasses import replace
 

@@ -160,3 +160,93 @@ def test_a_decode_step_matches_the_allocator(models, model_type: str, impl: str,
                             cpu_threads=torch.get_num_threads(), matmul_scratch=matmul_scratch(getattr(torch, dtype)))
     assert predicted.end == measured.end, (predicted, measured)
     assert abs(predicted.peak - measured.peak) <= EXACT_SLACK, (model_type, impl, dtype, past, predicted, measured)
+
+
+THREADS_TYPES = ("mistral", "llama", "gpt_neox")
+
+
+@pytest.fixture
+def torch_threads():
+    """Set torch's intra-op threads for one test, and put them back."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("model_type", THREADS_TYPES)
+def test_the_cpu_sdpa_scratch_is_counted_for_the_threads(models, torch_threads, model_type: str, threads: int) -> None:
+    """Issue 35's held-out case: fp32 sdpa on the CPU at 256 tokens, whose flash kernel takes one block of buffers per
+    thread. The replay told the thread count, and calc's CPU figure told the same (``--device cpu --cpu-threads``),
+    equal the allocator's peak at 1 and at 2 threads; the GPU figure leaves the kernel's buffers out."""
+    from kvscope.core.prediction.calc import calculate
+
+    torch_threads(threads)
+    model = models(model_type, "float32")
+    spec = spec_from_config(model.config.to_dict(), model_type)
+    measured = _measure(model, 256, "sdpa")
+    settings = RunSettings(weight_dtype="float32", attn_impl="sdpa")
+    predicted = prefill_peak(spec, settings, 256, cpu_threads=threads)
+    assert abs(predicted.peak - measured.peak) <= EXACT_SLACK, (model_type, threads, predicted, measured)
+    row = calculate(spec, settings, [256], device="cpu", cpu_threads=threads).to_json()["rows"][0]
+    assert row["prefill_peak_bytes"] == predicted.peak
+    gpu = calculate(spec, settings, [256]).to_json()["rows"][0]["prefill_peak_bytes"]
+    assert gpu == prefill_peak(spec, settings, 256, device="cuda").peak <= predicted.peak
+
+
+def test_the_engine_predicts_with_its_own_thread_count(tmp_path, torch_threads) -> None:
+    """The live engine on a tiny Mistral-style model (sdpa, 256 tokens, where the kernel's per-thread buffers are the
+    peak): at 2 threads its prefill's predicted peak equals the allocator's, and it is the replay at 2 threads, not
+    at 1."""
+    from kvscope.core.runtimes.transformers.engine import Engine
+    from kvscope.core.runtimes.transformers.loading import load_model
+
+    torch_threads(2)
+    loaded = load_model(str(archs.build_tiny_folder("mistral", tmp_path)), device="cpu")
+    engine = Engine(loaded, RunSettings(attn_impl="sdpa"), seed=0)
+    prompt = torch.randint(0, 200, (1, 256), generator=torch.Generator().manual_seed(5))
+    first = engine.prefill(prompt, "prompt")
+    assert abs(first.peak_bytes_predicted - first.peak_bytes_observed) <= EXACT_SLACK, first
+    settings = RunSettings(weight_dtype="float32", attn_impl="sdpa")
+    at = {t: prefill_peak(engine.spec, settings, 256, cpu_threads=t).peak for t in (1, 2)}
+    assert at[1] < at[2] == first.peak_bytes_predicted
+
+
+def test_calc_cpu_threads_default_to_the_apps(capsys, monkeypatch) -> None:
+    """``calc --device cpu`` without --cpu-threads predicts for the app's thread count (what the engine process runs
+    with: OMP_NUM_THREADS where set, else torch's default lowered to one less than the CPUs); --cpu-threads is refused
+    without --device cpu, and below 1."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from kvscope import main
+    from kvscope.core.model.sources import load_spec
+    from kvscope.core.runtimes.transformers.calc import app_cpu_threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert app_cpu_threads() == 3
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    # the engine process's own count: torch's default, lowered by limit_cpu_threads as the app does at start-up
+    probe = ("import torch; from kvscope.core.runtimes.transformers.runtime import limit_cpu_threads; "
+             "limit_cpu_threads('cpu'); print(torch.get_num_threads())")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    engine = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
+    assert engine.returncode == 0, engine.stderr
+    assert app_cpu_threads() == int(engine.stdout.split()[-1])
+
+    def calc(*flags):
+        code = main.main(["calc", "--model", "smollm2-135m", "--context", "300", "--json", *flags])
+        out = capsys.readouterr()
+        return code, json.loads(out.out)["rows"][0]["prefill_peak_bytes"] if code == 0 else out.err
+
+    spec = load_spec("smollm2-135m")
+    for flags, device, threads in (((), "cuda", 1), (("--device", "cpu"), "cpu", app_cpu_threads()),
+                                   (("--device", "cpu", "--cpu-threads", "4"), "cpu", 4)):
+        assert calc(*flags) == (0, prefill_peak(spec, RunSettings(), 300, device=device, cpu_threads=threads).peak)
+    code, err = calc("--cpu-threads", "2")
+    assert code != 0 and "--device cpu" in err
+    code, err = calc("--device", "cpu", "--cpu-threads", "0")
+    assert code != 0 and "at least 1" in err

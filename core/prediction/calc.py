@@ -36,6 +36,9 @@ class CalcResult:
     parallel: tuple[ParallelPrediction, ...] = ()
     #: ``--runtime vllm``: the KV blocks and concurrency under vLLM's rules (``kvscope.core.prediction.serving``).
     serving: ServingCapacity | None = None
+    #: Where the JSON's prefill and decode peaks run: "cuda" (a GPU) or "cpu" with ``cpu_threads`` torch threads.
+    device: str = "cuda"
+    cpu_threads: int = 1
 
     def to_json(self) -> dict[str, Any]:
         """The documented JSON shape: {"model", "rows": [{context, kv_cache_bytes, ...}], "max_context"}.
@@ -79,7 +82,7 @@ class CalcResult:
                     "weights_bytes": p.breakdown.weights,
                     "activation_bytes": p.breakdown.activations,
                     "total_bytes": p.total,
-                    **prefill_peak_json(self.spec, self.settings, p.context),
+                    **prefill_peak_json(self.spec, self.settings, p.context, self.device, self.cpu_threads),
                 }
                 for p in self.rows
             ],
@@ -87,23 +90,25 @@ class CalcResult:
         }
 
 
-def prefill_peak_json(spec: ModelSpec, settings: RunSettings, context: int) -> dict[str, Any]:
+def prefill_peak_json(spec: ModelSpec, settings: RunSettings, context: int, device: str = "cuda",
+                      cpu_threads: int = 1) -> dict[str, Any]:
     """``prefill_peak_bytes``: the most bytes the prefill of ``context`` tokens holds at once beyond the weights
-    (KV written and last-position logits included; ``kvscope.core.prediction.predict.prefill_peak``, as on a GPU: the CPU flash
-    kernel's per-thread buffers and oneDNN's matmul scratch are left out; a model type the replay does not follow
-    gets a Llama layer's). ``decode_peak_bytes``: the most bytes one decode step on a cache of ``context`` tokens
+    (KV written and last-position logits included; ``kvscope.core.prediction.predict.prefill_peak``, on a GPU, or on
+    the CPU with the sdpa flash kernel's buffers for ``cpu_threads`` threads; oneDNN's bf16/fp16 matmul scratch is
+    left out, asking for it needs torch; a model type the replay does not follow gets a Llama layer's). ``decode_peak_bytes``: the most bytes one decode step on a cache of ``context`` tokens
     holds at once beyond the weights and that cache (``kvscope.core.prediction.predict.decode_peak``). Both checked
     against the allocator on the CPU (tests/test_prefill_peak.py); not yet on a GPU."""
     s = settings.with_(max_context=settings.max_context or context) if settings.cache.name == "static" else settings
-    peak = prefill_peak(spec, s, context, device="cuda")
-    step = decode_peak(spec, s, context, device="cuda")
+    peak = prefill_peak(spec, s, context, device=device, cpu_threads=cpu_threads)
+    step = decode_peak(spec, s, context, device=device, cpu_threads=cpu_threads)
     return {"prefill_peak_bytes": peak.peak, "decode_peak_bytes": step.peak}
 
 
 def calculate(spec: ModelSpec, settings: RunSettings, contexts: list[int], gpu_memory: int | None = None,
-              parallelism: Parallelism | None = None) -> CalcResult:
+              parallelism: Parallelism | None = None, device: str = "cuda", cpu_threads: int = 1) -> CalcResult:
     """Predict every context; with ``gpu_memory``, also the largest context that fits in it (on every GPU
-    of ``parallelism``, which splits the model vLLM's way: ``kvscope.core.prediction.parallel``)."""
+    of ``parallelism``, which splits the model vLLM's way: ``kvscope.core.prediction.parallel``). ``device`` and
+    ``cpu_threads``: where the JSON's prefill and decode peaks run."""
     effective_spec(spec, settings)  # validates the attention mode against the model before any row
     if settings.cache.needs_attention_weights:
         settings = settings.with_(attn_impl="eager")  # as the engine runs h2o: its activations are eager's
@@ -122,7 +127,8 @@ def calculate(spec: ModelSpec, settings: RunSettings, contexts: list[int], gpu_m
         return CalcResult(spec, settings, tuple(rows), gpu_memory, fits, kv_overtakes_weights_at(spec, settings),
                           parallelism, tuple(per_gpu))
     fits = max_context_that_fits(spec, settings, gpu_memory, limit=SEARCH_LIMIT) if gpu_memory else None
-    return CalcResult(spec, settings, tuple(rows), gpu_memory, fits, kv_overtakes_weights_at(spec, settings))
+    return CalcResult(spec, settings, tuple(rows), gpu_memory, fits, kv_overtakes_weights_at(spec, settings),
+                      device=device, cpu_threads=cpu_threads)
 
 
 def kv_formula(spec: ModelSpec, settings: RunSettings, tokens: int | None = None, times: str = " x ") -> str:

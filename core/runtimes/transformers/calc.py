@@ -7,6 +7,8 @@ on every one. No torch: the spec is a description, nothing is loaded.
 
 from __future__ import annotations
 
+import os
+
 from kvscope.core.model.attention import parse_attention
 from kvscope.core.model.caches import parse_cache
 from kvscope.core.model.settings import RunSettings, cache_choices
@@ -23,6 +25,45 @@ TIPS = {
     "total": "weights + KV + activations: what must fit on the GPU (plus the runtime's own few hundred MiB).",
     "per_token": "KV bytes added per token of context.",
 }
+
+
+def _env_threads(name: str) -> int:
+    """A positive thread count from the environment variable ``name``, else 0."""
+    try:
+        value = int(os.environ.get(name, "").strip() or 0)
+    except ValueError:
+        return 0
+    return max(value, 0)
+
+
+def _physical_cores() -> int:
+    """The CPU's cores (not its hardware threads), as torch counts them for its default thread count: the distinct
+    (physical id, core id) pairs of /proc/cpuinfo, else os.cpu_count()."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            text = fh.read(1 << 22)
+    except OSError:
+        text = ""
+    cores, package = set(), "0"
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "physical id":
+            package = value.strip()
+        elif key.strip() == "core id":
+            cores.add((package, value.strip()))
+    return len(cores) or os.cpu_count() or 1
+
+
+def app_cpu_threads() -> int:
+    """The torch threads the app's engine runs a CPU model with, found without torch: torch's default (OMP_NUM_THREADS,
+    else MKL_NUM_THREADS, else the CPU's cores), lowered to one less than the CPUs unless OMP_NUM_THREADS is set (the
+    rule of ``kvscope.core.runtimes.transformers.runtime.limit_cpu_threads``). calc's default for ``--cpu-threads``:
+    the CPU sdpa kernel's scratch is per thread."""
+    omp = _env_threads("OMP_NUM_THREADS")
+    if omp:
+        return omp
+    default = _env_threads("MKL_NUM_THREADS") or _physical_cores()
+    return max(1, min(default, (os.cpu_count() or 2) - 1))
 
 
 class TransformersCalc:

@@ -77,7 +77,7 @@ def _quality(engine: Engine, reference: torch.Tensor, n: int) -> tuple[float, fl
     agree, kl = 0, 0.0
     for _ in range(n):
         sample = engine.step()
-        assert sample.kv_bytes_observed == sample.kv_bytes_predicted, (engine.mode.key, sample.token)
+        assert sample.kv_bytes_reserved == sample.kv_bytes_predicted, (engine.mode.key, sample.token)
         ours, ref = engine._next_logits[0], reference[engine.seq_len - 1]
         agree += int(ours.argmax()) == int(ref.argmax())
         log_ours, log_ref = torch.log_softmax(ours, -1), torch.log_softmax(ref, -1)
@@ -92,7 +92,7 @@ def test_mean_pooled_mqa_then_back_is_the_loaded_model_again(model, monkeypatch)
     loaded_kv = _own_kv(engine)
     loaded_bytes = _bytes(loaded_kv)
 
-    event = engine.apply("attention", "mqa")
+    event = engine.apply("attention", "mqa:mean")
     assert "approximate (heads mean-pooled" in event.text and event.tokens_rerun is None, event.text
     top1, kl = _quality(engine, reference, BLOCK)
     assert top1 < MQA_TOP1_BELOW[name] and kl > MQA_KL_ABOVE[name], (name, "mqa", top1, kl)
@@ -102,7 +102,7 @@ def test_mean_pooled_mqa_then_back_is_the_loaded_model_again(model, monkeypatch)
         helpers.fail_the_trial_pass(patched)
         with pytest.raises(SettingsError, match="nothing was changed"):
             engine.apply("attention", own)
-    assert engine.mode.key == "mqa" and convert.kv_heads_of(engine.base_model) == 1
+    assert engine.mode.key == "mqa:mean" and convert.kv_heads_of(engine.base_model) == 1
 
     event = engine.apply("attention", own)
     top1, kl = _quality(engine, reference, BLOCK)

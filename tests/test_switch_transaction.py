@@ -44,7 +44,7 @@ def _next_tokens(engine: Engine, n: int = 4):
     return [engine.step() for _ in range(n)]
 
 
-@pytest.mark.parametrize("fail_in", ["layer pattern", "cache conversion", "trial pass"])
+@pytest.mark.parametrize("fail_in", ["layer pattern", "cache conversion", "merged cache conversion", "trial pass"])
 def test_a_switch_that_fails_halfway_changes_nothing(fail_in, monkeypatch):
     """mqa converts k_proj/v_proj first; a failure after that (the next step, the cache, the trial forward
     pass) must leave the model, the cache and the settings exactly as before, and generation identical
@@ -56,15 +56,19 @@ def test_a_switch_that_fails_halfway_changes_nothing(fail_in, monkeypatch):
     elif fail_in == "cache conversion":
         # The model gets 1 K/V head but the cache keeps 8: only the trial pass can notice.
         monkeypatch.setattr(convert, "convert_cache_kv_heads", lambda cache, old, new: True)
+    elif fail_in == "merged cache conversion":  # the aligned merge's own path (mqa), the cache left unmerged
+        from kvscope.core.runtimes.transformers import merge
+
+        monkeypatch.setattr(merge, "merge_cache", lambda cache, merges, held: None)
     else:
         helpers.fail_the_trial_pass(monkeypatch)
     with pytest.raises(SettingsError, match="nothing was changed"):
-        engine.apply("attention", "mqa")
+        engine.apply("attention", "mqa:mean" if fail_in == "cache conversion" else "mqa")
     monkeypatch.undo()
     assert _fingerprint(engine) == before
     ours, theirs = _next_tokens(engine), _next_tokens(reference)
     assert [s.text for s in ours] == [s.text for s in theirs]
-    assert all(s.kv_bytes_observed == s.kv_bytes_predicted for s in ours)
+    assert all(s.kv_bytes_reserved == s.kv_bytes_predicted for s in ours)
     assert torch.equal(engine._next_logits, reference._next_logits)
 
 
@@ -92,7 +96,7 @@ def test_quantized_shapes_are_checked_at_every_future_requantization():
     engine.apply("cache", "quantized:4")
     with pytest.raises(SettingsError, match=r"quantized at \d+ tokens: quanto cannot quantize"):
         engine.apply("attention", "mqa")
-    assert all(s.kv_bytes_observed == s.kv_bytes_predicted for s in _next_tokens(engine, 3))
+    assert all(s.kv_bytes_reserved == s.kv_bytes_predicted for s in _next_tokens(engine, 3))
 
 
 def test_a_switch_to_the_current_setting_says_no_change():
@@ -183,7 +187,7 @@ def test_a_head_switch_frees_q_k_v_loaded_as_views_of_one_fused_tensor():
     assert event.event == "switch" and event.weights_bytes == event.weights_predicted
     attn = engine.base_model.model.layers[0].self_attn
     assert attn.q_proj.weight.untyped_storage().nbytes() == attn.q_proj.weight.numel() * attn.q_proj.weight.element_size()
-    assert all(s.kv_bytes_observed == s.kv_bytes_predicted for s in _next_tokens(engine, 2))
+    assert all(s.kv_bytes_reserved == s.kv_bytes_predicted for s in _next_tokens(engine, 2))
 
 
 def test_a_head_switch_is_refused_where_layers_share_their_k_v_projections():

@@ -61,6 +61,22 @@ class AttentionMode:
         return self.key
 
 
+#: How fewer K/V heads than the model's own are made from its own: ``aligned`` (the default: heads aligned per rotary
+#: pair and merged, calibrated on the model's own K/V, ``kvscope.core.runtimes.transformers.merge``) or ``mean`` (the
+#: GQA paper's mean-pooling). Spelled after the head count: ``gqa:2:mean``, ``mqa:mean``.
+MERGES = ("aligned", "mean")
+
+
+def merge_arg(arg: str | None, spelled: str) -> str:
+    """The merge method a spelling names (``aligned`` when it names none); SettingsError for another word."""
+    if arg is None or not arg.strip():
+        return MERGES[0]
+    if arg.strip() not in MERGES:
+        raise SettingsError(f"{spelled!r}: {arg.strip()!r} is not a way to merge K/V heads; use "
+                            f"{' or '.join(MERGES)} (default {MERGES[0]})")
+    return arg.strip()
+
+
 def _with_kv_heads(spec: ModelSpec, kv_heads: int) -> ModelSpec:
     """The spec with ``kv_heads`` K/V heads; k_proj/v_proj parameters change with it (one
     ``hidden x head_dim`` matrix, plus a bias row when the model has one, per head per layer).
@@ -103,16 +119,19 @@ class MHA(AttentionMode):
 @dataclass(frozen=True)
 class GQA(AttentionMode):
     name: ClassVar[str] = "gqa"
-    help: ClassVar[str] = "grouped-query: N K/V heads shared by groups of query heads (N divides the query heads)"
+    help: ClassVar[str] = ("grouped-query: N K/V heads shared by groups of query heads (N divides the query heads); "
+                           "fewer than the model's own are aligned and merged (gqa:N:mean mean-pools them)")
     kv_heads: int = 1
+    merge: str = MERGES[0]
 
     @property
     def key(self) -> str:
-        return f"gqa:{self.kv_heads}"
+        return f"gqa:{self.kv_heads}" + ("" if self.merge == MERGES[0] else f":{self.merge}")
 
     @classmethod
     def parse(cls, arg: str | None, spelled: str) -> "GQA":
-        return cls(int_arg(arg, "gqa:2", spelled))
+        count, _, how = (arg or "").partition(":")
+        return cls(int_arg(count or None, "gqa:2", spelled), merge_arg(how, spelled))
 
     def check(self, spec: ModelSpec) -> None:
         if spec.num_query_heads % self.kv_heads:
@@ -130,7 +149,17 @@ class GQA(AttentionMode):
 @dataclass(frozen=True)
 class MQA(AttentionMode):
     name: ClassVar[str] = "mqa"
-    help: ClassVar[str] = "multi-query: a single K/V head for all query heads"
+    help: ClassVar[str] = ("multi-query: a single K/V head for all query heads, the model's own aligned and merged "
+                           "(mqa:mean mean-pools them)")
+    merge: str = MERGES[0]
+
+    @property
+    def key(self) -> str:
+        return "mqa" + ("" if self.merge == MERGES[0] else f":{self.merge}")
+
+    @classmethod
+    def parse(cls, arg: str | None, spelled: str) -> "MQA":
+        return cls(merge_arg(arg, spelled))
 
     def apply(self, spec: ModelSpec) -> ModelSpec:
         return _with_kv_heads(spec, 1)
@@ -223,13 +252,14 @@ ATTENTION_MODES: list[type[AttentionMode]] = [MHA, GQA, MQA, MLA, Window]
 
 
 def parse_attention(text: str) -> AttentionMode:
-    """Parse ``mha``, ``gqa:N``, ``mqa``, ``mla[:RANK]`` or ``window:W``. Raises SettingsError."""
+    """Parse ``mha``, ``gqa:N[:mean]``, ``mqa[:mean]``, ``mla[:RANK]`` or ``window:W``. Raises SettingsError."""
     spelled = str(text).strip().lower()
     name, _, arg = spelled.partition(":")
     for mode in ATTENTION_MODES:
         if mode.name == name:
             return mode.parse(arg or None, spelled)
-    raise SettingsError(f"unknown attention mode {text!r}; use mha, gqa:N, mqa, mla, mla:RANK or window:W")
+    raise SettingsError(f"unknown attention mode {text!r}; use mha, gqa:N, gqa:N:mean, mqa, mqa:mean, mla, "
+                        "mla:RANK or window:W")
 
 
 def native_attention(spec: ModelSpec) -> AttentionMode:

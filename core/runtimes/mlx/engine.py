@@ -534,6 +534,12 @@ class MlxEngine:
         old_heads, new_heads = self.spec_now.num_kv_heads, new_spec.num_kv_heads
         if new_heads == old_heads:
             return self.event("note", f"attention is already {self.attention}: nothing to regroup", **fields)
+        merged = "mean-pooled"
+        if getattr(mode, "merge", "mean") != "mean" and new_heads % old_heads:
+            # The aligned merge folds maps into the query and output projections of a transformers model
+            # (kvscope.core.runtimes.transformers.merge); an MLX run mean-pools, and its setting says so.
+            mode = replace(mode, merge="mean")
+            merged = "mean-pooled: the aligned merge is the transformers runtime's"
         if self.quantized_weights:
             raise SettingsError("the model's K/V projections are quantized (QuantizedLinear): regrouping their heads "
                                 "needs float weights")
@@ -586,7 +592,7 @@ class MlxEngine:
         self.attention = mode.key
         fields["switch_after"] = mode.key
         after = cache_nbytes(self.cache)
-        how = "repeated" if new_heads > old_heads and new_heads % old_heads == 0 else "mean-pooled"
+        how = "repeated" if new_heads > old_heads and new_heads % old_heads == 0 else merged
         return self.event("switch", f"attention: {fields['switch_before']} -> {mode.key}: K/V heads {old_heads} -> "
                                     f"{new_heads} ({how}, weights and cache); KV {human_bytes(before)} -> "
                                     f"{human_bytes(after)}", **fields)

@@ -230,20 +230,26 @@ class KVOrigin:
     tensors are not in them once replaced, and nothing touches them). A structural copy of the model (a
     re-run's shadow) has its attention modules in the same order and shares these very tensors."""
 
-    __slots__ = ("heads", "head_dims", "layers")
+    __slots__ = ("heads", "head_dims", "layers", "queries")
 
     def __init__(self, heads: int, head_dims: tuple[int, ...],
-                 layers: tuple[tuple[nn.Parameter, nn.Parameter | None, nn.Parameter, nn.Parameter | None], ...]) -> None:
+                 layers: tuple[tuple[nn.Parameter, nn.Parameter | None, nn.Parameter, nn.Parameter | None], ...],
+                 queries: tuple[tuple[nn.Parameter | None, nn.Parameter | None, nn.Parameter | None], ...] = ()) -> None:
         self.heads = heads
         self.head_dims = head_dims
         self.layers = layers
+        #: Per attention module, its q_proj weight and bias and its o_proj weight as loaded (None where it has no such
+        #: Linear): the aligned merge (``merge.set_merged``) folds its maps into them, and a head change puts them back.
+        self.queries = queries or tuple((None, None, None) for _ in layers)
 
     def is_loaded(self, model: nn.Module) -> bool:
         """Whether every K/V projection of ``model`` is the loaded tensor itself (not a copy, not a regrouping)."""
         modules = _attention_modules(model)
         return len(modules) == len(self.layers) and all(
             attn.k_proj.weight is kw and attn.k_proj.bias is kb and attn.v_proj.weight is vw and attn.v_proj.bias is vb
-            for attn, (kw, kb, vw, vb) in zip(modules, self.layers))
+            for attn, (kw, kb, vw, vb) in zip(modules, self.layers)) and all(
+            (qw is None or attn.q_proj.weight is qw) and (qb is None or attn.q_proj.bias is qb)
+            and (ow is None or attn.o_proj.weight is ow) for attn, (qw, qb, ow) in zip(modules, self.queries))
 
     @property
     def nbytes(self) -> int:
@@ -259,9 +265,20 @@ def keep_kv_projections(model: nn.Module) -> KVOrigin | None:
     except SettingsError:
         return None
     config = _text_config(model)
+
+    def linear(attn, name):
+        proj = getattr(attn, name, None)
+        return proj if isinstance(proj, nn.Linear) else None
+
+    def queries(attn):
+        q, o = linear(attn, "q_proj"), linear(attn, "o_proj")
+        return (_kept(attn, q.weight) if q is not None else None, _kept(attn, q.bias) if q is not None else None,
+                _kept(attn, o.weight) if o is not None else None)
+
     return KVOrigin(heads, tuple(_head_dim(attn, config) for attn in modules),
                     tuple(tuple(_kept(attn, t) for t in (attn.k_proj.weight, attn.k_proj.bias, attn.v_proj.weight,
-                                                         attn.v_proj.bias)) for attn in modules))
+                                                         attn.v_proj.bias)) for attn in modules),
+                    tuple(queries(attn) for attn in modules))
 
 
 def _kept(attn: nn.Module, tensor: nn.Parameter | None) -> nn.Parameter | None:
@@ -287,7 +304,8 @@ def _regrouped(weight: nn.Parameter, bias: nn.Parameter | None, old: int, new: i
     return nn.Parameter(new_w, requires_grad=False), new_b
 
 
-def _set_from_origin(attn: nn.Module, own: tuple, heads: int, kv_heads: int, head_dim: int) -> None:
+def _set_from_origin(attn: nn.Module, own: tuple, heads: int, kv_heads: int, head_dim: int,
+                     queries: tuple = (None, None, None)) -> None:
     """``attn``'s k_proj/v_proj as ``kv_heads`` heads regrouped from its own (``own``); the tensors themselves
     when ``kv_heads`` is the model's own count."""
     kw, kb, vw, vb = own
@@ -301,6 +319,18 @@ def _set_from_origin(attn: nn.Module, own: tuple, heads: int, kv_heads: int, hea
         if bias is not None:
             proj.bias = bias
         proj.out_features = kv_heads * head_dim
+    _queries_from_origin(attn, queries)
+
+
+def _queries_from_origin(attn: nn.Module, queries: tuple) -> None:
+    """``attn``'s q_proj and o_proj as loaded (an aligned merge had folded its maps into them)."""
+    qw, qb, ow = queries
+    if qw is not None and attn.q_proj.weight is not qw:
+        attn.q_proj.weight = qw
+    if qb is not None and attn.q_proj.bias is not qb:
+        attn.q_proj.bias = qb
+    if ow is not None and attn.o_proj.weight is not ow:
+        attn.o_proj.weight = ow
 
 
 def set_kv_heads(model: nn.Module, kv_heads: int, origin: KVOrigin | None = None) -> bool:
@@ -337,7 +367,7 @@ def set_kv_heads(model: nn.Module, kv_heads: int, origin: KVOrigin | None = None
             if origin is not None:
                 exact = exact and _is_exact(origin.heads, kv_heads)
                 _own_storage(attn)
-                _set_from_origin(attn, origin.layers[i], origin.heads, kv_heads, origin.head_dims[i])
+                _set_from_origin(attn, origin.layers[i], origin.heads, kv_heads, origin.head_dims[i], origin.queries[i])
             elif old != kv_heads:
                 exact = exact and _is_exact(old, kv_heads)
                 _own_storage(attn)
@@ -374,35 +404,47 @@ def cache_heads(cache: Cache) -> int | None:
     return None
 
 
+def _layer_heads(layer) -> int:
+    """The K/V heads one initialized cache layer holds."""
+    return int(_layer_kv(layer)[0].shape[1] if isinstance(layer, BaseQuantizedLayer) else layer.keys.shape[1])
+
+
 def _convert_layer_heads(layer, old: int, new: int, where: str) -> None:
     def go(t: torch.Tensor) -> torch.Tensor:
         return regroup_heads(t, old, new, 1)
 
+    _convert_layer_with(layer, go, go, new, where)
+
+
+def _convert_layer_with(layer, keys_fn, values_fn, new: int, where: str) -> None:
+    """One cache layer's K/V, [b, heads, tokens, d], through ``keys_fn`` / ``values_fn`` (to ``new`` heads), in the
+    layer's own form: quanto/hqq and fp8 codes dequantized, mapped and quantized again; static buffers replaced by
+    buffers of the same slots."""
     if isinstance(layer, QuantizedLayer):
         # quanto/hqq groups do not follow heads, so the integer codes cannot be regrouped as they
         # are: dequantize, regroup, requantize (lossy even going up: the groups change).
         keys, values = layer._apply_pending_reorder(layer._dequantize(layer._quantized_keys),
                                                     layer._dequantize(layer._quantized_values))
         layer._pending_beam_idx = None
-        layer._quantized_keys = layer._quantize(go(keys).contiguous(), axis=layer.axis_key)
-        layer._quantized_values = layer._quantize(go(values).contiguous(), axis=layer.axis_value)
+        layer._quantized_keys = layer._quantize(keys_fn(keys).contiguous(), axis=layer.axis_key)
+        layer._quantized_values = layer._quantize(values_fn(values).contiguous(), axis=layer.axis_value)
         if layer.keys is not None and layer.keys.dim() == 4 and layer.keys.numel():
-            layer.keys, layer.values = go(layer.keys), go(layer.values)
+            layer.keys, layer.values = keys_fn(layer.keys), values_fn(layer.values)
     elif isinstance(layer, Fp8QuantizedLayer):
         # One scale per tensor, recalibrated on the regrouped amax: repetition keeps the amax, so
         # the scale and every fp8 code come out the same going up.
         keys = layer._dequantize(layer._quantized_keys)
         values = layer._dequantize(layer._quantized_values)
-        layer._quantized_keys = layer._quantize(go(keys))
-        layer._quantized_values = layer._quantize(go(values))
+        layer._quantized_keys = layer._quantize(keys_fn(keys))
+        layer._quantized_values = layer._quantize(values_fn(values))
     elif isinstance(layer, StaticLayer):
         # Keep the preallocated semantics: a new [b, new, max_cache_len, d] buffer, same slots filled.
-        layer.keys, layer.values = go(layer.keys), go(layer.values)
+        layer.keys, layer.values = keys_fn(layer.keys), values_fn(layer.values)
         layer.num_heads = new
         _mark_static(layer.keys)
         _mark_static(layer.values)
     elif isinstance(layer, DynamicLayer):
-        layer.keys, layer.values = go(layer.keys), go(layer.values)
+        layer.keys, layer.values = keys_fn(layer.keys), values_fn(layer.values)
     else:
         raise SettingsError(f"{where}: a {type(layer).__name__} cache layer has no K/V heads to convert")
 
@@ -423,7 +465,7 @@ def convert_cache_kv_heads(cache: Cache, old_kv_heads: int, new_kv_heads: int) -
     for i, layer in enumerate(cache.layers):
         if not getattr(layer, "is_initialized", False):
             continue  # nothing cached yet; the layer will be created at the new width
-        held = _layer_kv(layer)[0].shape[1] if isinstance(layer, BaseQuantizedLayer) else layer.keys.shape[1]
+        held = _layer_heads(layer)
         if held != old_kv_heads:
             raise SettingsError(f"cache layer {i} holds {held} K/V heads, not {old_kv_heads}")
         if isinstance(layer, BaseQuantizedLayer):

@@ -127,6 +127,9 @@ class Engine:
         #: them, and going back to the model's own heads puts them back (None: heads that cannot be regrouped).
         #: Never changed after this (not in _SWITCH_STATE): a refused switch leaves them as they are.
         self._kv_origin = convert.keep_kv_projections(self.base_model)
+        #: The aligned merge's calibration (``merge.Calibration`` per layer: Gram matrices of the model's own K/V,
+        #: from the last cache that held them), for merges made when the cache holds merged heads.
+        self._merge_calibration: dict[int, Any] = {}
         if quality_probe:  # the model as loaded, before the starting settings convert it
             self._keep_reference()
         # Apply the requested starting settings to the model before the prefill, checked as a whole
@@ -332,10 +335,19 @@ class Engine:
             # No regroupable heads (fused QKV) or layers of different head counts (MiMo-V2-Flash): _check_target
             # refuses head changes for such a model, so its projections are still its own, as the target needs.
             current = None
-        if origin is not None and current is not None and (current != target or target == origin.heads):
+        merged, merge_note = None, None
+        if origin is not None and current is not None and (current != target or target == origin.heads
+                                                           or self._merging(mode)):
             # From the model's own projections, never from the last converted state; its own count: the loaded
             # tensors themselves.
-            exact = convert.set_kv_heads(self.base_model, target, origin=origin)
+            merged, merge_note = self._fit_merge(mode, target, live)
+            if merged is None:
+                exact = convert.set_kv_heads(self.base_model, target, origin=origin)
+            else:
+                from kvscope.core.runtimes.transformers import merge
+
+                merge.set_merged(self.base_model, origin, merged)
+                exact = False
         self.model = self._layer_pattern_model(eff)
         self.mode = mode
         self.settings = self.settings.with_(attention=mode)
@@ -364,14 +376,22 @@ class Engine:
         notes = []
         old_heads = convert.cache_heads(self.cache)
         if old_heads is not None and old_heads != target:
-            moved = convert.convert_cache_kv_heads(self.cache, old_heads, target)
+            if merged is not None:
+                from kvscope.core.runtimes.transformers import merge
+
+                merge.merge_cache(self.cache, merged, old_heads)
+                moved = False
+            else:
+                moved = convert.convert_cache_kv_heads(self.cache, old_heads, target)
             own = origin.heads if origin is not None else self.spec.num_kv_heads
             strategy = self.settings.cache
             # Back down to the model's own heads, each group of the cache is copies of one head: that head
             # (regroup_heads), exact unless a quanto/hqq cache requantizes it.
             selected = old_heads % own == 0 and target % own == 0 and not (
                 isinstance(strategy, Quantized) and strategy.backend != "fp8")
-            if not exact:
+            if merge_note:
+                how = f"approximate ({merge_note})"
+            elif not exact:
                 how = f"approximate (heads mean-pooled from the model's own {own})"
             elif not (moved or selected):
                 how = f"approximate (the {strategy.key} cache requantized at {target} heads)"
@@ -501,9 +521,12 @@ class Engine:
             return None
         held = convert.cache_heads(self.cache)
         target = effective_spec(self.spec, self.settings.with_(attention=mode)).num_kv_heads
-        if held is None or held == target or held % origin.heads == 0:
+        if held is None or held % origin.heads == 0:
             return None
-        cached = f"the cache's {held} mean-pooled head{'s' if held != 1 else ''}"
+        if held == target and self._merging(mode) == self._merging(previous):  # the same heads, merged the same way
+            return None
+        how = "merged" if self._merging(previous) else "mean-pooled"
+        cached = f"the cache's {held} {how} head{'s' if held != 1 else ''}"
         if target % origin.heads == 0:
             own = ("the model's own K/V projections are back, as loaded" if target == origin.heads
                    else f"{target} K/V heads repeat the model's own {origin.heads}, as loaded")
@@ -511,7 +534,101 @@ class Engine:
         if target > held:
             return (f"{target} K/V heads are pooled afresh from the model's own {origin.heads}; repeating "
                     f"{cached} would not give their K/V")
+        if self._merging(mode) or self._merging(previous):
+            # Aligned merges are fitted from the model's own heads: a cache of merged heads cannot be merged again
+            # the same way (mean-pooling can: a mean of equal groups' means is the mean of the heads).
+            return (f"{target} K/V head{'s are' if target != 1 else ' is'} merged afresh from the model's own "
+                    f"{origin.heads}; {cached} cannot be merged again")
         return None
+
+    def _merging(self, mode: AttentionMode | None) -> bool:
+        """Whether ``mode`` makes fewer K/V heads than the model's own with the aligned merge."""
+        origin = self._kv_origin
+        if origin is None or mode is None or getattr(mode, "merge", "mean") == "mean":
+            return False
+        target = effective_spec(self.spec, self.settings.with_(attention=mode)).num_kv_heads
+        return target % origin.heads != 0
+
+    def _own_kv(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]] | None:
+        """Per cache layer, the K/V it holds when they are the model's own (its own heads, or them repeated);
+        None otherwise (no tokens, merged or pooled heads, a latent)."""
+        from kvscope.core.runtimes.transformers import convert, latent
+
+        origin = self._kv_origin
+        if self.cache is None or not self.seq_len or latent.is_latent(self.cache) or \
+                self.settings.cache.needs_attention_weights:  # h2o: each head holds tokens of its own choosing
+            return None
+        held = convert.cache_heads(self.cache)
+        if held is None or held % origin.heads:
+            return None
+        return {i: convert._layer_kv(layer) for i, layer in enumerate(self.cache.layers)
+                if getattr(layer, "is_initialized", False)}
+
+    def _fit_merge(self, mode: AttentionMode, target: int, live: bool) -> tuple[Any, str | None]:
+        """The aligned merge of the model's own heads to ``target`` (``kvscope.core.runtimes.transformers.merge``),
+        calibrated on the cache's own K/V, else on the last calibration kept; (None, why) where the mean applies
+        instead, (None, None) where no merge is asked."""
+        if not self._merging(mode):
+            return None, None
+        from kvscope.core.runtimes.transformers import merge
+
+        origin = self._kv_origin
+        why = merge.problem(self.base_model)
+        if why:
+            return None, f"heads mean-pooled from the model's own {origin.heads}: {why}"
+        t = time.perf_counter()
+        own_kv = self._own_kv() if live else None
+        passed = ""
+        if not own_kv and not self._merge_calibration:
+            if not (live and self.ids is not None and self.seq_len):
+                return None, (f"heads mean-pooled from the model's own {origin.heads}: no tokens of its own K/V to "
+                              "align them on yet")
+            own_kv = self._own_kv_by_pass(self.ids)
+            passed = " (their K/V computed again by the model as loaded)"
+        try:
+            merges, made, tokens = merge.fit(self.base_model, origin, target, own_kv=own_kv,
+                                             kept=self._merge_calibration)
+        except SettingsError as exc:  # a rotary the merge cannot read: the mean, and why
+            return None, f"heads mean-pooled from the model's own {origin.heads}: {exc}"
+        self._merge_calibration.update(made)
+        return merges, (f"heads aligned and merged from the model's own {origin.heads}, calibrated on {tokens:,} "
+                        f"tokens{passed}, in {1000 * (time.perf_counter() - t):.0f} ms")
+
+    def _own_kv_by_pass(self, ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """The K/V the model as loaded (its own projections, put back) computes for the last ``CALIBRATION_TOKENS``
+        of ``ids``, in one pass into a cache of its own (the live cache is not touched)."""
+        from transformers import DynamicCache
+
+        from kvscope.core.runtimes.transformers import convert, merge
+
+        origin = self._kv_origin
+        convert.set_kv_heads(self.base_model, origin.heads, origin=origin)
+        cache = DynamicCache(config=self.model.config)
+        with torch.inference_mode(), self._kernel_context():
+            self.model(input_ids=ids[:, -merge.CALIBRATION_TOKENS:].to(self.device), cache=cache, use_cache=True,
+                       logits_to_keep=1)
+        return {i: convert._layer_kv(layer) for i, layer in enumerate(cache.layers)
+                if getattr(layer, "is_initialized", False)}
+
+    def _calibrate_merge(self, prompt_ids: torch.Tensor) -> str | None:
+        """A run that starts in an aligned merge with nothing to calibrate it on: the prompt goes through the model as
+        loaded first (its own K/V projections, one pass), and the merge is fitted on that K/V. Returns what was done."""
+        from kvscope.core.runtimes.transformers import convert, merge
+
+        origin = self._kv_origin
+        if not self._merging(self.mode) or self._merge_calibration or merge.problem(self.base_model):
+            return None
+        target = effective_spec(self.spec, self.settings).num_kv_heads
+        own = self._own_kv_by_pass(prompt_ids)
+        try:
+            merges, made, tokens = merge.fit(self.base_model, origin, target, own_kv=own)
+        except SettingsError as exc:
+            convert.set_kv_heads(self.base_model, target, origin=origin)
+            return f"K/V heads mean-pooled from the model's own {origin.heads}: {exc}"
+        self._merge_calibration.update(made)
+        merge.set_merged(self.base_model, origin, merges)
+        self._weights_observed = model_weight_bytes(self.model)
+        return f"K/V heads aligned and merged from the model's own {origin.heads}, calibrated on the prompt's {tokens:,} tokens"
 
     def _tokens_dropped(self, eff: ModelSpec | None = None) -> int:
         """Tokens the live cache's full-attention layers (those of ``eff``, default the current settings')
@@ -712,6 +829,9 @@ class Engine:
         if isinstance(self.settings.cache, Quantized):
             self._check_quantized_shapes(effective_spec(self.spec, self.settings), self.settings, self.settings.cache,
                                          int(prompt_ids.shape[1]))
+        calibrated = self._calibrate_merge(prompt_ids)
+        if calibrated:
+            self.notes.append(calibrated)
         self.ids = prompt_ids.to(self.device)
         self.prompt_tokens = int(prompt_ids.shape[1])
         self.cache = self._new_cache()

@@ -242,7 +242,9 @@ class TransformersRuntime:
         # The batch's copies are the run's first allocation: a batch too large for the device fails here,
         # and takes the out-of-memory path like the prefill ("DefaultCPUAllocator: can't allocate memory").
         ids = encoded.repeat(e.settings.batch, 1)
+        noted = len(e.notes)
         out = [e.prefill(ids, request.prompt)]
+        out += [e.event("note", note) for note in e.notes[noted:]]  # the prefill's own (an aligned merge calibrated)
         run_tokens = e.seq_len + request.max_new_tokens
         if isinstance(e.mode, Window) and e.mode.window - 1 >= run_tokens:
             # Allowed (nothing breaks), but the window never slides: say why the bytes equal full attention's.

@@ -329,7 +329,7 @@ def test_calculator_tab_offers_the_sizes_of_the_model(qtbot):
     assert tab.cache_combo.currentText() == "h2o:128+128"
 
 
-def test_the_kl_curve_sits_beside_the_kv_curve_only_when_measured(qtbot):
+def test_the_kl_curve_is_the_quality_strips_only_when_measured(qtbot):
     from kvscope.core.base.sample import PHASE_DECODE, Sample
     from kvscope.ui.plots import LivePlots
 
@@ -344,13 +344,13 @@ def test_the_kl_curve_sits_beside_the_kv_curve_only_when_measured(qtbot):
 
     plots.add_samples([sample(t, None) for t in range(1, 5)])
     plots.redraw()
-    assert not plots.kv_plot.getAxis("right").isVisible()  # the probe is off: no KL axis
+    assert plots.quality.isHidden() and not plots.kv_plot.getAxis("right").isVisible()  # the probe is off
     plots.add_samples([sample(t, 0.5 * t) for t in range(5, 40)])
     plots.redraw()
-    assert plots.kv_plot.getAxis("right").isVisible()
-    assert plots._curves["quality_kl"].y_range[1] == pytest.approx(19.5)
+    assert not plots.quality.isHidden() and "quality_kl" not in plots._curves  # the strip's, not the KV plot's
+    assert plots._curves["quality_kl_mean"].y_range[1] == pytest.approx(sum(0.5 * t for t in range(8, 40)) / 32)
     plots.reset()
-    assert not plots.kv_plot.getAxis("right").isVisible()
+    assert plots.quality.isHidden() and not plots.kv_plot.getAxis("right").isVisible()
 
 
 def test_sink_without_sinks_is_transformers_sliding_window(embedded):

@@ -135,6 +135,8 @@ def _clips(w) -> list[str]:
 
     problems = []
     for panel in w.plots.panels:
+        if panel.isHidden():  # (the quality probe's panels, in a run without the probe)
+            continue
         inside = QRectF(0, 0, panel.width(), panel.height())
         # A LabelItem's line, without its text document's 4 px margins above and below (empty, not ink).
         texts = [("title", panel.title_label.item.sceneBoundingRect().adjusted(0, 4, 0, -4))]

@@ -403,7 +403,9 @@ def test_the_combos_show_a_setting_their_choices_do_not_list(qtbot, settings):
 def test_the_quality_probe_is_a_control_and_travels_in_the_request(qtbot, settings):
     w = MainWindow(settings=settings, start_engine=False)
     qtbot.addWidget(w)
-    assert not w.controls.quality_check.isChecked() and not w.build_request().quality_probe  # off by default
+    assert w.controls.quality_check.isChecked() and w.build_request().quality_probe  # on for the embedded model
+    w.controls.quality_check.setChecked(False)
+    assert not w.build_request().quality_probe
     w.controls.quality_check.setChecked(True)
     assert w.build_request().quality_probe
     w.apply_request(RunRequest(quality_probe=False))

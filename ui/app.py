@@ -100,7 +100,12 @@ def _settle(app, window, rounds: int = 6) -> None:
 
 def startup_request(window, request, tokens: int | None):
     """The run a launch starts: without ``--tokens``, as many tokens as the window's New tokens (the
-    user's last choice, remembered; ``FIRST_START_TOKENS`` at first), not the terminal run's 128."""
+    user's last choice, remembered; ``FIRST_START_TOKENS`` at first), not the terminal run's 128; the quality probe on
+    where it is cheap (``kvscope.ui.controls.probe_is_cheap_for``), as the controls have it."""
+    from kvscope.ui.controls import probe_is_cheap_for
+
+    if not request.quality_probe and probe_is_cheap_for(request.source, request.runtime):  # the window's default
+        request = replace(request, quality_probe=True)
     return request if tokens is not None else replace(request, max_new_tokens=window.controls.max_tokens_spin.value())
 
 

@@ -1,5 +1,6 @@
-"""The badge row over the plots: the model (elided to one line), attention, kernel and cache in force,
-the run state, a busy bar while loading and a lasting REC badge while a run records."""
+"""The badge row over the plots: the model (elided to one line), attention, kernel and cache in force (the
+attention's badge with the quality probe's running figure, "MQA · top-1 96%", while the probe runs), the run
+state, a busy bar while loading and a lasting REC badge while a run records."""
 
 from __future__ import annotations
 
@@ -45,6 +46,13 @@ class ElidedLabel(QLabel):
     def text(self) -> str:
         return self._full
 
+    #: Shown after the text, never part of ``text()`` (the attention badge's quality figure: "top-1 96%").
+    suffix = ""
+
+    def shown_text(self) -> str:
+        """What the badge says whole: its text, and its suffix after a dot."""
+        return f"{self._full} \u00b7 {self.suffix}" if self.suffix else self._full
+
     def resizeEvent(self, event) -> None:  # noqa: N802 - Qt's name
         super().resizeEvent(event)
         self._elide()
@@ -70,7 +78,7 @@ class ElidedLabel(QLabel):
     def sizeHint(self) -> QSize:  # noqa: N802 - Qt's name: as wide as the whole text wants
         m = self.contentsMargins()
         hint = super().sizeHint()
-        return QSize(max(self.fontMetrics().horizontalAdvance(self._full) + m.left() + m.right()
+        return QSize(max(self.fontMetrics().horizontalAdvance(self.shown_text()) + m.left() + m.right()
                          + self.indent_px() + 2,
                          self.minimumWidth(), self.reserved), max(hint.height(), self._line_height()))
 
@@ -90,14 +98,18 @@ class ElidedLabel(QLabel):
 
     def _elide(self) -> None:
         room = max(self.contentsRect().width() - self.indent_px(), 1)
-        shown = self.fontMetrics().elidedText(self._full, Qt.TextElideMode.ElideRight, room)
-        if shown != self._full and len(shown) - 1 < self.min_shown:
+        whole = self.shown_text()
+        shown = self.fontMetrics().elidedText(whole, Qt.TextElideMode.ElideRight, room)
+        if self.suffix and shown != whole and self.fontMetrics().horizontalAdvance(self._full) <= room:
+            shown = self._full  # the setting whole before a cut figure (the tooltip has the figure)
+        if shown != whole and len(shown) - 1 < self.min_shown:
             shown = ""
         if shown and self.fontMetrics().horizontalAdvance(shown) > room:
             shown = ""  # not even one character and the '…' (Qt leaves a one-character text as it is)
         if shown != super().text():
             super().setText(shown)
-            self.setToolTip(plain_tip(self._full) if shown != self._full else self._tip)
+            self.setToolTip(plain_tip(whole) + (f"\n{self._tip}" if self.suffix else "") if shown != whole
+                            else self._tip)
 
     _tip = ""
 
@@ -230,7 +242,7 @@ class BadgeRow(QWidget):
             font.setBold(True)
             metrics = QFontMetrics(font)
             # what each badge asks for at that size: its text, or the room reserved for its longest choice
-            return {k: max(metrics.horizontalAdvance(self.badges[k].text()) + _extra(self.badges[k]),
+            return {k: max(metrics.horizontalAdvance(self.badges[k].shown_text()) + _extra(self.badges[k]),
                            round(getattr(self.badges[k], "reserved_full", 0) * pt / self.point_size) if reserved else 0)
                     for k in keys}
 
@@ -322,6 +334,23 @@ class BadgeRow(QWidget):
         self.badges["attention"].setText(s.attention.upper())
         self.badges["kernel"].setText(s.kernel or s.attn_impl)
         self.badges["cache"].setText(s.cache)
+        self._fit_names()
+
+    def show_quality(self, figure) -> None:
+        """The quality probe's running figure on the attention badge ("MQA \u00b7 top-1 96%"): ``figure`` is a
+        ``kvscope.ui.plots.quality.QualityFigure`` of the setting in force, or None (no probe: nothing shown)."""
+        badge = self.badges["attention"]
+        suffix = "" if figure is None else f"top-1 {figure.percent}%"
+        tip = "Attention mode in force"
+        if figure is not None:
+            tip += (f"\nQuality probe, against the model as loaded, over the last {figure.tokens} tokens of this "
+                    f"setting: the next token the same at {100 * figure.top1:.1f}%, KL {figure.kl:.3g} nats")
+        if (suffix, tip) == (badge.suffix, badge._tip):
+            return
+        badge.suffix = suffix
+        badge.set_tip(tip)
+        badge._elide()
+        badge.updateGeometry()
         self._fit_names()
 
     def show_state(self, state: str, color: str) -> None:

@@ -45,6 +45,35 @@ CONTROLS_MIN_W = 300
 KEYS_HELP = "1\u20135 attention \u00b7 F flash \u00b7 C cache \u00b7 Space pause \u00b7 F11 presenter \u00b7 Ctrl+S screenshot"
 #: The axes a live switch changes, in the command line's spelling.
 SWITCH_KEYS = ("attention", "attn-impl", "cache")
+#: The quality probe is on by default for the embedded model and for a transformers model whose weights on disk are
+#: at most this (1 GiB: ~500M parameters in bf16, ~250M in float32). It runs one more decode step of the model as
+#: loaded per token and keeps a second, full cache (benchmarks/quality_probe.py: ~0.5x the tokens/s on a CPU), which
+#: a small model's tokens can afford; a larger model's user turns it on.
+PROBE_DEFAULT_MAX_BYTES = 1 << 30
+
+
+def probe_is_cheap_for(source: str, runtime: str) -> bool:
+    """Whether the window turns the quality probe on by default for a run of ``source``: the embedded model, or a
+    model folder (an installed model's too) whose weight files are at most ``PROBE_DEFAULT_MAX_BYTES``, under the
+    transformers runtime (the probe is its own). A hub id (not on disk yet) is not."""
+    if runtime != "transformers":
+        return False
+    if source == "embedded":
+        return True
+    size = _weights_bytes(source)
+    return size is not None and size <= PROBE_DEFAULT_MAX_BYTES
+
+
+def _weights_bytes(folder: str) -> int | None:
+    """Bytes of a model folder's weight files (safetensors, .bin, .pt), or None where it holds none or cannot be read."""
+    from pathlib import Path
+
+    try:
+        sizes = [f.stat().st_size for f in Path(folder).expanduser().iterdir()
+                 if f.is_file() and f.suffix in (".safetensors", ".bin", ".pt", ".pth")]
+    except OSError:
+        return None
+    return sum(sizes) if sizes else None
 
 
 def _prompt_text(text: str) -> str:
@@ -95,6 +124,7 @@ class ControlsPanel(QScrollArea):
         self.source = SourcePicker(self)
         src = self.source
         src.model_changed.connect(self.use_models_own_settings)
+        src.model_changed.connect(self._probe_default)
         # The Source list's widgets, by the names the window's users (tests, scripts) reach for.
         self.source_combo, self.source_stack, self.installed_combo = src.combo, src.stack, src.installed_combo
         self.folder_edit, self.hub_edit, self.gguf_edit = src.folder_edit, src.hub_edit, src.gguf_edit
@@ -136,9 +166,14 @@ class ControlsPanel(QScrollArea):
         self.snapshot_button = QPushButton("Allocator snapshot\u2026")
         self.snapshot_button.setCheckable(True)
         self.quality_check = QCheckBox("Quality probe")
-        self.quality_check.setToolTip("Run the same tokens through a full-cache twin too and plot how often the top-1 "
-                                      "token agrees and the KL divergence (sparse caches: what evicting costs).\n"
-                                      "Costs a second forward pass per token; off by default.")
+        self.quality_check.setToolTip(
+            "Compare every token with the model as loaded (its own attention, a full cache, the same tokens, "
+            "teacher-forced):\nhow often the next token is the same (top-1) and the KL divergence, in the strip "
+            "under the KV plot,\non the attention badge and in the frontier (KV bytes per token against quality).\n"
+            "Costs one more decode step of the loaded model per token (about half the tokens/s) and a second, full "
+            f"cache.\nOn by default for the embedded model and models of at most {human_bytes(PROBE_DEFAULT_MAX_BYTES)} "
+            "of weights; choosing another model sets it again.")
+        self._probe_default()
         self.prompt_edit = QPlainTextEdit()
         self.prompt_edit.setPlaceholderText("Prompt")
         self.prompt_edit.setMaximumHeight(110)
@@ -250,6 +285,19 @@ class ControlsPanel(QScrollArea):
             self.grey_what_cannot_run()
         finally:
             self._updating = False
+
+    def probe_is_cheap(self) -> bool:
+        """Whether the quality probe is on by default for the model chosen (``probe_is_cheap_for``)."""
+        try:
+            source, entry, _ = self.source.chosen()
+        except SpecError:
+            return False
+        return entry is None and probe_is_cheap_for(source, "transformers")
+
+    def _probe_default(self) -> None:
+        """Another model is chosen: the quality probe as its size sets it (``probe_is_cheap``); the user may change it."""
+        if hasattr(self, "quality_check"):
+            self.quality_check.setChecked(self.probe_is_cheap())
 
     def use_models_own_settings(self) -> None:
         """Another model is chosen: it runs as it is built (its own attention, sdpa, a dynamic cache) unless the user

@@ -142,7 +142,8 @@ class FileActions(QObject):
         return rows
 
     def export_plots(self, base: str | None = None, fmt: str = "png", ask: bool = False) -> list[Path]:
-        """Each plot to its own file: ``<base>-kv.<fmt>``, ``-memory``, ``-compare`` (PNG or SVG)."""
+        """Each plot to its own file: ``<base>-kv.<fmt>``, ``-memory``, ``-compare`` (PNG or SVG), and ``-quality``,
+        ``-frontier`` where the run had the quality probe."""
         fmt = fmt.lower()
         if ask:
             base = ask_save_path(self.window, f"Export plots as {fmt.upper()}", Path.home() / f"kvscope.{fmt}",
@@ -156,7 +157,7 @@ class FileActions(QObject):
         written = []
         try:
             stem.parent.mkdir(parents=True, exist_ok=True)
-            for which in self.plots.EXPORTABLE:
+            for which in self.plots.exportable_now():  # the quality probe's plots where it ran
                 target = stem.with_name(f"{stem.name}-{which}.{fmt}")
                 self.plots.export_plot(which, str(target))
                 written.append(target)
@@ -192,7 +193,7 @@ class FileActions(QObject):
                         f"{session.decode_tokens:,} tokens generated"))
         try:
             saved = render_summary(path, make_theme(self.theme_name(), presenter=False), title, " \u00b7 ".join(parts),
-                                   numbers, [self.plots.kv_widget, self.plots.mem_widget, self.plots.cmp_widget])
+                                   numbers, self.plots.summary_panels())
         except ScreenshotError as exc:
             self.error.emit(str(exc))
             return None

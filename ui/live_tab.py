@@ -47,6 +47,7 @@ class LiveTab(QSplitter):
         self.controls = ControlsPanel()
         self.badge_row = BadgeRow()
         self.plots = LivePlots(theme)
+        self.plots.quality_changed.connect(self.badge_row.show_quality)  # the probe's running figure on the badge
         self.demo_banner = DemoBanner()
         self.alert = AlertOverlay(self.plots)
         self.events_table = EventsTable(theme)

@@ -1,4 +1,5 @@
-"""A one-page summary image for slides: the three plots and the key numbers on one 16:9 PNG."""
+"""A one-page summary image for slides: the plots and the key numbers on one 16:9 PNG (the KV plot across the top,
+with the quality strip under it and the frontier beside it where the run had the quality probe)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ from kvscope.ui.theme import Theme
 def render_summary(path: str | Path, theme: Theme, title: str, subtitle: str, numbers: list[tuple[str, str, str]],
                    plots: list, size: tuple[int, int] = (1920, 1080)) -> Path:
     """Paint ``title``, ``subtitle``, the ``numbers`` (name, value, note) and the ``plots`` (widgets,
-    grabbed as they are on screen) onto one ``size`` PNG at ``path``. Raises ScreenshotError."""
+    grabbed as they are on screen) onto one ``size`` PNG at ``path``. Raises ScreenshotError.
+
+    The first plot goes across the top, the others side by side below it; a panel whose ``key`` is "quality" (the
+    strip) goes under the first, one whose key is "frontier" beside it, a third of the width."""
     width, height = size
     image = QImage(width, height, QImage.Format.Format_RGB32)
     image.fill(QColor(theme.background))
@@ -67,18 +71,27 @@ def render_summary(path: str | Path, theme: Theme, title: str, subtitle: str, nu
             y += tile_h + 12
         # ---- plots: the first across the top, the others side by side below it
         area = QRect(margin, top, x0 - 2 * margin, height - top - margin)
-        grabs = [w.grab() for w in plots]
+        strip = [w for w in plots if getattr(w, "key", "") == "quality"]
+        beside = [w for w in plots if getattr(w, "key", "") == "frontier"]
+        row = [w for w in plots if w not in strip and w not in beside]
+        grabs = [w.grab() for w in row + strip + beside]
         if any(g.isNull() for g in grabs):
             raise ScreenshotError("the plots have no pixels to save (is the window shown?)")
         if grabs:
-            first_h = int(area.height() * 0.55)
-            rects = [QRect(area.left(), area.top(), area.width(), first_h - 8)]
-            rest = grabs[1:]
+            first_h = int(area.height() * (0.6 if strip or beside else 0.55))
+            first_w = area.width() - (area.width() * 35 // 100 + 16 if beside else 0)
+            strip_h = (first_h - 8) * 2 // 7 if strip else 0
+            rects = [QRect(area.left(), area.top(), first_w, first_h - 8 - (strip_h + 8 if strip else 0))]
+            rest = row[1:]
             if rest:
                 w_each = (area.width() - 16 * (len(rest) - 1)) // len(rest)
                 for i in range(len(rest)):
                     rects.append(QRect(area.left() + i * (w_each + 16), area.top() + first_h + 8, w_each,
                                        area.height() - first_h - 8))
+            if strip:
+                rects.append(QRect(area.left(), area.top() + first_h - 8 - strip_h, first_w, strip_h))
+            if beside:
+                rects.append(QRect(area.left() + first_w + 16, area.top(), area.width() - first_w - 16, first_h - 8))
             for pixmap, rect in zip(grabs, rects):
                 # Keep the aspect (stretched text reads badly on a slide); centre in the slot.
                 scaled = pixmap.scaled(rect.size(), Qt.AspectRatioMode.KeepAspectRatio,

@@ -1,5 +1,6 @@
 """The KV plot: the cache's bytes after each token, observed and predicted, its slope, the switches' labels,
-the held earlier runs' curves under this one, and the quality probe's KL on a scale of its own."""
+and the held earlier runs' curves under this one (the quality probe's figures are the strip under it,
+``kvscope.ui.plots.quality``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from PySide6.QtCore import Qt
 
 from kvscope.core.base.sample import Sample
 from kvscope.ui.axes import BytesAxis, format_slope
-from kvscope.ui.plots.panel import Marker, PlotPanel, headroom, label_height, mix
+from kvscope.ui.plots.panel import Marker, PlotPanel, headroom, label_height
 from kvscope.ui.theme import Theme
 
 #: The curves of the run being shown: a label never covers them.
@@ -24,7 +25,7 @@ class KVPlot(PlotPanel):
 
     key = "kv"
     row = 0
-    TOKEN_COLUMNS = ("kv_observed", "kv_predicted", "kv_reserved", "kv_used", "quality_kl")
+    TOKEN_COLUMNS = ("kv_observed", "kv_predicted", "kv_reserved", "kv_used")
     TOOLTIP = ("KV cache bytes after each token.\nSolid: measured, the bytes of the cache's K/V tensors "
                "(element size x elements, summed over layers).\nDashed: the predictor's bytes for the same "
                "token and settings.\nVertical lines: live switches of attention mode, kernel or cache.")
@@ -35,10 +36,8 @@ class KVPlot(PlotPanel):
         super().__init__(*args, **kwargs)
         self.plot = self.add_plot({"left": BytesAxis(orientation="left")}, min_height=70, bottom_label="token",
                                   right_sample="0.888")
-        # The quality probe's KL (this cache against a full-cache twin) beside the KV curve, on the right axis,
-        # shown once a sample carries it (the probe is off by default).
-        self.quality_view = self.add_right_view(self.plot)
-        self.quality_view.setYRange(0, 1, padding=0.0)
+        # While the quality strip shows under this plot (a Sample carries the probe's figures), a right axis as wide
+        # as the strip's KL axis and blank: the two data areas span the same pixels, a token over the same token.
         t = self.tokens
         self.add_curve("kv_observed", self.plot, t, "token", "kv_observed", "observed", z=1)
         self.add_curve("kv_predicted", self.plot, t, "token", "kv_predicted", "predicted", "dash", z=2)
@@ -46,8 +45,6 @@ class KVPlot(PlotPanel):
         self.add_curve("kv_reserved", self.plot, t, "token", "kv_reserved", "reserved", fill=True, z=0,
                        color="kv_share")
         self.add_curve("kv_used", self.plot, t, "token", "kv_used", "used", z=3, color="allocated")
-        self.add_curve("quality_kl", self.quality_view, t, "token", "quality_kl", "KL vs full cache (right, nats)",
-                       "dot", color="error_total")
         # The previous live runs' KV curves (hold_previous), under this one: the last run dotted, the one before it
         # dash-dotted (three runtimes on one plot). Not decimated: they are fixed.
         self.previous_curve = pg.PlotDataItem()
@@ -64,6 +61,20 @@ class KVPlot(PlotPanel):
 
     def titles(self) -> tuple[str, ...]:
         return ("KV cache vs token", "KV cache", "KV")
+
+    #: The quality strip under this plot carries the token axis (its ticks and label): the same tokens, once.
+    axis_below = False
+
+    def set_axis_below(self, on: bool) -> None:
+        if on != self.axis_below:
+            self.axis_below = on
+            self.fit_type(force=True)
+
+    def _values(self, spec, shown) -> bool:
+        return not self.axis_below and super()._values(spec, shown)
+
+    def _bottom_label(self, spec, shown) -> str:
+        return "" if self.axis_below else super()._bottom_label(spec, shown)
 
     # ---- data in
 
@@ -82,8 +93,7 @@ class KVPlot(PlotPanel):
         return {"kv_observed": None if ahead else s.kv_bytes_held,
                 "kv_reserved": s.kv_bytes_reserved if ahead else None,
                 "kv_used": s.kv_bytes_held if ahead else None,
-                "kv_predicted": s.kv_bytes_predicted,
-                "quality_kl": s.quality_kl}
+                "kv_predicted": s.kv_bytes_predicted}
 
     def empty_ranges(self) -> None:
         """Axes that read as a run about to start (0-256 tokens, 0-1 MiB), not pyqtgraph's 0-1."""
@@ -227,9 +237,6 @@ class KVPlot(PlotPanel):
             top = max([top] + [float(p[1].max()) for p in self.previous])
         if top is not None:
             self.set_y(frame, self.plot, 0.0, top, headroom(self.plot.getViewBox(), self.label_band() if self.markers else 0))
-        kl_top = self.top(("quality_kl",))
-        if kl_top is not None:
-            self.set_y(frame, self.quality_view, 0.0, max(kl_top, 0.1), 1.2)
 
     def slope(self, window: int = 32) -> float | None:
         """Bytes per token over the last ``window`` tokens since the last switch (a step is not a slope)."""
@@ -261,9 +268,8 @@ class KVPlot(PlotPanel):
 
     def apply_theme(self, theme: Theme) -> None:
         right = self.plot.getAxis("right")
-        right.setTextPen(theme.curves["error_total"])
-        right.setPen(mix(theme.background, theme.curves["error_total"], 0.6))
-        right.setStyle(tickTextOffset=6, tickLength=-6)
+        right.setPen(pg.mkPen(None))  # blank: room only (see __init__)
+        right.setStyle(showValues=False, tickLength=0)
         self.previous_curve.setPen(pg.mkPen(theme.text, width=theme.line_width * 1.6, style=Qt.PenStyle.DotLine))
         self.older_curve.setPen(pg.mkPen(theme.accent, width=theme.line_width * 1.6, style=Qt.PenStyle.DashDotLine))
         self.readout_color = theme.curves["kv_observed"]

@@ -5,23 +5,30 @@ window calls ``LivePlots.redraw`` (about 30 Hz), which hands each changed curve 
 min/max pair per pixel column (``kvscope.ui.decimate``), so a 100,000-point curve is as cheap to draw as the plot is
 wide. A plot is one class (``kvscope.ui.plots.panel.PlotPanel``) and one entry in ``PANELS``: the columns it plots,
 its markers, its place (the top row, or side by side in the bottom row) and its frames come from there.
+
+The top row is the KV plot with the quality strip under it (``kvscope.ui.plots.quality``) and the frontier
+(``kvscope.ui.plots.frontier``) to their right; the strip and the frontier show only once a Sample carries the
+quality probe's figures (a run without the probe keeps the layout it had).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import Qt
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import QSplitter, QVBoxLayout, QWidget
 
 from kvscope.core.base.sample import PHASE_EVENT, Sample
 from kvscope.core.live.session import MARK_LABEL_CHARS, marker_label
+from kvscope.ui.plots.frontier import FrontierPlot
 from kvscope.ui.plots.kv import KVPlot
 from kvscope.ui.plots.memory import MemoryPlot, SpikeMark
 from kvscope.ui.plots.panel import MAX_MARKS, FrameBudget, Marker, PlotPanel
+from kvscope.ui.plots.quality import QualityFigure, QualityPlot
 from kvscope.ui.plots.total import TotalPlot
 from kvscope.ui.ringbuffer import RingBuffer
 from kvscope.ui.theme import Theme, theme as make_theme
@@ -29,7 +36,13 @@ from kvscope.ui.theme import Theme, theme as make_theme
 DEFAULT_CAPACITY = 200_000  # points per curve kept in memory (about 1.6 MB per column)
 
 #: The plots, top row first. The first is drawn at every frame; the others take turns (see ``redraw``).
-PANELS: tuple[type[PlotPanel], ...] = (KVPlot, MemoryPlot, TotalPlot)
+PANELS: tuple[type[PlotPanel], ...] = (KVPlot, QualityPlot, FrontierPlot, MemoryPlot, TotalPlot)
+#: The panels shown only while the run's Samples carry the quality probe's figures.
+QUALITY_PANELS = ("quality", "frontier")
+#: The frontier sits beside the KV plot where the plots are at least this wide (presenter mode at 1024 px: ~675 px);
+#: narrower (1024 px with the controls shown: ~480 px) it would squeeze the KV plot to a sliver, and it waits off
+#: screen: File › Export and the summary image still draw it (``rendered``), and F11 shows it.
+FRONTIER_MIN_W = 600
 
 
 def _columns(first: str, panels, attribute: str) -> tuple[str, ...]:
@@ -44,6 +57,8 @@ class LivePlots(QWidget):
 
     #: What ``export_plot`` can write: one name per panel.
     EXPORTABLE = tuple(cls.key for cls in PANELS)
+    #: The running quality figure of the setting in force (a ``QualityFigure``), or None (no probe, a new run).
+    quality_changed = Signal(object)
 
     def __init__(self, theme: Theme | None = None, capacity: int = DEFAULT_CAPACITY, parent: QWidget | None = None):
         super().__init__(parent)
@@ -62,11 +77,14 @@ class LivePlots(QWidget):
             self.panels.append(cls(self.tokens, self.times, self.markers, self.theme, capacity))
         self._curves = {key: curve for panel in self.panels for key, curve in panel.curves.items()}
         self.kv, self.memory, self.total = (self.panel(cls.key) for cls in (KVPlot, MemoryPlot, TotalPlot))
+        self.quality, self.frontier = self.panel(QualityPlot.key), self.panel(FrontierPlot.key)
+        self.quality.plot.setXLink(self.kv.plot)  # the strip's tokens are the KV plot's, pixel for pixel
+        self._figure: QualityFigure | None = None
         # The names the window, the tests and the benchmarks know the parts by.
         self.kv_widget, self.mem_widget, self.cmp_widget = self.kv, self.memory, self.total
         self.kv_plot, self.mem_plot = self.kv.plot, self.memory.plot
         self.total_plot, self.error_plot = self.total.total_plot, self.total.error_plot
-        self.kv_view, self.quality_view = self.memory.kv_view, self.kv.quality_view
+        self.kv_view = self.memory.kv_view
         self.capacity_line, self.zero_line = self.memory.capacity_line, self.total.zero_line
         self.previous_curve, self.older_curve = self.kv.previous_curve, self.kv.older_curve
         self.slope_label, self.error_label = self.kv.readout_label, self.total.readout_label
@@ -74,7 +92,9 @@ class LivePlots(QWidget):
 
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
-        # The top row's panel over the bottom row's, side by side (the window may stack them: a narrow column).
+        # The top row's panels over the bottom row's, side by side (the window may stack them: a narrow column).
+        # The top row: its first panels one under the other (the KV plot, the quality strip), and those marked
+        # ``beside`` (the frontier) to their right.
         self.splitter = QSplitter(Qt.Orientation.Vertical)
         rows: dict[int, list[PlotPanel]] = {}
         for panel in self.panels:
@@ -82,6 +102,19 @@ class LivePlots(QWidget):
         for row in sorted(rows):
             if len(rows[row]) == 1 and row == 0:
                 self.splitter.addWidget(rows[row][0])
+            elif row == 0:
+                self.top_row = QSplitter(Qt.Orientation.Horizontal)
+                self.top_column = QSplitter(Qt.Orientation.Vertical)
+                for panel in rows[row]:
+                    (self.top_row if getattr(panel, "beside", False) else self.top_column).addWidget(panel)
+                self.top_row.insertWidget(0, self.top_column)
+                self.top_column.setStretchFactor(0, 5)
+                self.top_column.setStretchFactor(1, 2)
+                self.top_row.setStretchFactor(0, 3)
+                self.top_row.setStretchFactor(1, 2)
+                for i in range(self.top_column.count()):
+                    self.top_column.setCollapsible(i, False)
+                self.splitter.addWidget(self.top_row)
             else:
                 side = QSplitter(Qt.Orientation.Horizontal)
                 for panel in rows[row]:
@@ -90,6 +123,7 @@ class LivePlots(QWidget):
         self.splitter.setStretchFactor(0, 3)
         self.splitter.setStretchFactor(1, 2)
         layout.addWidget(self.splitter)
+        self._show_quality(False)
         self.apply_theme(self.theme)
 
     def panel(self, key: str) -> PlotPanel:
@@ -155,6 +189,59 @@ class LivePlots(QWidget):
             time_rows.append(time_row)
         self.tokens.extend(token_rows)
         self.times.extend(time_rows)
+        if self.quality.seen and not self.quality.isVisibleTo(self):
+            self._show_quality(True)
+
+    # ---- the quality probe's panels
+
+    def _show_quality(self, on: bool) -> None:
+        """The strip and the frontier, shown while the run's Samples carry the probe's figures; the KV plot keeps
+        a blank right axis as wide as the strip's, so that their tokens line up."""
+        self.quality.setVisible(on)
+        self.frontier.setVisible(on and self.width() >= FRONTIER_MIN_W)
+        self.kv.set_axis_below(on)
+        if on:
+            # The KV plot 5:2 over the strip; the frontier 40 % of the row, at least 200 px where it can.
+            height = max(sum(self.top_column.sizes()), 7)
+            self.top_column.setSizes([height * 5 // 7, height * 2 // 7])
+            width = max(sum(self.top_row.sizes()), self.width(), 3)
+            side = min(max(width * 40 // 100, 200), width // 2)
+            self.top_row.setSizes([width - side, side])
+
+    def resizeEvent(self, event) -> None:  # noqa: N802 - Qt's name
+        super().resizeEvent(event)
+        if self.quality.seen and self.frontier.isHidden() == (self.width() >= FRONTIER_MIN_W):
+            self._show_quality(True)
+
+    def rendered(self, panel: PlotPanel) -> PlotPanel:
+        """``panel`` as it is on screen, or, for the frontier where the window has no room for it, a copy of it drawn
+        off screen at a readable size (what exports and the summary image take)."""
+        if panel is not self.frontier or not panel.isHidden():
+            return panel
+        copy = FrontierPlot(self.tokens, self.times, [], self.theme)
+        copy.points = {key: dataclasses.replace(point) for key, point in panel.points.items()}
+        copy._version = 1
+        copy.setAttribute(Qt.WidgetAttribute.WA_DontShowOnScreen)
+        copy.resize(640, 440)
+        copy.show()
+        copy.apply_theme(self.theme)
+        copy.draw()
+        copy.fit_ranges(FrameBudget({id(copy)}, math.inf))
+        copy.declutter()
+        self._offscreen = copy  # kept until the next one (the caller grabs or exports it)
+        return copy
+
+    def quality_figure(self) -> QualityFigure | None:
+        """The running quality figure of the setting in force (the strip's readout and the attention badge's)."""
+        return self.quality.figure
+
+    def summary_panels(self) -> list[PlotPanel]:
+        """The panels a summary image shows, the KV plot first: the strip and the frontier where the probe ran."""
+        return [self.rendered(p) for p in self.panels if p.key not in QUALITY_PANELS or self.quality.seen]
+
+    def exportable_now(self) -> tuple[str, ...]:
+        """The plots File › Export writes now: every panel, the quality probe's where it ran."""
+        return tuple(p.key for p in self.panels if p.key not in QUALITY_PANELS or self.quality.seen)
 
     def add_memory_readings(self, readings, origin: float | None = None) -> int:
         """Append the memory sampler's readings (``kvscope.core.runtimes.probes.MemoryReading``, any number).
@@ -218,6 +305,8 @@ class LivePlots(QWidget):
         self.markers.clear()
         for panel in self.panels:
             panel.reset()
+        self._show_quality(False)
+        self._announce_figure()
         self.apply_theme(self.theme)
 
     def apply_theme(self, theme: Theme) -> None:
@@ -238,7 +327,8 @@ class LivePlots(QWidget):
         call, the others one per call, in turn (each panel is a scene Qt repaints separately); at most one
         view range changes per call (a change re-renders axes). What waits is drawn on the next call.
         """
-        first, others = self.panels[0], self.panels[1:]
+        first = self.panels[0]
+        others = [p for p in self.panels[1:] if not p.isHidden()]  # (the probe's panels, without the probe)
         drawn = self.panels if settle or not others else [first, others[self.draws % len(others)]]
         frame = FrameBudget({id(p) for p in drawn}, math.inf if settle else 1)
         updated = sum(panel.draw() for panel in drawn)
@@ -251,8 +341,15 @@ class LivePlots(QWidget):
         if updated:
             for panel in self.panels:
                 panel.refresh_labels()
+        self._announce_figure()
         self.draws += 1
         return updated
+
+    def _announce_figure(self) -> None:
+        figure = self.quality.figure
+        if figure != self._figure:
+            self._figure = figure
+            self.quality_changed.emit(figure)
 
     # ---- export
 
@@ -263,6 +360,7 @@ class LivePlots(QWidget):
         panel = next((p for p in self.panels if p.key == which), None)
         if panel is None:
             raise ValueError(f"unknown plot {which!r}; choose one of {', '.join(self.EXPORTABLE)}")
+        panel = self.rendered(panel)
         item = panel.export_item()
         if str(path).lower().endswith(".svg"):
             try:

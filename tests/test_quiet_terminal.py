@@ -28,12 +28,11 @@ def _profiler_lines(text: str) -> list[str]:
 
 
 def test_run_prints_nothing_of_the_profiler(tmp_path):
-    """`main.py run` on the CPU past a profiled decode step (Engine.DECODE_PEAK_EVERY), with a switch that re-runs
-    the tokens (a profiled prefill and kernel): the table on stdout and our progress lines on stderr, nothing of
-    the profiler's on either; the recording shows the profiler did run (the prefill's and a decode step's peak)."""
-    from kvscope.core.runtimes.transformers.engine import Engine
-
-    tokens = Engine.DECODE_PEAK_EVERY + 4
+    """`main.py run` on the CPU past profiled decode steps (the first after the prefill and after the re-run), with a
+    switch that re-runs the tokens (a profiled prefill and kernel): the table on stdout and our progress lines on
+    stderr, nothing of the profiler's on either; the recording shows the profiler did run (the prefill's and a
+    decode step's peak)."""
+    tokens = 24
     record = tmp_path / "run.jsonl"
     out = subprocess.run([sys.executable, str(ROOT / "main.py"), "run", "--model", "embedded", "--device", "cpu",
                           "--tokens", str(tokens), "--switch", "8:attention=mla", "--switch", "16:attention=mha",
@@ -47,14 +46,15 @@ def test_run_prints_nothing_of_the_profiler(tmp_path):
     samples = [json.loads(line) for line in record.read_text().splitlines()[1:]]
     measured = {s["phase"] for s in samples if s.get("peak_bytes_observed") is not None}
     assert {"prefill", "decode"} <= measured, measured  # the profiler ran on both
-    assert any(s["phase"] == "decode" and s["token"] >= Engine.DECODE_PEAK_EVERY
+    assert any(s["phase"] == "decode" and s["token"] > 16  # the step after the re-run at 16
                and s.get("peak_bytes_observed") is not None for s in samples)
 
 
 def test_a_profiled_call_on_another_thread_keeps_our_lines_and_drops_the_profilers():
     """The first profiler session on a thread other than torch's importer (the window's generation thread) made
     kineto print its `registerClient` error. Under ``measure_peak`` and ``measure_kernel`` there, what the call
-    itself writes, to fd 2, sys.stderr and stdout, comes out once each and in order; the profiler's lines do not."""
+    itself writes, to fd 2, sys.stderr and stdout, comes out once each and in order (also from a call that raises);
+    the profiler's lines do not."""
     script = textwrap.dedent("""
         import os, sys, threading
         import torch
@@ -74,10 +74,15 @@ def test_a_profiled_call_on_another_thread_keeps_our_lines_and_drops_the_profile
         thread = threading.Thread(target=work)
         thread.start()
         thread.join()
+        try:  # a call that raises under the profiler: what it wrote first still comes out
+            measure_peak(lambda: (os.write(2, b"ours before raising\\n"), 1 // 0), "cpu")
+        except ZeroDivisionError:
+            print("raised", file=sys.stderr)
         print("reading", readings[0] is not None and readings[0].peak > 0, flush=True)
     """)
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert _profiler_lines(out.stdout) == [] and _profiler_lines(out.stderr) == [], (out.stdout, out.stderr)
-    assert out.stderr.splitlines() == ["ours fd2 peak", "ours stderr peak", "ours fd2 kernel", "ours stderr kernel"]
+    assert out.stderr.splitlines() == ["ours fd2 peak", "ours stderr peak", "ours fd2 kernel", "ours stderr kernel",
+                                       "ours before raising", "raised"]
     assert out.stdout.splitlines() == ["ours stdout peak", "ours stdout kernel", "reading True"]

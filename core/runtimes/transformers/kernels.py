@@ -78,24 +78,30 @@ def quiet_profiler():
     except OSError:  # no fd 2 (closed): nothing to keep clean
         yield
         return
-    spool = tempfile.TemporaryFile()
+    try:
+        spool = tempfile.TemporaryFile()
+    except OSError:  # nowhere to spool: the session runs as it would without
+        os.close(saved)
+        yield
+        return
     try:
         os.dup2(spool.fileno(), 2)
+        yield
+    finally:  # also when the call raised: what it wrote before is not lost
         try:
-            yield
-        finally:
-            try:
-                sys.stderr.flush()  # Python's lines written meanwhile join the spool, in order
-            except (AttributeError, ValueError, OSError):
-                pass
-            os.dup2(saved, 2)
+            sys.stderr.flush()  # Python's lines written meanwhile join the spool, in order
+        except (AttributeError, ValueError, OSError):
+            pass
+        os.dup2(saved, 2)
+        os.close(saved)
         spool.seek(0)
         kept = b"".join(line for line in spool.read().splitlines(keepends=True) if not _PROFILER_LINE.match(line))
-        while kept:
-            kept = kept[os.write(2, kept):]
-    finally:
-        os.close(saved)
         spool.close()
+        try:
+            while kept:
+                kept = kept[os.write(2, kept):]
+        except OSError:  # stderr gone (a closed pipe): the lines had nowhere to go in any case
+            pass
 
 
 def measure_kernel(forward: Callable[[], object]) -> str | None:

@@ -33,7 +33,7 @@ def synthetic_samples(n_tokens: int, prompt_tokens: int = 16, switches: dict[int
         k = kv(token + 1, mode)
         act = 300_000
         return Sample(
-            token=token, phase=phase, time_s=t, text=text, attention=mode, kv_bytes_observed=k,
+            token=token, phase=phase, time_s=t, text=text, attention=mode, kv_bytes_held=k, kv_bytes_reserved=k,
             kv_bytes_storage=k, weights_bytes=weights,
             allocator_allocated=(weights + k + act // 3) if gpu else None,
             allocator_reserved=(weights + k + 2 * 1024**2) if gpu else None,

@@ -78,8 +78,8 @@ def _state(engine):
 
 
 def _exact(sample, what):
-    assert sample.kv_bytes_observed == sample.kv_bytes_predicted, (
-        f"{what}: token {sample.token} observed {sample.kv_bytes_observed:,} != predicted "
+    assert sample.kv_bytes_reserved == sample.kv_bytes_predicted, (
+        f"{what}: token {sample.token} observed {sample.kv_bytes_reserved:,} != predicted "
         f"{sample.kv_bytes_predicted:,} ({sample.attention}, {sample.attn_impl}, {sample.cache})")
     assert sample.weights_bytes == sample.weights_predicted, (
         f"{what}: weights observed {sample.weights_bytes:,} != predicted {sample.weights_predicted:,}")

@@ -57,7 +57,7 @@ def test_observed_equals_predicted_every_token(attention, cache):
     samples = [engine.prefill(_prompt(engine), "prompt")]
     samples += [engine.step() for _ in range(24)]
     for s in samples:
-        assert s.kv_bytes_observed == s.kv_bytes_predicted, (s.token, s.attention, s.cache)
+        assert s.kv_bytes_reserved == s.kv_bytes_predicted, (s.token, s.attention, s.cache)
     assert samples[-1].context_tokens == PROMPT_TOKENS + 24
     assert samples[-1].attention == attention and samples[-1].cache == cache
 
@@ -66,8 +66,8 @@ def test_quantized_residual_flush_is_predicted():
     # residual_length 128: the 128th decoded token requantizes everything; bytes drop then.
     engine = _engine(None, "quantized:4")
     samples = [engine.prefill(_prompt(engine), "p")] + [engine.step() for _ in range(140)]
-    assert all(s.kv_bytes_observed == s.kv_bytes_predicted for s in samples)
-    drops = [b.token for a, b in zip(samples, samples[1:]) if b.kv_bytes_observed < a.kv_bytes_observed]
+    assert all(s.kv_bytes_reserved == s.kv_bytes_predicted for s in samples)
+    drops = [b.token for a, b in zip(samples, samples[1:]) if b.kv_bytes_reserved < a.kv_bytes_reserved]
     assert drops == [128]
 
 
@@ -76,7 +76,7 @@ def test_batch_two_doubles_the_cache():
     two = Engine(load_model("embedded", device="cpu"), RunSettings(batch=2), seed=0)
     a = one.prefill(_prompt(one), "p")
     b = two.prefill(_prompt(two), "p")
-    assert b.kv_bytes_observed == 2 * a.kv_bytes_observed == b.kv_bytes_predicted
+    assert b.kv_bytes_reserved == 2 * a.kv_bytes_reserved == b.kv_bytes_predicted
 
 
 def test_gqa_to_mha_switch_gives_back_the_model_as_loaded():
@@ -105,7 +105,7 @@ def test_gqa_to_mha_switch_gives_back_the_model_as_loaded():
         for i in range(rerun_at, engine.seq_len):
             logits = reference(input_ids=engine.ids[:, i:i + 1], cache=cache).logits[:, -1, :].float()
     assert torch.equal(logits, engine._next_logits)
-    assert token.kv_bytes_observed == token.kv_bytes_predicted
+    assert token.kv_bytes_reserved == token.kv_bytes_predicted
 
 
 def test_mha_to_mqa_changes_bytes_per_token_by_the_head_ratio():
@@ -114,8 +114,8 @@ def test_mha_to_mqa_changes_bytes_per_token_by_the_head_ratio():
     a, b = engine.step(), engine.step()
     engine.apply("attention", "mqa")
     c, d = engine.step(), engine.step()
-    per_token_mha = b.kv_bytes_observed - a.kv_bytes_observed
-    per_token_mqa = d.kv_bytes_observed - c.kv_bytes_observed
+    per_token_mha = b.kv_bytes_reserved - a.kv_bytes_reserved
+    per_token_mqa = d.kv_bytes_reserved - c.kv_bytes_reserved
     assert per_token_mha == 8 * per_token_mqa == 8 * (2 * 4 * 32 * 4)  # 2 x 4 layers x 1 head x 32 dims x fp32
 
 
@@ -128,10 +128,10 @@ def test_every_switch_is_an_event_and_keeps_prediction_exact():
     for key, value in script:
         event = engine.apply(key, value)
         assert event.phase == "event" and event.event == "switch" and value in event.text
-        assert event.kv_bytes_observed == event.kv_bytes_predicted, event.text
+        assert event.kv_bytes_reserved == event.kv_bytes_predicted, event.text
         for _ in range(3):
             s = engine.step()
-            assert s.kv_bytes_observed == s.kv_bytes_predicted, (key, value, s.token)
+            assert s.kv_bytes_reserved == s.kv_bytes_predicted, (key, value, s.token)
     assert s.attention == "mha" and s.attn_impl == "flash" and s.cache == "dynamic"
 
 
@@ -143,7 +143,7 @@ def test_refused_switch_leaves_settings_alone():
     assert engine.settings.cache.key == "dynamic"
     with pytest.raises(Exception, match="needs CUDA"):
         engine.apply("cache", "offloaded")
-    assert engine.step().kv_bytes_observed == engine.predicted_kv()
+    assert engine.step().kv_bytes_reserved == engine.predicted_kv()
 
 
 def test_parse_switch():
@@ -167,8 +167,8 @@ def test_run_generation_records_scripted_switches(tmp_path):
     switches = [s for s in recorded if s.event == "switch"]
     assert [s.token for s in switches] == [8, 16]
     decode = [s for s in recorded if s.phase == "decode"]
-    assert len(decode) == 24 and all(s.kv_bytes_observed == s.kv_bytes_predicted for s in decode)
-    per_token = {s.attention: b.kv_bytes_observed - s.kv_bytes_observed for s, b in zip(decode, decode[1:])
+    assert len(decode) == 24 and all(s.kv_bytes_reserved == s.kv_bytes_predicted for s in decode)
+    per_token = {s.attention: b.kv_bytes_reserved - s.kv_bytes_reserved for s, b in zip(decode, decode[1:])
                  if s.attention == b.attention}
     assert per_token["mha"] == 4 * per_token["gqa:2"] == 8 * per_token["mqa"]
 

@@ -360,7 +360,7 @@ def test_settings_max_context_beyond_model_maximum_run(capsys, tmp_path):
     static_4k = kv_bytes(spec, RunSettings(cache=Static(), max_context=4096), 1)
     tokens = [s for s in samples if s.phase != "event"]
     assert len(tokens) == 3
-    assert all(s.kv_bytes_observed == s.kv_bytes_predicted == static_4k == 4096 * 8192 for s in tokens)
+    assert all(s.kv_bytes_reserved == s.kv_bytes_predicted == static_4k == 4096 * 8192 for s in tokens)
     assert [s.event for s in samples if s.phase == "event"] == ["load", "note"]
 
 
@@ -378,7 +378,7 @@ def test_settings_window_larger_than_context():
     assert len(tokens) == 7 and all(s.attention == "window:100000" for s in tokens)
     for s in tokens:
         full = kv_bytes(spec, RunSettings(attention=MHA()), s.context_tokens)
-        assert s.kv_bytes_observed == s.kv_bytes_predicted == full, s.token
+        assert s.kv_bytes_reserved == s.kv_bytes_predicted == full, s.token
 
 
 @pytest.mark.parametrize("case", ["window-mode-on-a-full-attention-model", "mistral-like-all-layers-slide",
@@ -395,7 +395,7 @@ def test_settings_quantized_cache_on_sliding_window(case, models, capsys):
             engine.apply("cache", "quantized:4")
         assert engine.settings.cache.key == "dynamic"
         s = engine.step()
-        assert s.cache == "dynamic" and s.kv_bytes_observed == s.kv_bytes_predicted
+        assert s.cache == "dynamic" and s.kv_bytes_reserved == s.kv_bytes_predicted
         return
     model, extra = {
         "window-mode-on-a-full-attention-model": ("embedded", ("--attention", "window:16")),
@@ -471,10 +471,10 @@ def test_runtime_out_of_memory_is_recovered(where, capsys, monkeypatch, tmp_path
         samples = list(reader)
         assert reader.skipped == 0 and not reader.truncated
     assert samples[-1].event == "oom" and samples[-1].text == line.removeprefix("kvscope: ")
-    assert samples[-1].kv_bytes_observed == 0  # the cache was dropped before the event was measured
+    assert samples[-1].kv_bytes_reserved == 0  # the cache was dropped before the event was measured
     decoded = [s for s in samples if s.phase == "decode"]
     assert len(decoded) == (0 if where == "prefill" else 4)
-    assert all(s.kv_bytes_observed == s.kv_bytes_predicted for s in decoded)
+    assert all(s.kv_bytes_reserved == s.kv_bytes_predicted for s in decoded)
     assert f"-- [oom] token {len(decoded)}:" in out
 
 
@@ -530,7 +530,7 @@ def test_runtime_nvml_missing_or_failing(case, monkeypatch):
             fake.fail = NVML_ERROR_GPU_IS_LOST
         samples.append(engine.step())
     assert [s.token for s in samples] == list(range(9))
-    assert all(s.kv_bytes_observed == s.kv_bytes_predicted for s in samples)
+    assert all(s.kv_bytes_reserved == s.kv_bytes_predicted for s in samples)
     assert all(s.process_rss is not None and s.process_rss > 0 for s in samples)
     notes = probe.last_notes
     if case == "nvml-failing-mid-run":
@@ -811,10 +811,10 @@ def test_churn_200_attention_switches_exact_cache_bytes():
         expected = kv_bytes(engine.spec, RunSettings(attention=parse_attention(mode)), engine.seq_len)
         observed = cache_bytes(engine.cache).logical
         assert engine.mode.key == mode and event.event == "switch"
-        assert observed == expected == event.kv_bytes_observed == event.kv_bytes_predicted, (i, mode, event.text)
+        assert observed == expected == event.kv_bytes_reserved == event.kv_bytes_predicted, (i, mode, event.text)
         if i % 3 == 2:
             s = engine.step()
-            assert s.kv_bytes_observed == s.kv_bytes_predicted == kv_bytes(
+            assert s.kv_bytes_reserved == s.kv_bytes_predicted == kv_bytes(
                 engine.spec, RunSettings(attention=parse_attention(mode)), engine.seq_len), (i, mode)
     assert engine.generated == 66 and engine.seq_len == 12 + 66
     engine.apply("attention", "mha")

@@ -57,8 +57,8 @@ def test_sixty_tokens_reserve_the_whole_context_at_load_and_fill_one_cell_per_to
     per_cell = predicted.buffers[0].row_bytes
     assert per_cell == 4 * 2 * 256 * 2  # 4 layers x (K + V) x 8 heads x 32 x f16
     for s in [samples[2]] + decodes:  # the prefill, then every token
-        assert s.kv_bytes_observed == predicted.kv_bytes == s.kv_bytes_predicted == 16 * 1024 * 1024
-    used = [s.kv_bytes_used for s in decodes]
+        assert s.kv_bytes_reserved == predicted.kv_bytes == s.kv_bytes_predicted == 16 * 1024 * 1024
+    used = [s.kv_bytes_held for s in decodes]
     assert all(b - a == per_cell for a, b in zip(used, used[1:])), "used grows by one cell per token"
     assert used[-1] == per_cell * decodes[-1].context_tokens
     text = "".join(s.text for s in decodes)
@@ -80,9 +80,9 @@ def test_an_attention_switch_is_refused_and_a_cache_type_reload_reserves_the_new
     assert [s.switch_key for s in switches] == ["cache-type", "context"]
     q8 = plan(g, dataclasses.replace(options, type_k="q8_0", type_v="q8_0"))
     q8_8k = plan(g, dataclasses.replace(options, type_k="q8_0", type_v="q8_0", n_ctx=8192))
-    assert switches[0].kv_bytes_observed == q8.kv_bytes == switches[0].kv_bytes_predicted
+    assert switches[0].kv_bytes_reserved == q8.kv_bytes == switches[0].kv_bytes_predicted
     assert switches[0].tokens_rerun == switches[0].context_tokens > 12
-    assert switches[1].kv_bytes_observed == q8_8k.kv_bytes == 2 * q8.kv_bytes
+    assert switches[1].kv_bytes_reserved == q8_8k.kv_bytes == 2 * q8.kv_bytes
     decodes = _decodes(samples)
     assert len(decodes) == 400  # the run went on after the refusal and through both reloads
     # The scripted reload applies between tokens 12 and 13; the live one (a press, as the window sends it) is
@@ -92,10 +92,10 @@ def test_an_attention_switch_is_refused_and_a_cache_type_reload_reserves_the_new
     assert switches[1].tokens_rerun == switches[1].context_tokens
     for s in decodes:
         want = 16 * 1024 * 1024 if s.token <= 12 else q8.kv_bytes if s.token <= live_at else q8_8k.kv_bytes
-        assert s.kv_bytes_observed == s.kv_bytes_predicted == want, s.token
+        assert s.kv_bytes_reserved == s.kv_bytes_predicted == want, s.token
     cell = q8.buffers[0].row_bytes
     after = [s for s in decodes if s.token > 12]
-    assert all(s.kv_bytes_used == cell * s.context_tokens for s in after)
+    assert all(s.kv_bytes_held == cell * s.context_tokens for s in after)
     assert decodes[-1].cache == "q8_0"
 
 
@@ -107,8 +107,8 @@ def test_a_window_model_keeps_its_window_cells_used(tmp_path):
     samples = _run(RunRequest(runtime="llama.cpp", source=str(path), llamacpp=options, max_new_tokens=200,
                               prompt="hello"))
     decodes = _decodes(samples)
-    assert all(s.kv_bytes_observed == predicted.kv_bytes for s in decodes)
-    assert [s.kv_bytes_used for s in decodes] == [predicted.used_bytes(s.context_tokens) for s in decodes]
+    assert all(s.kv_bytes_reserved == predicted.kv_bytes for s in decodes)
+    assert [s.kv_bytes_held for s in decodes] == [predicted.used_bytes(s.context_tokens) for s in decodes]
 
 
 def test_a_recording_of_a_llamacpp_run_round_trips_and_old_ones_still_read(gguf_path, tmp_path):
@@ -271,6 +271,6 @@ def test_a_reload_pressed_live_is_prepared_on_a_second_context_while_the_run_goe
     assert len(decodes) == 300 and [s.token for s in decodes] == list(range(1, 301))
     for s in decodes:
         want = 16 * 1024 * 1024 if s.token <= at else q8.kv_bytes
-        assert s.kv_bytes_observed == s.kv_bytes_predicted == want, s.token
+        assert s.kv_bytes_reserved == s.kv_bytes_predicted == want, s.token
         if s.token > at:
-            assert s.kv_bytes_used == q8.buffers[0].row_bytes * s.context_tokens and s.cache == "q8_0"
+            assert s.kv_bytes_held == q8.buffers[0].row_bytes * s.context_tokens and s.cache == "q8_0"

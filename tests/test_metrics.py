@@ -32,7 +32,8 @@ def scrape(url: str) -> dict[tuple[str, tuple], float]:
 
 def _sample(**kw) -> Sample:
     base = dict(token=1, phase="decode", time_s=0.1, text="x", attention="mha", attn_impl="sdpa", cache="dynamic",
-                kernel="sdpa-math", device="cpu", dtype="float32", kv_bytes_observed=100, kv_bytes_storage=100,
+                kernel="sdpa-math", device="cpu", dtype="float32", kv_bytes_held=100, kv_bytes_reserved=100,
+                kv_bytes_storage=100,
                 weights_bytes=1000)
     base.update(kw)
     return Sample(**base)
@@ -51,7 +52,7 @@ def test_page_matches_every_sample_of_a_real_run():
             if s.phase == "event":
                 return
             page = scrape(exporter.url)
-            assert page[("kvscope_kv_cache_observed_bytes", ())] == s.kv_bytes_observed
+            assert page[("kvscope_kv_cache_observed_bytes", ())] == s.kv_bytes_reserved
             assert page[("kvscope_kv_cache_predicted_bytes", ())] == s.kv_bytes_predicted
             assert page[("kvscope_weights_bytes", ())] == s.weights_bytes
             assert page[("kvscope_predicted_bytes", (("part", "total"),))] == s.total_predicted
@@ -183,4 +184,4 @@ def test_the_window_exports_its_run(qtbot, window):
     last = [s for s in taken if s.phase != "event"][-1]
     assert last.token == 12
     assert page[("kvscope_generated_tokens", ())] == 12
-    assert page[("kvscope_kv_cache_observed_bytes", ())] == last.kv_bytes_observed == last.kv_bytes_predicted
+    assert page[("kvscope_kv_cache_observed_bytes", ())] == last.kv_bytes_reserved == last.kv_bytes_predicted

@@ -73,8 +73,8 @@ def _engine(name: str, ids: torch.Tensor, prefix: int) -> Engine:
 
 
 def _exact(sample) -> None:
-    assert sample.kv_bytes_observed == sample.kv_bytes_predicted, (
-        f"{sample.attention} token {sample.token}: observed {sample.kv_bytes_observed:,} != predicted "
+    assert sample.kv_bytes_reserved == sample.kv_bytes_predicted, (
+        f"{sample.attention} token {sample.token}: observed {sample.kv_bytes_reserved:,} != predicted "
         f"{sample.kv_bytes_predicted:,}")
 
 
@@ -98,10 +98,10 @@ def _full_rank(engine: Engine) -> int:
 
 def _kv_per_token(engine: Engine, n: int = 8) -> int:
     """Bytes the cache grows by per token, over n teacher-forced tokens."""
-    before = engine.step().kv_bytes_observed
+    before = engine.step().kv_bytes_reserved
     for _ in range(n - 1):
         engine.step()
-    return (engine.step().kv_bytes_observed - before) // n
+    return (engine.step().kv_bytes_reserved - before) // n
 
 
 def test_full_rank_is_exact(model):

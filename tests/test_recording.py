@@ -42,7 +42,7 @@ def make_sample(i: int, **changes) -> Sample:
         token=i, phase=PHASE_PREFILL if i == 0 else PHASE_DECODE, time_s=i * 0.0125,
         text="The prompt, ünïcode and \"quotes\"\n" if i == 0 else f" tok{i}",
         attention="gqa:2", attn_impl="sdpa", cache="dynamic", kernel="sdpa-math", device="cpu",
-        dtype="float32", kv_bytes_observed=4096 * (i + 1), kv_bytes_storage=8192 * (i + 1),
+        dtype="float32", kv_bytes_held=4096 * (i + 1), kv_bytes_reserved=4096 * (i + 1), kv_bytes_storage=8192 * (i + 1),
         weights_bytes=123_456_789, allocator_allocated=None, process_rss=500_000_000 + i,
         kv_bytes_predicted=4096 * (i + 1), total_predicted=123_456_789 + 4096 * (i + 1),
         tokens_per_s=80.5 if i else None,
@@ -195,7 +195,7 @@ CHILD = textwrap.dedent("""
     while True:
         w.write(Sample(token=i, phase="decode", time_s=i * 0.001, text="x" * (i % 4000), attention="mha",
                        attn_impl="sdpa", cache="dynamic", kernel="sdpa-math", device="cpu", dtype="float32",
-                       kv_bytes_observed=64 * i, kv_bytes_storage=None, weights_bytes=1000))
+                       kv_bytes_held=64 * i, kv_bytes_reserved=64 * i, kv_bytes_storage=None, weights_bytes=1000))
         i += 1
         print(i, flush=True)  # samples written (flushed to the OS) so far
 """)
@@ -229,7 +229,7 @@ def test_sigkill_mid_recording_keeps_every_flushed_sample(tmp_path):
     # every sample the child had reported as written is there, in order, intact
     assert len(samples) >= reported
     assert [s.token for s in samples] == list(range(len(samples)))
-    assert all(s.text == "x" * (s.token % 4000) and s.kv_bytes_observed == 64 * s.token for s in samples)
+    assert all(s.text == "x" * (s.token % 4000) and s.kv_bytes_reserved == 64 * s.token for s in samples)
     # a partial last line, if the kill landed inside a write, is reported as truncated, not as damage
     if not path.read_bytes().endswith(b"\n"):
         assert reader.truncated and "cut off" in reader.problem()
@@ -522,7 +522,7 @@ def test_largest_values_are_kept(tmp_path):
     reader = RecordingReader(path)
     samples = list(reader)
     assert reader.skipped == 0 and len(samples) == len(kept) + 1
-    assert samples[2].kv_bytes_observed == 2**63 - 1
+    assert samples[2].kv_bytes_reserved == 2**63 - 1
 
 
 def test_encoded_surrogates_and_bom(tmp_path):

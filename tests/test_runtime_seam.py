@@ -74,7 +74,7 @@ def test_the_tiny_runtime_runs_through_the_one_loop(tiny, tmp_path):
         chunk = 16 if s.token <= 10 else 64
         assert s.kv_bytes_held == s.context_tokens * per_token
         assert s.kv_bytes_reserved == math.ceil(s.context_tokens / chunk) * chunk * per_token >= s.kv_bytes_held
-        assert s.kv_bytes_observed == s.kv_bytes_reserved == s.kv_bytes_predicted  # the old name reads reserved
+        assert s.kv_bytes_reserved == s.kv_bytes_predicted
     with RecordingReader(record) as reader:
         back, header = list(reader), reader.header
     assert back == samples and header["settings"]["runtime"] == tiny_runtime.NAME

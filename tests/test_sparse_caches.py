@@ -34,8 +34,8 @@ def arch_root(tmp_path_factory):
 
 
 def _exact(sample, what: str) -> None:
-    assert sample.kv_bytes_observed == sample.kv_bytes_predicted, (
-        f"{what}: token {sample.token} ({sample.context_tokens} in context) observed {sample.kv_bytes_observed:,} "
+    assert sample.kv_bytes_reserved == sample.kv_bytes_predicted, (
+        f"{what}: token {sample.token} ({sample.context_tokens} in context) observed {sample.kv_bytes_reserved:,} "
         f"!= predicted {sample.kv_bytes_predicted:,} ({sample.attention}, {sample.attn_impl}, {sample.cache})")
 
 
@@ -72,9 +72,9 @@ def test_from_the_start_flat_at_capacity(embedded, key):
     if strategy.needs_attention_weights:
         assert engine.settings.attn_impl == "eager" and any("eager" in note for note in engine.notes)
     samples = _steps(engine, 30, key)
-    at_capacity = [s.kv_bytes_observed for s in samples if s.context_tokens >= strategy.capacity]
+    at_capacity = [s.kv_bytes_reserved for s in samples if s.context_tokens >= strategy.capacity]
     assert len(set(at_capacity)) == 1 and len(at_capacity) > 10
-    assert samples[0].kv_bytes_observed < at_capacity[0]  # it grew up to the capacity first
+    assert samples[0].kv_bytes_reserved < at_capacity[0]  # it grew up to the capacity first
     _no_hooks(engine)
 
 
@@ -228,11 +228,11 @@ def test_run_goes_flat_at_64_tokens_after_the_switch(embedded):
     assert [k for k, _ in infos[0].cache_choices][-2:] == ["sink:4+252", "h2o:128+128"]
     tokens = [s for s in emitted if not s.is_event]
     for s in emitted:
-        if s.kv_bytes_predicted is not None and s.kv_bytes_observed is not None:
+        if s.kv_bytes_predicted is not None and s.kv_bytes_reserved is not None:
             _exact(s, "run")
-    flat = [s.kv_bytes_observed for s in tokens if s.token > 10 and s.context_tokens >= 64]
+    flat = [s.kv_bytes_reserved for s in tokens if s.token > 10 and s.context_tokens >= 64]
     assert len(flat) > 20 and set(flat) == {64 * per_token}
-    assert all(s.kv_bytes_observed == s.context_tokens * per_token for s in tokens if s.context_tokens < 64)
+    assert all(s.kv_bytes_reserved == s.context_tokens * per_token for s in tokens if s.context_tokens < 64)
 
 
 def test_quality_probe_off_by_default_and_exact_twin(embedded):
@@ -338,7 +338,8 @@ def test_the_kl_curve_is_the_quality_strips_only_when_measured(qtbot):
 
     def sample(token: int, kl: float | None) -> Sample:
         return Sample(token=token, phase=PHASE_DECODE, time_s=0.01 * token, text="x", attention="mha", attn_impl="sdpa",
-                      cache="sink:4+60", kernel="sdpa", device="cpu", dtype="float32", kv_bytes_observed=8192 * token,
+                      cache="sink:4+60", kernel="sdpa", device="cpu", dtype="float32",
+                      kv_bytes_held=8192 * token, kv_bytes_reserved=8192 * token,
                       kv_bytes_storage=None, weights_bytes=1, kv_bytes_predicted=8192 * token, quality_top1=1,
                       quality_kl=kl)
 

@@ -341,7 +341,7 @@ def test_the_context_end_is_named_when_it_comes_before_the_memory(qtbot):
     # As the engine counts: token = generated so far, context_tokens = the 16-token prompt + those.
     samples = [s.replace(context_tokens=s.token + 16) for s in synthetic_samples(40, prompt_tokens=16)
                if not s.is_event]
-    points = [(s.token, s.kv_bytes_observed) for s in samples]
+    points = [(s.token, s.kv_bytes_reserved) for s in samples]
     last = samples[-1]
     far = oom_forecast(points, last, free=20 * 2**30, free_source="host memory", max_context=4096)
     assert far.context_first == 4096 - 16 and far.token > 2_000_000

@@ -31,7 +31,7 @@ def test_samples_reach_the_kv_curves(plots):
     tokens = [s for s in samples if not s.is_event]
     assert len(x) == len(tokens) == 51  # the prefill and 50 decode tokens
     assert x[0] == 9 and x[-1] == 59
-    assert y[-1] == tokens[-1].kv_bytes_observed
+    assert y[-1] == tokens[-1].kv_bytes_reserved
     _, predicted = plots.curve_data("kv_predicted")
     np.testing.assert_array_equal(predicted, [s.kv_bytes_predicted for s in tokens])
     assert plots.slope_bytes_per_token == pytest.approx(8 * 1024)  # 2 x 4 layers x 8 heads x 32 x 4 B
@@ -223,7 +223,7 @@ def test_the_kv_cache_on_the_memory_plot_has_its_own_scale_next_to_hundreds_of_m
     plots.add_samples(samples)
     plots.redraw()
     qtbot.wait(50)
-    kv_top = max(s.kv_bytes_observed for s in samples if not s.is_event)
+    kv_top = max(s.kv_bytes_reserved for s in samples if not s.is_event)
     rss_top = max(s.process_rss for s in samples if not s.is_event)
     assert rss_top > 200 * kv_top  # the case the right axis is for
     lo, hi = plots.kv_view.viewRange()[1]
@@ -243,7 +243,7 @@ def test_the_slope_label_names_a_quantized_residual_flush_instead_of_a_negative_
     samples = [s.replace(cache="quantized:4") for s in synthetic_samples(40, prompt_tokens=10)]
     # The flush at the last token: the cache drops to a third.
     last = samples[-1]
-    samples[-1] = last.replace(kv_bytes_observed=last.kv_bytes_observed // 3)
+    samples[-1] = last.replace(kv_bytes_held=last.kv_bytes_reserved // 3, kv_bytes_reserved=last.kv_bytes_reserved // 3)
     plots.add_samples(samples)
     plots.redraw()
     assert plots.slope_bytes_per_token < 0

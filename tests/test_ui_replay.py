@@ -45,7 +45,7 @@ def test_demo_replays_through_the_window_with_every_switch_marked(replayed):
     # One KV point per token sample in the file: every decode sample, plus the prefill's.
     x, y = w.plots.curve_data("kv_observed")
     assert len(x) == len(decode) + len(prefill)
-    assert list(y[-len(decode):]) == [s.kv_bytes_observed for s in decode]
+    assert list(y[-len(decode):]) == [s.kv_bytes_reserved for s in decode]
     assert w.decode_tokens == len(decode)
     kinds = w.events_table.kinds()
     assert kinds.count("switch") == 6 and "prefill" in kinds and "load" in kinds

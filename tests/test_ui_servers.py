@@ -27,7 +27,7 @@ def servers():
     collector = RunCollector(model="embedded")
     collector.observe(Sample(token=3, phase="decode", time_s=0.3, text="x", attention="mha", attn_impl="sdpa",
                              cache="dynamic", kernel="sdpa-math", device="cpu", dtype="float32",
-                             kv_bytes_observed=196_608, kv_bytes_storage=196_608, weights_bytes=1,
+                             kv_bytes_held=196_608, kv_bytes_reserved=196_608, kv_bytes_storage=196_608, weights_bytes=1,
                              kv_bytes_predicted=196_608, context_tokens=24))
     exporter = MetricsExporter(collector).start()
     with socket.socket() as s:

@@ -49,8 +49,8 @@ def test_a_llamacpp_run_is_prepaid(qtbot):
     token = used / tokens), the KV at the max context is the same allocation, and the context is the limit."""
     spec = load_spec("embedded")
     last = synthetic_samples(5, prompt_tokens=4)[-1].replace(
-        runtime="llama.cpp", kv_bytes_observed=16_777_216, kv_bytes_predicted=16_777_216, context_tokens=100,
-        kv_bytes_used=100 * 4096)
+        runtime="llama.cpp", kv_bytes_reserved=16_777_216, kv_bytes_predicted=16_777_216, context_tokens=100,
+        kv_bytes_held=100 * 4096)
     stats = compute_stats(last, None, spec, max_context=4096, host_available=8 << 30)
     assert (stats.kv_now, stats.kv_at_max, stats.bytes_per_token, stats.tokens_fit) == (16_777_216, 16_777_216, 4096.0,
                                                                                         3996)

@@ -182,7 +182,7 @@ def test_kvscope_own_exporter():
     collector = RunCollector(model="embedded")
     collector.observe(Sample(token=5, phase="decode", time_s=0.5, text="x", attention="mha", attn_impl="sdpa",
                              cache="dynamic", kernel="sdpa-math", device="cpu", dtype="float32",
-                             kv_bytes_observed=221_184, kv_bytes_storage=221_184, weights_bytes=1, kv_bytes_predicted=221_184,
+                             kv_bytes_held=221_184, kv_bytes_reserved=221_184, kv_bytes_storage=221_184, weights_bytes=1, kv_bytes_predicted=221_184,
                              context_tokens=27))
     with MetricsExporter(collector) as exporter:
         r = Watcher(exporter.url).scrape()

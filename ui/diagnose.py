@@ -150,14 +150,14 @@ class EventsTable(QTableWidget):
         """A run event (phase event) or the prefill, as a row."""
         t = self.theme
         if s.phase == PHASE_PREFILL:
-            self.add(EventRow(s.time_s, s.token, "prefill", human_bytes(s.kv_bytes_observed),
+            self.add(EventRow(s.time_s, s.token, "prefill", human_bytes(s.kv_bytes_reserved),
                               f"{s.context_tokens} prompt tokens \u00b7 kernel {s.kernel} \u00b7 cache {s.cache}"),
                      t.curves["kv_observed"])
             return
         kind = s.event or "event"
         color = {"switch": t.curves["marker"], "oom": t.error, "budget": t.error, "error": t.error,
                  "refused": t.warning, "forecast": t.warning}.get(kind, t.muted)
-        size = human_bytes(s.kv_bytes_observed) if kind in ("switch", "load") and s.kv_bytes_observed else ""
+        size = human_bytes(s.kv_bytes_reserved) if kind in ("switch", "load") and s.kv_bytes_reserved else ""
         if kind == "load" and s.weights_bytes:
             size = human_bytes(s.weights_bytes)
         self.add(EventRow(s.time_s, s.token, EVENT_NAMES.get(kind, kind), size, s.text), color)

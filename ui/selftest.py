@@ -127,17 +127,17 @@ def _llamacpp_part(app, timeout_s: float) -> str:
     request = RunRequest(source="embedded", runtime="llama.cpp", llamacpp=LlamaCppOptions(n_ctx=512),
                          max_new_tokens=LLAMACPP_TOKENS, device="cpu")
     decoded, _controller, where = _generate(app, request, timeout_s, LLAMACPP_TOKENS, "llama.cpp")
-    used = [getattr(s, "kv_bytes_used", None) for s in decoded]
+    used = [s.kv_bytes_held for s in decoded]
     for sample, held in zip(decoded, used):
-        if sample.kv_bytes_observed is None or sample.kv_bytes_observed != sample.kv_bytes_predicted:
-            raise SelfTestFailed(f"llama.cpp token {sample.token}: KV reserved {sample.kv_bytes_observed} B "
+        if sample.kv_bytes_reserved is None or sample.kv_bytes_reserved != sample.kv_bytes_predicted:
+            raise SelfTestFailed(f"llama.cpp token {sample.token}: KV reserved {sample.kv_bytes_reserved} B "
                                  f"!= predicted {sample.kv_bytes_predicted} B")
-        if held is None or not 0 < held <= sample.kv_bytes_observed:
+        if held is None or not 0 < held <= sample.kv_bytes_reserved:
             raise SelfTestFailed(f"llama.cpp token {sample.token}: KV used {held} B is not within the "
-                                 f"{sample.kv_bytes_observed:,} B reserved")
+                                 f"{sample.kv_bytes_reserved:,} B reserved")
     if any(b <= a for a, b in zip(used, used[1:])):
         raise SelfTestFailed(f"llama.cpp's used KV bytes did not grow with each token: {used}")
-    return (f"llama.cpp {len(decoded)} tokens, KV {decoded[-1].kv_bytes_observed:,} B reserved == predicted, "
+    return (f"llama.cpp {len(decoded)} tokens, KV {decoded[-1].kv_bytes_reserved:,} B reserved == predicted, "
             f"{used[-1]:,} B used {where}")
 
 
@@ -198,16 +198,16 @@ def _run_transformers(app, request, timeout_s: float) -> str:
     """The embedded model in torch: observed KV bytes == predicted at every decoded token, and a plot."""
     decoded, controller, where = _generate(app, request, timeout_s, request.max_new_tokens, "transformers")
     for sample in decoded:
-        if sample.kv_bytes_observed is None or sample.kv_bytes_predicted is None:
+        if sample.kv_bytes_reserved is None or sample.kv_bytes_predicted is None:
             raise SelfTestFailed(f"token {sample.token}: KV bytes not available "
-                                 f"(observed {sample.kv_bytes_observed}, predicted {sample.kv_bytes_predicted})")
-        if sample.kv_bytes_observed != sample.kv_bytes_predicted:
-            raise SelfTestFailed(f"token {sample.token}: KV observed {sample.kv_bytes_observed:,} B "
+                                 f"(observed {sample.kv_bytes_reserved}, predicted {sample.kv_bytes_predicted})")
+        if sample.kv_bytes_reserved != sample.kv_bytes_predicted:
+            raise SelfTestFailed(f"token {sample.token}: KV observed {sample.kv_bytes_reserved:,} B "
                                  f"!= predicted {sample.kv_bytes_predicted:,} B")
-    width, height = _render_plot([s.kv_bytes_observed for s in decoded])
+    width, height = _render_plot([s.kv_bytes_reserved for s in decoded])
     last = decoded[-1]
     info = controller.info
     model = info.label if info is not None else "embedded"
-    return (f"{len(decoded)} tokens, KV {last.kv_bytes_observed:,} B observed == predicted, "
+    return (f"{len(decoded)} tokens, KV {last.kv_bytes_reserved:,} B observed == predicted, "
             f"model {model} on {last.device} ({last.dtype}, {last.attention}, {last.cache} cache) {where}, "
             f"Qt platform {app.platformName()}, plot {width}x{height}")

@@ -117,46 +117,21 @@ class Sample:
 
 
 # ---------------------------------------------------------------------------------------------------- old names
-# Before kv_bytes_held / kv_bytes_reserved, ``kv_bytes_observed`` was held under transformers and reserved under
-# llama.cpp, and ``kv_bytes_used`` llama.cpp's held. They are no fields (never stored, never in a new recording
-# or CSV): read-only aliases, and keywords the constructor maps (code and tests written before the split;
-# the recording reader maps old lines the same way: ``legacy_kv_fields``).
-
-Sample.kv_bytes_observed = property(  # type: ignore[attr-defined]
-    lambda self: self.kv_bytes_reserved,
-    doc="``kv_bytes_reserved``: the measured counterpart of ``kv_bytes_predicted`` (its name before the split).")
-Sample.kv_bytes_used = property(  # type: ignore[attr-defined]
-    lambda self: self.kv_bytes_held, doc="``kv_bytes_held`` (llama.cpp's name for it before the split).")
-
-_MISSING: Any = object()
+# Before kv_bytes_held / kv_bytes_reserved, a recording's ``kv_bytes_observed`` was held under transformers and
+# reserved under llama.cpp, and ``kv_bytes_used`` llama.cpp's held. They are no fields (never in a new recording or
+# CSV): the recording reader maps an old line's onto the two (``sample_from_json``), so old recordings replay.
 
 
-def legacy_kv_fields(fields: dict[str, Any], observed: Any = _MISSING, used: Any = _MISSING) -> dict[str, Any]:
-    """``fields`` with the old ``kv_bytes_observed`` / ``kv_bytes_used`` mapped onto held and reserved: observed
-    was the figure the prediction is of (reserved), and held too unless ``used`` (llama.cpp's cells that hold
-    tokens) says otherwise."""
-    if observed is _MISSING and used is _MISSING:
-        return fields
-    observed = None if observed is _MISSING else observed
-    used = None if used is _MISSING else used
+def legacy_kv_fields(fields: dict[str, Any], observed: int | None = None, used: int | None = None) -> dict[str, Any]:
+    """``fields`` with an old line's ``kv_bytes_observed`` / ``kv_bytes_used`` mapped onto held and reserved:
+    observed was the figure the prediction is of (reserved), and held too unless ``used`` (llama.cpp's cells that
+    hold tokens) says otherwise."""
     if observed is not None:
         fields["kv_bytes_reserved"] = observed
     held = used if used is not None else observed
     if held is not None:
         fields["kv_bytes_held"] = held
     return fields
-
-
-_dataclass_init = Sample.__init__
-
-
-def _init(self: Sample, *args: Any, kv_bytes_observed: Any = _MISSING, kv_bytes_used: Any = _MISSING,
-          **fields: Any) -> None:
-    _dataclass_init(self, *args, **legacy_kv_fields(fields, kv_bytes_observed, kv_bytes_used))
-
-
-_init.__doc__ = _dataclass_init.__doc__
-Sample.__init__ = _init  # type: ignore[method-assign]
 
 
 def is_plain_text(value: Any) -> bool:

@@ -142,7 +142,7 @@ class RunCollector:
         out = []
         if s is not None:
             out += [
-                gauge("kv_cache_observed_bytes", "KV cache bytes, walking the cache's tensors", s.kv_bytes_observed),
+                gauge("kv_cache_observed_bytes", "KV cache bytes, walking the cache's tensors", s.kv_bytes_reserved),
                 gauge("kv_cache_predicted_bytes", "KV cache bytes the predictor gives for the same instant",
                       s.kv_bytes_predicted),
                 gauge("kv_cache_storage_bytes", "Bytes of the storage blocks the cache tensors keep alive",

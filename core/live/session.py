@@ -316,8 +316,8 @@ class Session:
             elif s.phase == PHASE_DECODE:
                 self.decode_tokens += 1
                 self.events.text.emit("token", s.text)
-                if s.kv_bytes_observed is not None:
-                    self._slope_points.append((s.token, s.kv_bytes_observed))
+                if s.kv_bytes_reserved is not None:
+                    self._slope_points.append((s.token, s.kv_bytes_reserved))
                 p = self._last_decode
                 if p is not None and s.token > p.token and None not in (s.kv_bytes_predicted, p.kv_bytes_predicted):
                     self.predicted_slope = (s.kv_bytes_predicted - p.kv_bytes_predicted) / (s.token - p.token)

@@ -189,9 +189,9 @@ def oom_forecast(points: list[tuple[int, int]], last: Sample | None, *, free: in
         f = forecast_oom(bpt, free, last.tokens_per_s, last.token)
         if f is not None:
             best = OomForecast(f, free_source)
-    if budget is not None and last.weights_bytes is not None and last.kv_bytes_observed is not None:
+    if budget is not None and last.weights_bytes is not None and last.kv_bytes_reserved is not None:
         try:
-            f = budget_forecast(last.weights_bytes, last.kv_bytes_observed, last.activations_predicted or 0, budget,
+            f = budget_forecast(last.weights_bytes, last.kv_bytes_reserved, last.activations_predicted or 0, budget,
                                 bpt, last.tokens_per_s, last.token)
         except ValueError:
             f = None

@@ -92,7 +92,7 @@ class MemoryPlot(PlotPanel):
                 "process_rss": None if (s.device_total is not None or s.process_gpu is not None) else s.process_rss,
                 "reserved": s.allocator_reserved,
                 "allocated": s.allocator_allocated,
-                "kv_share": s.kv_bytes_observed,
+                "kv_share": s.kv_bytes_reserved,
                 "weights": s.weights_bytes}
 
     def take(self, s: Sample) -> None:

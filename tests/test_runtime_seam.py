@@ -9,8 +9,15 @@ the KV figures held/reserved filled by every runtime, old recordings mapped.
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import inspect
 import json
 import math
+import re
+import textwrap
+import typing
+from typing import Any
 
 import pytest
 
@@ -147,3 +154,124 @@ def test_old_recordings_map_to_held_and_reserved():
                 {"kv_bytes_used": -1}, {"kv_bytes_held": "4096"}, {"kv_bytes_reserved": True}):
         with pytest.raises(ValueError):
             sample_from_json({**base, **bad})
+
+
+# ------------------------------------------------------------------------------------------------ every entry resolves
+
+#: A hook field's string: ``"package.module:attribute[.attribute]"`` (``kvscope.core.runtimes.base.resolve``).
+_HOOK_STRING = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
+_ABSENT = object()
+
+
+def _hook_fields(info: runtimes.RuntimeInfo) -> dict[str, Any]:
+    """The entry's fields that name something to import (a "module:attribute" string) or are callables."""
+    values = {f.name: getattr(info, f.name) for f in dataclasses.fields(info)}
+    return {name: value for name, value in values.items()
+            if (isinstance(value, str) and _HOOK_STRING.fullmatch(value)) or callable(value)}
+
+
+def _assigned_attributes(cls: type) -> set[str]:
+    """Every ``self.X = ...`` (or ``self.X: T = ...``) in the class's own methods and those of its bases."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass is object:
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):
+            continue
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AnnAssign, ast.AugAssign)) else []
+            names |= {t.attr for t in targets if isinstance(t, ast.Attribute)
+                      and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    return names
+
+
+def _protocol_problems(cls: type) -> list[str]:
+    """Where ``cls`` falls short of ``runtimes.Runtime``: a method missing, one that cannot be called as the loop calls
+    it (the protocol's parameters, by position and by name; its ``*args``/``**kwargs``), a data member never set."""
+    problems = []
+    members = [n for n in vars(runtimes.Runtime) if not n.startswith("_")]
+    for name in members:
+        wanted = getattr(runtimes.Runtime, name)
+        have = inspect.getattr_static(cls, name, _ABSENT)
+        if have is _ABSENT:
+            problems.append(f"{name}: missing")
+            continue
+        if not callable(wanted):
+            continue
+        if not callable(have):
+            problems.append(f"{name}: not a method")
+            continue
+        theirs = inspect.signature(getattr(cls, name))
+        ours = [p for p in inspect.signature(wanted).parameters.values() if p.name != "self"]
+        positional = [p for p in ours if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        keyword = {p.name: None for p in ours if p.kind is p.KEYWORD_ONLY}
+        calls = {"by position": ((None, *[None] * len(positional)), keyword),
+                 "by name": ((None,), {**keyword, **{p.name: None for p in positional}})}
+        for how, (args, kwargs) in calls.items():
+            try:
+                theirs.bind(*args, **kwargs)
+            except TypeError as exc:
+                problems.append(f"{name}{theirs}: cannot be called {how} as {name}{inspect.signature(wanted)} ({exc})")
+        for kind, spelled in ((inspect.Parameter.VAR_POSITIONAL, "*args"), (inspect.Parameter.VAR_KEYWORD, "**kwargs")):
+            if any(p.kind is kind for p in ours) and not any(p.kind is kind for p in theirs.parameters.values()):
+                problems.append(f"{name}{theirs}: takes no {spelled}, as {name}{inspect.signature(wanted)} does")
+    assigned = _assigned_attributes(cls)
+    for attr in vars(runtimes.Runtime).get("__annotations__", {}):  # data members: name, spec, generated
+        if attr not in assigned and inspect.getattr_static(cls, attr, _ABSENT) is _ABSENT:
+            problems.append(f"{attr}: never set (no class attribute, property or self.{attr} = ...)")
+    return problems
+
+
+def _entry_problems(info: runtimes.RuntimeInfo) -> list[str]:
+    """Each hook string of the entry that does not import and resolve (to a callable, except the calculator's rules),
+    and where the class its ``open`` returns (its annotation) falls short of the protocol."""
+    problems = []
+    hooks = _hook_fields(info)
+    if "open" not in hooks:
+        return [f"{info.name}.open: {info.open!r} names nothing to import"]
+    for field_name in hooks:
+        try:
+            target = info.hook(field_name)
+        except (ImportError, AttributeError) as exc:
+            problems.append(f"{info.name}.{field_name} = {getattr(info, field_name)!r}: {type(exc).__name__}: {exc}")
+            continue
+        if target is None or (field_name != "calculator" and not callable(target)):
+            problems.append(f"{info.name}.{field_name} = {getattr(info, field_name)!r}: resolves to {target!r}")
+    try:
+        made = typing.get_type_hints(info.hook("open")).get("return")
+    except (ImportError, AttributeError, NameError):
+        return problems  # said above (or an annotation naming what its module cannot see)
+    if not isinstance(made, type):
+        return problems + [f"{info.name}.open: say the Runtime class it returns (-> SomeRuntime), got {made!r}"]
+    return problems + [f"{info.name} ({made.__qualname__}).{problem}" for problem in _protocol_problems(made)]
+
+
+def test_every_registered_runtime_meets_the_protocol_and_every_hook_resolves(tiny):
+    """``Runtime`` is ``runtime_checkable`` and the registry holds its hooks as strings imported only when used: an
+    entry whose string names a moved function, or a runtime that lost a method or renamed a parameter, failed only
+    when a run reached it. Every entry (the built-in ones and the test's): each hook string imports and resolves to
+    something (a callable, except the calculator's rules), and the class ``open`` returns (its annotation) has every
+    method of the protocol, callable as the loop calls it, and its data members."""
+    assert {"transformers", "llama.cpp", "mlx", tiny_runtime.NAME} <= set(runtimes.names())
+    problems = [problem for name in runtimes.names() for problem in _entry_problems(runtimes.get(name))]
+    assert problems == [], "\n".join(problems)
+    # The check can fail: a hook naming a function that moved, a module that is not there, a class without a
+    # method or whose apply takes other arguments.
+    broken = runtimes.RuntimeInfo(name="broken", open="kvscope.core.runtimes.transformers.runtime:open_runtime",
+                                  parse_switch="kvscope.core.model.settings:no_such_function",
+                                  missing="kvscope.core.runtimes.no_such_module:missing")
+    said = _entry_problems(broken)
+    assert len(said) == 2 and "no_such_function" in said[0] and "No module named" in said[1], said
+
+    class Short:
+        name = "short"
+        spec = None
+        generated = 0
+
+        def apply(self, key: str) -> None: ...
+    said = _protocol_problems(Short)
+    assert "load: missing" in said and any(p.startswith("apply(") and "cannot be called by position" in p for p in said)
+    assert not any(p.startswith(("name", "spec", "generated")) for p in said)  # class attributes count as set

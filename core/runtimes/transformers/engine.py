@@ -939,9 +939,23 @@ class Engine:
         self._decode_peak_due = True  # the next decode step is measured too
         return out
 
-    #: On the CPU a decode step's peak is measured (under the profiler, kvscope.core.runtimes.transformers.peak) at the first step after each
-    #: prefill or re-run and every this many tokens after; on CUDA, every step (the allocator's counters cost nothing).
+    #: On the CPU a decode step's peak is measured under the profiler (kvscope.core.runtimes.transformers.peak), which costs
+    #: more than the step: at the first step after each prefill or re-run, a step soon after each switch, and besides
+    #: at most every DECODE_PEAK_EVERY tokens while the profiler's extra time stays under DECODE_PEAK_SHARE of the
+    #: decode time (kvscope.core.runtimes.transformers.peak_cadence, its cost measured each time). On CUDA, every step
+    #: (the allocator's counters cost nothing).
     DECODE_PEAK_EVERY = 64
+    DECODE_PEAK_SHARE = 0.03
+
+    def _peak_cadence(self):
+        """This engine's schedule of measured decode steps (made at the first step; a shadow engine never steps)."""
+        from kvscope.core.runtimes.transformers.peak_cadence import PeakCadence
+
+        cadence = self.__dict__.get("_decode_peak_cadence")
+        if cadence is None:
+            cadence = self._decode_peak_cadence = PeakCadence(every=self.DECODE_PEAK_EVERY,
+                                                              share=self.DECODE_PEAK_SHARE)
+        return cadence
 
     def _decode_forward(self, token: torch.Tensor) -> tuple[Any, bool]:
         """One decode step, its allocator peak above the start measured and predicted (kvscope.core.prediction.predict.decode_peak) for
@@ -949,22 +963,30 @@ class Engine:
         from kvscope.core.runtimes.transformers.peak import adopt_dynamic_cache, measure_peak
 
         call = lambda: self.model(input_ids=token, cache=self.cache, use_cache=True, logits_to_keep=1)  # noqa: E731
-        cuda = self.device.startswith("cuda")
-        due = cuda or (self.device == "cpu" and (getattr(self, "_decode_peak_due", False)
-                                                 or self.generated % self.DECODE_PEAK_EVERY == 0))
-        adopt = None if cuda else adopt_dynamic_cache(self.cache)
-        if not due or (not cuda and adopt is None):  # a cache the CPU measurement cannot follow: not measured
-            return call(), False
-        self._decode_peak_due = False
-        # Never waiting on the token path: while a re-run's pass is measured on its thread, this step is not (CUDA
-        # reads the allocator's counters, no profiler).
-        out, reading = measure_peak(call, self.device, adopt=adopt, wait=False)
-        if reading is None and not cuda:
-            self._decode_peak_due = True  # measured at the next step instead
+        if self.device.startswith("cuda"):
+            out, reading = measure_peak(call, self.device)
+            self._peak_fields = {"peak_bytes_observed": reading.peak if reading else None,
+                                 "peak_bytes_predicted": self._predicted_peak(1, self.seq_len)}
             return out, False
-        self._peak_fields = {"peak_bytes_observed": reading.peak if reading else None,
+        cadence = self._peak_cadence()
+        t = self.clock()
+        due = self.device == "cpu" and cadence.due(self.settings, forced=getattr(self, "_decode_peak_due", False))
+        adopt = adopt_dynamic_cache(self.cache) if due else None
+        if adopt is None:  # not due, or a cache the CPU measurement cannot follow (sliding, quantized): not measured
+            out = call()
+            cadence.plain(self.clock() - t)
+            return out, False
+        # Never waiting on the token path: while a re-run's pass is measured on its thread, this step is not.
+        out, reading = measure_peak(call, self.device, adopt=adopt, wait=False)
+        if reading is None:
+            self._decode_peak_due = True  # measured at the next step instead
+            cadence.plain(self.clock() - t)
+            return out, False
+        self._decode_peak_due = False
+        self._peak_fields = {"peak_bytes_observed": reading.peak,
                              "peak_bytes_predicted": self._predicted_peak(1, self.seq_len)}
-        return out, not cuda
+        cadence.measured(self.clock() - t, self.settings)
+        return out, True
 
     def _predicted_peak(self, new_tokens: int, past_tokens: int) -> int | None:
         """kvscope.core.prediction.predict.prefill_peak for this engine's model, settings, device and threads (None: a spec the replay

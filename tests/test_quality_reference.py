@@ -58,8 +58,10 @@ EXACT_KL = 1e-5
 #: what the old probe fails). The bounds leave room for another machine's rounding, not for a probe that follows the run.
 FALLS = {  # (top-1 below, KL above)
     ("embedded", "window:16"): (0.8, 0.5), ("embedded", "mla:16"): (0.8, 0.2), ("embedded", "mqa"): (0.9, 0.1),
-    ("smollm2", "window:16"): (0.6, 1.0), ("smollm2", "mqa"): (0.35, 3.0),
+    ("smollm2", "window:16"): (0.6, 1.0), ("smollm2", "mqa"): (0.5, 1.0),
 }
+#: MQA is the aligned merge since issue 34, item 4 (kvscope.core.runtimes.transformers.merge): SmolLM2 in its 16-token
+#: block 19%, KL 2.3 (the mean it replaced as the default: 0%, KL 7.3); still far from the model, as the probe says.
 
 
 def _load(name: str):

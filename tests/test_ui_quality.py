@@ -207,3 +207,23 @@ def test_the_probe_is_on_by_default_where_it_is_cheap(qtbot, settings, tmp_path)
     c.folder_edit.setText(str(large))
     assert not c.quality_check.isChecked()
     w.shutdown()
+
+
+def test_a_narrow_column_keeps_the_kv_plot_and_still_exports_the_quality_plots(qtbot, probed, tmp_path):
+    """At 1024 px with the controls shown the plots are ~480 px wide: the strip and the frontier wait off screen (they
+    squeezed the KV plot's data area to a few pixels there), and File › Export still draws them whole."""
+    plots = LivePlots(capacity=1000)
+    qtbot.addWidget(plots)
+    plots.resize(480, 420)
+    plots.show()
+    plots.add_samples(probed)
+    plots.redraw()
+    qtbot.wait(20)
+    assert plots.quality.isHidden() and plots.frontier.isHidden() and not plots.kv.axis_below
+    assert plots.quality_figure() is not None  # the badge still says it
+    for which in ("quality", "frontier"):
+        path = plots.export_plot(which, str(tmp_path / f"{which}.png"))
+        width, height, spread = image_stats(path)
+        assert width >= 400 and height > 100 and spread > 5, (which, width, height, spread)
+    plots.resize(700, 420)  # wide enough again (presenter mode at 1024 px): they come back
+    qtbot.waitUntil(lambda: not plots.quality.isHidden() and not plots.frontier.isHidden(), timeout=2000)

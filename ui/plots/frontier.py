@@ -98,6 +98,7 @@ class FrontierPlot(PlotPanel):
         self.plot.addItem(self.scatter)
         self.points: dict[tuple[str, str], FrontierPoint] = {}
         self.labels: dict[tuple[str, str], pg.TextItem] = {}
+        self.leaders: dict[tuple[str, str], pg.PlotCurveItem] = {}  # a line to a label placed off a corner
         self._version = 0  # bumped by every judged token
         self._drawn = -1
         self._placed_key = None
@@ -146,9 +147,10 @@ class FrontierPlot(PlotPanel):
     def reset(self) -> None:
         super().reset()
         self.points.clear()
-        for item in self.labels.values():
+        for item in list(self.labels.values()) + list(self.leaders.values()):
             self.plot.removeItem(item)
         self.labels.clear()
+        self.leaders.clear()
         self.scatter.setData([])
         self._version, self._drawn, self._placed_key = 0, -1, None
         self.empty_ranges()
@@ -163,6 +165,10 @@ class FrontierPlot(PlotPanel):
             item = self.labels.get(key)
             if item is None:
                 item = self.labels[key] = pg.TextItem(anchor=(0, 0.5))
+                leader = self.leaders[key] = pg.PlotCurveItem(pen=pg.mkPen(self.theme.muted, width=1))
+                leader.setZValue(2)
+                leader.setVisible(False)
+                self.plot.addItem(leader, ignoreBounds=True)
                 item.setZValue(4)
                 self.plot.addItem(item, ignoreBounds=True)
             item.point = point
@@ -173,12 +179,13 @@ class FrontierPlot(PlotPanel):
         self._placed_key = None
         return 1
 
-    def _style_label(self, item: pg.TextItem, point: FrontierPoint, figures: bool = True) -> None:
+    def _style_label(self, item: pg.TextItem, point: FrontierPoint, figures: bool = True, step: int = 0) -> None:
         """The setting in bold and, with ``figures``, its top-1 and KL on a second line (two short lines: one was
         wider than the whole plot in presenter type)."""
         t = self.theme
         name = html.escape(self.label_of(point))
-        text = f"<div style='color:{t.text}; font-size:{self.type.label_pt}pt; font-weight:600'>{name}</div>"
+        text = (f"<div style='color:{t.text}; font-size:{max(self.type.label_pt - step, 7)}pt; font-weight:600'>"
+                f"{name}</div>")
         if figures:
             small = max(self.type.label_pt - 1, 8)
             text += (f"<div style='color:{t.muted}; font-size:{small}pt'>{100 * point.top1:.0f}% "
@@ -191,8 +198,8 @@ class FrontierPlot(PlotPanel):
         xs = [math.log2(p.bytes_per_token) for p in self.points.values() if p.bytes_per_token is not None]
         if not xs:
             return
-        # Half a power of two of room on either side of the points (for their dots and labels), at least 3 in all.
-        want = (min(xs) - 0.5, max(xs) + 0.4)
+        # Room on either side of the points for their dots and a label under or beside the outermost, 3 in all at least.
+        want = (min(xs) - 1.4, max(xs) + 0.8)
         if want[1] - want[0] < 3:
             middle = (want[0] + want[1]) / 2
             want = (middle - 1.5, middle + 1.5)
@@ -212,6 +219,8 @@ class FrontierPlot(PlotPanel):
     #: Where a label may sit around its point (a TextItem's anchor): right, left, under, over; never at a corner,
     #: where in a cluster it read as another point's.
     ANCHORS = ((0, 0.5), (1, 0.5), (0.5, 0), (0.5, 1))
+    #: Where a label goes where none of those is free: off a corner, with a leader line to its dot.
+    CORNERS = ((0, 0), (0, 1), (1, 0), (1, 1))
 
     def declutter(self) -> None:
         """Each label beside its point where it meets no other label and stays inside the data area (``ANCHORS`` in
@@ -234,12 +243,12 @@ class FrontierPlot(PlotPanel):
                 at = view.mapViewToScene(pg.Point(math.log2(p.bytes_per_token), 100.0 * p.top1))
                 dots.append(QRectF(at.x() - radius + 2, at.y() - radius + 2, 2 * radius - 4, 2 * radius - 4))
 
-        def place(item, others) -> object | None:
+        def place(item, others, anchors=self.ANCHORS, reach: float = 1.0) -> object | None:
             point = item.point
-            for anchor in self.ANCHORS:
+            for anchor in anchors:
                 item.setAnchor(anchor)
-                item.setPos(math.log2(point.bytes_per_token) + (0.5 - anchor[0]) * 2 * radius * px,
-                            100.0 * point.top1 + (anchor[1] - 0.5) * 2 * radius * py)
+                item.setPos(math.log2(point.bytes_per_token) + (0.5 - anchor[0]) * 2 * radius * px * reach,
+                            100.0 * point.top1 + (anchor[1] - 0.5) * 2 * radius * py * reach)
                 item.updateTransform(force=True)
                 rect = item.mapRectToScene(item.boundingRect())
                 if area.contains(rect) and not any(rect.intersects(o) for o in list(others) + dots):
@@ -252,14 +261,30 @@ class FrontierPlot(PlotPanel):
             item.setVisible(point.bytes_per_token is not None)
             if not item.isVisible():
                 continue
-            self._style_label(item, point, figures=False)
-            spot = place(item, placed.values())
+            leader = self.leaders[k]
+            leader.setVisible(False)
+            for step in (0, 2, 4):  # the theme's label type, then smaller: a name in a cluster still shows
+                self._style_label(item, point, figures=False, step=step)
+                spot = place(item, placed.values())
+                if spot is not None:
+                    break
+            if spot is None:
+                # Last: a corner a little further off, a line from the dot to it (so that it reads as this point's).
+                spot = place(item, placed.values(), self.CORNERS, reach=2.0)
+                if spot is not None:
+                    x, y = math.log2(point.bytes_per_token), 100.0 * point.top1
+                    leader.setData([x, item.pos().x()], [y, item.pos().y()])
+                    leader.setVisible(True)
+                    step = -1  # (no figures)
             if spot is None:
                 item.setVisible(False)
             else:
                 placed[k] = spot
+                item.step = step
         for k in list(placed):
             item, point = self.labels[k], self.points[k]
+            if item.step:
+                continue  # (no room for its figures: it had none for its name in the theme's type)
             name_spot = placed[k]
             self._style_label(item, point, figures=True)
             spot = place(item, [r for o, r in placed.items() if o != k])
@@ -279,5 +304,7 @@ class FrontierPlot(PlotPanel):
         self.scatter.setPen(pg.mkPen(theme.background, width=1.5))
         self.scatter.setBrush(pg.mkBrush(theme.accent))
         self.scatter.setSize(8 + 2 * theme.line_width)
+        for leader in self.leaders.values():
+            leader.setPen(pg.mkPen(theme.muted, width=1))
         super().apply_theme(theme)
         self.restyle_labels()

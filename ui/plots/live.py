@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import QSplitter, QVBoxLayout, QWidget
 
@@ -39,9 +39,10 @@ DEFAULT_CAPACITY = 200_000  # points per curve kept in memory (about 1.6 MB per 
 PANELS: tuple[type[PlotPanel], ...] = (KVPlot, QualityPlot, FrontierPlot, MemoryPlot, TotalPlot)
 #: The panels shown only while the run's Samples carry the quality probe's figures.
 QUALITY_PANELS = ("quality", "frontier")
-#: The frontier sits beside the KV plot where the plots are at least this wide (presenter mode at 1024 px: ~675 px);
-#: narrower (1024 px with the controls shown: ~480 px) it would squeeze the KV plot to a sliver, and it waits off
-#: screen: File › Export and the summary image still draw it (``rendered``), and F11 shows it.
+#: The strip and the frontier show where the plots are at least this wide (presenter mode at 1024 px: ~675 px).
+#: Narrower (1024 px with the controls shown: ~480 px, the memory and total plots stacked) they squeezed the KV plot's
+#: data area to a few pixels: there they wait off screen, the attention badge still says the figure, File › Export and
+#: the summary image still draw them (``rendered``), and F11 shows them.
 FRONTIER_MIN_W = 600
 
 
@@ -80,6 +81,7 @@ class LivePlots(QWidget):
         self.quality, self.frontier = self.panel(QualityPlot.key), self.panel(FrontierPlot.key)
         self.quality.plot.setXLink(self.kv.plot)  # the strip's tokens are the KV plot's, pixel for pixel
         self._figure: QualityFigure | None = None
+        self._quality_shown = False  # laid out for the probe's panels in this run
         # The names the window, the tests and the benchmarks know the parts by.
         self.kv_widget, self.mem_widget, self.cmp_widget = self.kv, self.memory, self.total
         self.kv_plot, self.mem_plot = self.kv.plot, self.memory.plot
@@ -189,7 +191,8 @@ class LivePlots(QWidget):
             time_rows.append(time_row)
         self.tokens.extend(token_rows)
         self.times.extend(time_rows)
-        if self.quality.seen and not self.quality.isVisibleTo(self):
+        if self.quality.seen and not self._quality_shown:
+            self._quality_shown = True
             self._show_quality(True)
 
     # ---- the quality probe's panels
@@ -197,38 +200,61 @@ class LivePlots(QWidget):
     def _show_quality(self, on: bool) -> None:
         """The strip and the frontier, shown while the run's Samples carry the probe's figures; the KV plot keeps
         a blank right axis as wide as the strip's, so that their tokens line up."""
-        self.quality.setVisible(on)
-        self.frontier.setVisible(on and self.width() >= FRONTIER_MIN_W)
-        self.kv.set_axis_below(on)
+        room = self.width() >= FRONTIER_MIN_W
+        self.quality.setVisible(on and room)
+        self.frontier.setVisible(on and room)
+        self.kv.set_axis_below(on and room)
+        on = on and room
         if on:
-            # The KV plot 5:2 over the strip; the frontier 40 % of the row, at least 200 px where it can.
-            height = max(sum(self.top_column.sizes()), 7)
-            self.top_column.setSizes([height * 5 // 7, height * 2 // 7])
+            # The top row at least half the height (the window's narrow layout gave it 3/8, and the strip took the KV
+            # plot's data area down to a few pixels at 1024x768); the KV plot 5:2 over the strip, and at least 150 px
+            # where the row has them; the frontier 40 % of the row, at least 200 px where it can.
+            rows = self.splitter.sizes()
+            if len(rows) == 2 and sum(rows) > 0 and rows[0] < sum(rows) // 2:
+                self.splitter.setSizes([sum(rows) // 2, sum(rows) - sum(rows) // 2])
+            height = max(self.splitter.sizes()[0], sum(self.top_column.sizes()), 7)
+            strip = max(min(height * 2 // 7, height - 150), min(60, height // 3))
+            self.top_column.setSizes([height - strip, strip])
             width = max(sum(self.top_row.sizes()), self.width(), 3)
             side = min(max(width * 40 // 100, 200), width // 2)
             self.top_row.setSizes([width - side, side])
 
     def resizeEvent(self, event) -> None:  # noqa: N802 - Qt's name
         super().resizeEvent(event)
-        if self.quality.seen and self.frontier.isHidden() == (self.width() >= FRONTIER_MIN_W):
+        if self.quality.seen:
+            # After the window's own layout of the rows (presenter mode on or off, a narrow column) has run.
+            QTimer.singleShot(0, self._refit_quality)
+
+    def _refit_quality(self) -> None:
+        rows = self.splitter.sizes()
+        if self.quality.seen and (self.quality.isHidden() == (self.width() >= FRONTIER_MIN_W)
+                                  or (len(rows) == 2 and rows[0] < sum(rows) * 45 // 100)):
             self._show_quality(True)
 
     def rendered(self, panel: PlotPanel) -> PlotPanel:
         """``panel`` as it is on screen, or, for the frontier where the window has no room for it, a copy of it drawn
         off screen at a readable size (what exports and the summary image take)."""
-        if panel is not self.frontier or not panel.isHidden():
+        if panel not in (self.frontier, self.quality) or not panel.isHidden():
             return panel
-        copy = FrontierPlot(self.tokens, self.times, [], self.theme)
-        copy.points = {key: dataclasses.replace(point) for key, point in panel.points.items()}
-        copy._version = 1
+        copy = type(panel)(self.tokens, self.times, [], self.theme)
+        if panel is self.frontier:
+            copy.points = {key: dataclasses.replace(point) for key, point in panel.points.items()}
+            copy._version = 1
+            size = (640, 440)
+        else:
+            copy.figure, copy.seen = panel.figure, True
+            size = (1000, 220)
         copy.setAttribute(Qt.WidgetAttribute.WA_DontShowOnScreen)
-        copy.resize(640, 440)
+        copy.resize(*size)
         copy.show()
         copy.apply_theme(self.theme)
         copy.draw()
+        if panel is self.quality:
+            copy.plot.setXRange(*self.kv.plot.viewRange()[0], padding=0.0)
         copy.fit_ranges(FrameBudget({id(copy)}, math.inf))
         copy.declutter()
-        self._offscreen = copy  # kept until the next one (the caller grabs or exports it)
+        copy.refresh_labels()
+        self._offscreen = getattr(self, "_offscreen", [])[-1:] + [copy]  # kept while the caller grabs or exports it
         return copy
 
     def quality_figure(self) -> QualityFigure | None:
@@ -306,6 +332,7 @@ class LivePlots(QWidget):
         for panel in self.panels:
             panel.reset()
         self._show_quality(False)
+        self._quality_shown = False
         self._announce_figure()
         self.apply_theme(self.theme)
 

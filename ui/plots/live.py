@@ -20,7 +20,7 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QColor
-from PySide6.QtWidgets import QSplitter, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QApplication, QSplitter, QVBoxLayout, QWidget
 
 from kvscope.core.base.sample import PHASE_EVENT, Sample
 from kvscope.core.live.session import MARK_LABEL_CHARS, marker_label
@@ -240,20 +240,24 @@ class LivePlots(QWidget):
         if panel is self.frontier:
             copy.points = {key: dataclasses.replace(point) for key, point in panel.points.items()}
             copy._version = 1
-            size = (640, 440)
+            size = (440, 320)  # (about its size beside the KV plot: a summary scales it, type and all)
         else:
             copy.figure, copy.seen = panel.figure, True
-            size = (1000, 220)
+            size = (720, 150)
         copy.setAttribute(Qt.WidgetAttribute.WA_DontShowOnScreen)
         copy.resize(*size)
         copy.show()
+        QApplication.sendPostedEvents(copy)  # its resize and layout before it is measured
         copy.apply_theme(self.theme)
         copy.draw()
         if panel is self.quality:
             copy.plot.setXRange(*self.kv.plot.viewRange()[0], padding=0.0)
         copy.fit_ranges(FrameBudget({id(copy)}, math.inf))
-        copy.declutter()
         copy.refresh_labels()
+        copy.fit_type(force=True)
+        QApplication.sendPostedEvents()  # (the layout requests its new type posted)
+        copy.ci.layout.activate()
+        copy.declutter()
         self._offscreen = getattr(self, "_offscreen", [])[-1:] + [copy]  # kept while the caller grabs or exports it
         return copy
 

@@ -243,3 +243,26 @@ def test_from_the_mean_to_the_aligned_merge_of_the_same_heads_re_runs():
     assert engine._merge_calibration  # fitted on the model's own K/V of the tokens, computed again
     sample = engine.step()
     assert sample.kv_bytes_held == sample.kv_bytes_predicted
+
+
+def test_the_merge_is_fitted_off_the_token_path():
+    """Key 3 in the window: the aligned merge's fit (seconds on a real model) runs on the re-run's background thread,
+    on a frozen copy of the cache, and what it leaves is the same merge as on the token path."""
+    from kvscope.core.runtimes.transformers import rerun
+
+    name = "embedded"
+    loaded = real_models.load(name)
+    ids = loaded.tokenizer(TEXT, return_tensors="pt")["input_ids"][:, :PREFIX + 12]
+    here, there = _engine(name, ids), _engine(name, ids)
+    assert rerun.worth_preparing(there, "attention", parse_attention("mqa"))
+    assert not rerun.worth_preparing(there, "attention", parse_attention("mqa:mean"))
+    prepared = there.begin_switch("attention", "mqa")
+    assert isinstance(prepared, rerun.PreparedSwitch)
+    event = rerun.wait(there, prepared)
+    assert "aligned and merged" in event.text, event.text
+    here.apply("attention", "mqa")
+    assert there.seq_len >= here.seq_len
+    a = convert._attention_modules(here.base_model)[0]
+    b = convert._attention_modules(there.base_model)[0]
+    for proj in ("k_proj", "v_proj", "q_proj", "o_proj"):
+        assert torch.allclose(getattr(a, proj).weight, getattr(b, proj).weight, atol=1e-5), proj

@@ -257,28 +257,106 @@ def _parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
     return [parser, *(p for sub in subs for p in sub.choices.values())]
 
 
-def _whole_number(option: str, example: int):
-    """argparse's ``type`` for an int option, refusing in KV Scope's words (argparse said "invalid int value")."""
+_MAX_COUNT = 2**31 - 1  # kvscope.core.model.spec.MAX_COUNT (not imported: the parser is built before any of core)
+
+#: The range of every number option, in one place: dest -> (lowest, highest, what it counts; what its lowest
+#: means where that is a special value). ``_own_whole_numbers`` checks a value against it as argparse parses it, so
+#: that ``--fit-target -5`` or ``--prompt-tokens -1`` is refused in the flag's words instead of predicted from.
+#: Options left out are checked by their own rule, in their own words: --batch (``_check_amounts`` and the
+#: settings' bound), --seed (``check_seed``), --kv-bits and
+#: --kv-group-size (mlx-lm's bits and groups), --scale (``_view``), watch's --interval, --timeout and --warn-usage.
+NUMBER_RANGES: dict[str, tuple[float, float, str]] = {
+    "tokens": (1, _MAX_COUNT, "tokens to generate"),
+    "cpu_threads": (1, 4096, "CPU threads"),
+    "tensor_parallel": (1, 4096, "GPUs each layer is split over"),
+    "pipeline_parallel": (1, 4096, "GPU stages"),
+    "block_size": (1, 1 << 20, "tokens per KV block"),
+    "max_num_batched_tokens": (1, _MAX_COUNT, "tokens of vLLM's profile run"),
+    "gpu_memory_utilization": (0.01, 1, "the share of each GPU's memory vLLM may use"),
+    "parallel": (1, 256, "parallel sequences; llama.cpp's LLAMA_MAX_SEQ is 256"),
+    "ubatch_size": (1, _MAX_COUNT, "tokens of llama.cpp's physical batch"),
+    "batch_size": (1, _MAX_COUNT, "tokens of llama.cpp's logical batch"),
+    "n_gpu_layers": (-1, _MAX_COUNT, "layers on the GPU; -1: all of them"),
+    "fit_target": (0, 1 << 24, "MiB llama.cpp's --fit leaves free"),
+    "max_kv_size": (2, 1 << 24, "tokens of MLX's rotating cache"),
+    "prompt_tokens": (1, _MAX_COUNT, "tokens of the prompt"),
+    "prefill_step_size": (1, _MAX_COUNT, "tokens of each prompt chunk"),
+    "metrics_port": (0, 65535, "a TCP port; 0: any free port"),
+    "metrics_linger": (0, 3600, "seconds"),
+    "count": (1, _MAX_COUNT, "scrapes per server"),
+}
+
+
+def _out_of_range(option: str, dest: str, value: float, example: str) -> CliError | None:
+    """The refusal of ``value`` for ``option`` by ``NUMBER_RANGES`` (None when in range, or not listed)."""
+    if dest not in NUMBER_RANGES:
+        return None
+    low, high, what = NUMBER_RANGES[dest]
+    if low <= value <= high:  # NaN is never in range
+        return None
+    shown = value if isinstance(value, int) and len(str(value)) <= 24 else (
+        f"a {len(str(value).lstrip('-'))}-digit number" if isinstance(value, int) else f"{value:g}")
+    return CliError(f"{option} must be {_number_text(low)} to {_number_text(high)} ({what}), e.g. {option} {example} "
+                    f"(got {shown})")
+
+
+def _number_text(x: float) -> str:
+    return f"{int(x):,}" if x == int(x) else f"{x:g}"
+
+
+def _whole_number(option: str, example: int, dest: str = ""):
+    """argparse's ``type`` for an int option, refusing in KV Scope's words (argparse said "invalid int value"), and
+    values outside the option's ``NUMBER_RANGES``."""
     def parse(text: str) -> int:
         digits = text.strip().lstrip("+-")
         if digits.isascii() and digits.isdigit() and len(digits) > 4000:  # int() refuses past 4,300 digits
             raise CliError(f"{option}: a {len(digits):,}-digit number is implausible")
         try:
-            return int(text)
+            value = int(text)
         except ValueError:
             raise CliError(f"{option} {safe_text(repr(text), limit=60)} is not a whole number; write it in digits, "
                            f"e.g. {option} {example}") from None
+        problem = _out_of_range(option, dest, value, str(example))
+        if problem is not None:
+            raise problem
+        return value
     parse.__name__ = "whole number"
     return parse
 
 
+def _real_number(option: str, example: float, dest: str = ""):
+    """argparse's ``type`` for a float option: a finite number (argparse said "invalid float value"; NaN passed)
+    within the option's ``NUMBER_RANGES``."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = None
+        if value is None or value != value or value in (float("inf"), float("-inf")):
+            raise CliError(f"{option} {safe_text(repr(text), limit=60)} is not a number; write it in digits, "
+                           f"e.g. {option} {example:g}")
+        problem = _out_of_range(option, dest, value, f"{example:g}")
+        if problem is not None:
+            raise problem
+        return value
+    parse.__name__ = "number"
+    return parse
+
+
 def _own_whole_numbers(parser: argparse.ArgumentParser) -> None:
-    """Every ``type=int`` option of every command parses with ``_whole_number`` (its refusal names the option)."""
+    """Every ``type=int`` and ``type=float`` option of every command parses with ``_whole_number`` /
+    ``_real_number``: a refusal names the option, and ``NUMBER_RANGES`` bounds its value."""
     for p in _parsers(parser):
         for action in p._actions:
-            if action.type is int and action.option_strings:
+            if action.type not in (int, float) or not action.option_strings:
+                continue
+            option = max(action.option_strings, key=len)
+            if action.type is int:
                 example = action.default if isinstance(action.default, int) and action.default > 0 else 4
-                action.type = _whole_number(max(action.option_strings, key=len), example)
+                action.type = _whole_number(option, example, action.dest)
+            else:
+                example = action.default if isinstance(action.default, float) and action.default > 0 else 1.0
+                action.type = _real_number(option, example, action.dest)
 
 
 #: A value that argparse takes for an option because it starts with "-": a negative number, written any way
@@ -563,13 +641,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     request = _run_request(args)  # bad options and outputs are refused before torch is imported
     if not (0 <= args.metrics_linger <= 3600):  # also refuses NaN
         raise CliError("--metrics-linger: give 0 to 3600 seconds")
+    from kvscope.core.live.load_watch import LoadWatch
     from kvscope.core.live.terminal import run_terminal
 
     collector, exporter = _start_metrics(args)
+    watch = LoadWatch()  # SIGTERM / Ctrl+C before the model has loaded: one line, at once
     if exporter is None:
-        return run_terminal(request)
+        with watch.armed():
+            return run_terminal(request, observers=(watch.observe,))
     try:
-        status = run_terminal(request, observers=(collector.observe,))
+        with watch.armed():
+            status = run_terminal(request, observers=(watch.observe, collector.observe))
         collector.finish()
         if args.metrics_linger:
             import time

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import threading
 from pathlib import Path
 
@@ -118,9 +119,17 @@ def test_two_concurrent_builds_leave_one_complete_folder(tmp_path, monkeypatch):
 
 
 def test_unwritable_cache_gives_clear_error(tmp_path, monkeypatch):
+    """An unwritable cache builds this run's copy in the temporary folder (issue 38); with that unwritable too, the
+    error says so in one line."""
+    import tempfile
+
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     monkeypatch.setenv("KVSCOPE_CACHE", str(blocker / "cache"))
+    build = embedded_build()
+    assert build.folder.parent == Path(tempfile.gettempdir()) and "for this run only" in build.note
+    shutil.rmtree(build.folder)
+    monkeypatch.setattr(tempfile, "tempdir", str(blocker / "tmp"))
     with pytest.raises(EmbeddedBuildError, match="KVSCOPE_CACHE"):
         embedded_model_dir()
     with pytest.raises(LoadError) as info:

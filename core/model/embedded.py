@@ -190,13 +190,56 @@ def embedded_build(progress: Callable[[str], None] | None = None) -> EmbeddedBui
     if progress:
         progress("building embedded model…")
     try:
+        _build_cached(root, final, trained)
+    except EmbeddedBuildError as exc:  # a full or read-only HOME: this run's own copy, in the temporary folder
+        return _temporary_build(result, trained, str(exc))
+    return result
+
+
+def _is_write_failure(exc: BaseException) -> bool:
+    """An OSError, or safetensors' own error for one (``SafetensorError: ... No space left on device``)."""
+    return isinstance(exc, OSError) or "SafetensorError" in type(exc).__name__
+
+
+def _temporary_build(result: EmbeddedBuild, trained: bool, why: str) -> EmbeddedBuild:
+    """The embedded model built in the system's temporary folder for this process only (removed at its exit),
+    when the cache cannot be written; EmbeddedBuildError, one line, when that cannot be written either."""
+    import atexit
+
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix="kvscope-embedded-"))
+    except OSError as exc:
+        raise EmbeddedBuildError(f"{why}; nor in {tempfile.gettempdir()}: {exc.strerror or exc} - free some space "
+                                 "or set KVSCOPE_CACHE to a writable folder") from None
+    try:
+        build_into(tmp, trained=trained)
+    except Exception as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not _is_write_failure(exc):
+            raise
+        raise EmbeddedBuildError(f"{why}; nor in {tempfile.gettempdir()}: {getattr(exc, 'strerror', None) or exc} - "
+                                 "free some space or set KVSCOPE_CACHE to a writable folder") from None
+    atexit.register(shutil.rmtree, tmp, True)
+    note = f"{why}: built the embedded model in {tmp} for this run only"
+    return EmbeddedBuild(tmp, result.trained, result.label, f"{result.note}; {note}" if result.note else note)
+
+
+def _build_cached(root: Path, final: Path, trained: bool) -> None:
+    """Build into a temporary folder of ``root`` and rename it to ``final``; EmbeddedBuildError when the cache
+    cannot be written (no space, read-only, no permission)."""
+    try:
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=_build_prefix(), dir=root))
     except OSError as exc:
         raise EmbeddedBuildError(f"cannot write the KV Scope cache at {root}: {exc.strerror or exc} "
                                  "(set KVSCOPE_CACHE to a writable folder)") from exc
     try:
-        build_into(tmp, trained=trained)
+        try:
+            build_into(tmp, trained=trained)
+        except Exception as exc:
+            if not _is_write_failure(exc) or isinstance(exc, OSError):
+                raise
+            raise OSError(28, str(exc)) from exc  # safetensors' words for the disk's error
         if final.exists() and not _is_complete(final):
             # A half-deleted folder from an older crash or a user's cleanup: replace it.
             shutil.rmtree(final, ignore_errors=True)
@@ -211,7 +254,6 @@ def embedded_build(progress: Callable[[str], None] | None = None) -> EmbeddedBui
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return result
 
 
 def _build_prefix() -> str:

@@ -13,6 +13,7 @@ import contextlib
 import contextvars
 import hashlib
 import json
+import math
 import os
 import stat
 from pathlib import Path
@@ -226,9 +227,13 @@ def config_view(cfg: dict[str, Any], shipped: Any = None) -> ConfigView:
         store.parent.mkdir(parents=True, exist_ok=True)
         known[digest] = view.to_json()
         tmp = store.with_suffix(f".{os.getpid()}.tmp")  # unique: processes may race
-        tmp.write_text(json.dumps(known), encoding="utf-8")
-        tmp.replace(store)
-    except OSError:
+        try:
+            tmp.write_text(json.dumps(known), encoding="utf-8")
+            tmp.replace(store)
+        except OSError:  # a full disk: no half-written file left to take the last bytes
+            tmp.unlink(missing_ok=True)
+            raise
+    except OSError:  # the memo is a courtesy: a full or read-only cache only means finding the view again
         pass
     return view
 
@@ -260,6 +265,47 @@ def _declared_layer_types(cfg: dict[str, Any], layers: int, window: int | None) 
         return tuple(SLIDING_ATTENTION if "sliding" in str(t) else FULL_ATTENTION for t in declared)
     return tuple([SLIDING_ATTENTION if window else FULL_ATTENTION] * layers)
 
+#: The fields that hold a rotary base (RoPE's theta): a config's own, Gemma 3's local one, and each entry of
+#: transformers 5's ``rope_parameters`` (one dict, or one per layer type).
+ROPE_BASE_KEYS = ("rope_theta", "rope_local_base_freq")
+
+
+def _rope_bases(cfg: dict[str, Any]):
+    """``(where, value)`` of every rotary base ``cfg`` names (top level, ``rope_parameters``, ``rope_scaling``)."""
+    for key in ROPE_BASE_KEYS:
+        if key in cfg:
+            yield key, cfg[key]
+    for holder in ("rope_parameters", "rope_scaling"):
+        params = cfg.get(holder)
+        if not isinstance(params, dict):
+            continue
+        nested = [(f"{holder}.{k}", v) for k, v in params.items() if isinstance(v, dict)]
+        for where, block in [(holder, params), *nested]:
+            for key in ROPE_BASE_KEYS:
+                if key in block:
+                    yield f"{where}.{key}", block[key]
+
+
+def check_config_values(cfg: dict[str, Any], name: str = "model") -> None:
+    """The values of a config that are not counts but still must make sense, checked for ``calc`` and ``run`` alike
+    (``spec_from_config``, and the loader before transformers builds anything): every rotary base a finite number
+    above 0 (``rope_theta: 0`` or a negative one gave NaN logits and a sampler traceback), and a sliding window
+    in use a positive whole number (``sliding_window: 0`` was read as "no window" here and as a window of 0 tokens
+    by transformers: a shape mismatch; by MLX, a broadcast error). SpecError naming the field."""
+    cfg = _text_config(cfg)
+    for where, value in _rope_bases(cfg):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue  # not a number ("x"): transformers' own refusal, in run's one line
+        if not math.isfinite(value) or value <= 0:
+            raise SpecError(f"{name}: {where} must be a positive number (the rotary base, e.g. 10000.0), got "
+                            f"{value!r:.40}; RoPE with it gives NaN or meaningless positions")
+    window = cfg.get("sliding_window")
+    if window is not None and cfg.get("use_sliding_window") is not False:
+        if not isinstance(window, bool) and isinstance(window, (int, float)) and window <= 0:
+            raise SpecError(f"{name}: sliding_window must be a positive number of tokens, got {window!r:.40} "
+                            "(null, or leaving it out, means no window)")
+
+
 def _missing_heads(name: str) -> SpecError:
     return SpecError(f"{name}: config is missing the number of attention heads")
 
@@ -272,6 +318,7 @@ def spec_from_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
     if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for a in archs):
         raise SpecError(f"{name}: {', '.join(archs)} is not a causal language model (no KV cache to generate with)")
     counts = _checked_counts(cfg, name)
+    check_config_values(cfg, name)
     layers, heads, hidden, kv_heads = counts["layers"], counts["heads"], counts["hidden"], counts["kv_heads"]
     head_dim, vocab, max_pos, window, mla = (counts["head_dim"], counts["vocab"], counts["max_pos"], counts["window"],
                                              counts["mla"])

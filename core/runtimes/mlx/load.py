@@ -12,6 +12,7 @@ names a module the installed mlx-lm does not ship.
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -20,6 +21,7 @@ from kvscope.core.model.attention import SettingsError
 from kvscope.core.model.embedded import embedded_model_dir
 from kvscope.core.model.hf_config import read_config_json
 from kvscope.core.model.spec import SpecError
+from kvscope.core.model.weights_file import check_weights
 
 
 def resolve_model(source: str, progress: Callable[[str], None] | None = None, trust_remote_code: bool = False) -> Path:
@@ -52,7 +54,58 @@ def resolve_model(source: str, progress: Callable[[str], None] | None = None, tr
                             "the model; pass --trust-remote-code if you trust it")
     if not trust_remote_code:
         check_imported_names(path, source)
+    if config.get("model_file") is None:  # a model file of its own builds the model whatever model_type says
+        check_model_type(config, source)
+    try:  # a FIFO or a device in the folder, a header that lies: one line before mlx-lm opens anything
+        check_weights(path, str(source), "model*.safetensors")
+    except SpecError as exc:
+        raise SettingsError(str(exc)) from None
     return path
+
+
+def model_modules() -> dict[str, bool]:
+    """The modules of the installed mlx-lm's ``mlx_lm.models``, found on disk without importing mlx-lm, each with
+    whether it is a model architecture (it defines or imports ``Model``, as ``mlx_lm.utils._get_classes`` takes it)
+    or one of mlx-lm's helpers (``cache``, ``base``, ``switch_layers``...)."""
+    try:
+        spec = importlib.util.find_spec("mlx_lm")
+    except (ImportError, ValueError):
+        spec = None
+    roots = list(spec.submodule_search_locations or ()) if spec is not None else []
+    found: dict[str, bool] = {}
+    for module in shipped_modules("models"):
+        for root in roots:
+            try:
+                text = (Path(root) / "models" / f"{module}.py").read_text(encoding="utf-8", errors="replace")
+            except OSError:
+                continue
+            found[module] = bool(re.search(r"^(class Model\b|from \S+ import .*\bModel\b|Model\s*=)", text, re.M))
+    return found
+
+
+def check_model_type(config: dict, source: str) -> None:
+    """Refuse a ``model_type`` that mlx-lm would import as ``mlx_lm.models.<model_type>`` and that names no model:
+    not a plain name (``'../utils'``, a list), or one of mlx-lm's helper modules (``'cache'``: mlx-lm then failed with
+    ``AttributeError: module 'mlx_lm.models.cache' has no attribute 'Model'``). A name mlx-lm does not ship is left
+    to mlx-lm (its ``Model type ... not supported``, or a remapping such as mistral -> llama)."""
+    model_type = config.get("model_type")
+    shown = safe_text(repr(model_type), limit=60)
+    if not isinstance(model_type, str) or not model_type.isidentifier():
+        raise SettingsError(f"{source}'s config.json has model_type {shown}; mlx-lm takes the name of a model "
+                            "architecture, e.g. 'llama'")
+    if model_modules().get(model_type) is False:
+        raise SettingsError(f"{source}'s config.json has model_type {shown}, which is mlx-lm's helper module "
+                            f"mlx_lm.models.{model_type}, not a model architecture; mlx-lm "
+                            f"{_mlx_lm_version()} has no such model type")
+
+
+def _mlx_lm_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("mlx-lm")
+    except Exception:  # not installed as a distribution: the message stands without it
+        return ""
 
 
 #: The fields of ``tokenizer_config.json`` that mlx-lm imports as module names (``mlx_lm.tokenizer_utils.load``,

@@ -35,7 +35,8 @@ from kvscope.core.base.errors import UNAVAILABLE, KVScopeError
 from kvscope.core.base.longlived import collector_paused
 from kvscope.core.model.embedded import EmbeddedBuildError, embedded_build
 from kvscope.core.model.hf import ensure_transformers
-from kvscope.core.model.hf_config import read_config_json, spec_from_config
+from kvscope.core.model.hf_config import check_config_values, read_config_json, spec_from_config
+from kvscope.core.model.weights_file import check_folder_files, check_safetensors
 from kvscope.core.model.spec import (PRESETS_DIR, ModelSpec, SpecError, canonical_dtype, check_config,
                                      is_transformers_refusal, path_kind, preset_names, transformers_refusal)
 
@@ -233,6 +234,8 @@ def _check_local_folder(folder: Path, name: str, allow_pickle: bool, trust_remot
         cfg = read_config_json(cfg_path)
         _check_remote_code(cfg, name, trust_remote_code)
         check_config(cfg, name)
+        check_config_values(cfg, name)
+        check_folder_files(folder, name)  # a FIFO, a device or a link to one is never opened by a loader
     except SpecError as exc:
         raise LoadError(str(exc), offer_embedded=True) from None
     safetensors = sorted(folder.glob(_SAFETENSORS_GLOB))
@@ -261,6 +264,10 @@ def _check_safetensors_headers(files: list[Path], name: str) -> dict[str, tuple[
 
     shapes: dict[str, tuple[int, ...]] = {}
     for path in files:
+        try:  # KV Scope's own reader first (the offsets, dtypes and shapes against the bytes, the file's length)
+            check_safetensors(path, name)
+        except SpecError as exc:
+            raise LoadError(str(exc), offer_embedded=True) from None
         try:
             with safe_open(str(path), framework="pt") as handle:
                 for key in handle.keys():
@@ -469,6 +476,30 @@ def _unpickling_message(name: str, folder: Path | None, exc: BaseException) -> s
             f"{reasons[0] if reasons else _first_line(exc)}); it may be corrupt")
 
 
+def nonfinite_weights(model: Any) -> str | None:
+    """What is wrong when a loaded model's floating-point parameters hold NaN or infinity (None when none does):
+    ``"hold NaN: model.norm.weight is all NaN (576 of 576 values)"``. One sum per parameter finds them (NaN and
+    either infinity make it non-finite); only a parameter whose sum is not finite is counted element by element
+    (a sum of large finite fp16 values can overflow). Buffers are left out: masks hold -inf by design."""
+    import torch
+
+    for pname, param in model.named_parameters():
+        if not param.is_floating_point() or param.numel() == 0:
+            continue
+        with torch.no_grad():
+            if bool(torch.isfinite(param.sum())):
+                continue
+            nan, inf = int(torch.isnan(param).sum()), int(torch.isinf(param).sum())
+        if not nan and not inf:
+            continue
+        kind = "NaN" if nan else "infinity"
+        count = nan or inf
+        share = "all" if count == param.numel() else f"{count:,} of {param.numel():,} values"
+        what = f"is all {kind} ({count:,} of {param.numel():,} values)" if share == "all" else f"holds {kind} in {share}"
+        return f"hold {kind}: {pname} {what}"
+    return None
+
+
 def _check_loading_info(info: dict[str, Any], name: str) -> None:
     missing = sorted(info.get("missing_keys") or [])
     unexpected = sorted(k for k in (info.get("unexpected_keys") or []) if not _BENIGN_UNEXPECTED.search(k))
@@ -606,6 +637,7 @@ def _load(load_from: str, name: str, label: str, source: str, folder: Path | Non
         _check_causal_lm(config, name, trust_remote_code)
         try:  # calc's plausibility checks, also for a hub model's config (a folder's were checked already)
             check_config(config.to_dict(), name)
+            check_config_values(config.to_dict(), name)
         except SpecError as exc:
             raise LoadError(str(exc), offer_embedded=offer) from None
         _check_weights_fit_config(folder, config, name, trust_remote_code, offer)
@@ -663,6 +695,13 @@ def _load(load_from: str, name: str, label: str, source: str, folder: Path | Non
                 raise LoadError(f"not enough memory on {dev} for the weights of {name} ({n_bytes / 2**30:.1f} GiB in "
                                 f"{dtype_name}); try a smaller model, --dtype fp16, or another device",
                                 offer_embedded=offer) from None
+
+        problem = nonfinite_weights(model)  # on the device: one pass over the weights, a sum each
+        if problem:
+            del model
+            _free_device_memory(dev)
+            raise LoadError(f"{name}: the model's weights {problem}; every token would come out of NaN logits - the "
+                            "file is corrupt, or was saved from a diverged run", offer_embedded=offer)
 
         say("loading tokenizer…")
         try:

@@ -190,7 +190,8 @@ def calibrate(keys: torch.Tensor, values: torch.Tensor, layout: Layout) -> Calib
     pairs = torch.matmul(z.conj(), z.transpose(1, 2))  # [P, H, H]: sum over tokens of conj(z_g) z_h
     plain = keys[..., layout.plain.to(keys.device)].float().reshape(n, -1)
     v = values.float().reshape(n, -1)
-    return Calibration(pairs, plain.T @ plain, v.T @ v, n)
+    # Kept on the CPU (a few MiB for a small model): the eigen-solves run there, and a GPU's memory stays the model's.
+    return Calibration(pairs.cpu(), (plain.T @ plain).cpu(), (v.T @ v).cpu(), n)
 
 
 def _no_tokens(heads: int, layout: Layout) -> Calibration:

@@ -107,7 +107,9 @@ def test_the_frontier_has_one_point_per_setting_with_its_means(plots, probed):
     assert list(points) == ["mha", "mqa", "window:16"]  # one per setting, in the order visited; one cache: no cache
     for label, (x, y, kl) in points.items():
         mine = [s for s in probed if not s.is_event and s.attention == label]
-        assert x == pytest.approx(np.mean([s.kv_bytes_held / s.context_tokens for s in mine]))
+        grown = mine[-1].kv_bytes_held - mine[0].kv_bytes_held  # one visit: the growth over its tokens
+        assert x == pytest.approx(grown / (mine[-1].context_tokens - mine[0].context_tokens) if grown > 0 else
+                                  np.mean([s.kv_bytes_held / s.context_tokens for s in mine]))
         assert y == pytest.approx(100.0 * np.mean([s.quality_top1 for s in mine]))
         assert kl == pytest.approx(np.mean([s.quality_kl for s in mine]))
     # The model as loaded is itself: MHA agrees at every token; MQA's pooled heads hold 1/8 of its bytes per token.
@@ -123,6 +125,18 @@ def test_the_frontier_has_one_point_per_setting_with_its_means(plots, probed):
     plots.add_samples(again)
     plots.redraw()
     assert [label for label, *_ in plots.frontier.shown_points()] == ["mha", "mqa", "window:16"]
+
+
+def test_a_latent_is_placed_at_what_each_more_token_costs_not_its_basis(plots):
+    """MLA's latent holds its basis once per layer beside the coefficients per token: at a short context the held
+    bytes per token of context are mostly basis; the frontier's x is what one more token costs."""
+    base = [s for s in synthetic_samples(30) if not s.is_event]
+    latent = [s.replace(attention="mla", quality_top1=1, quality_kl=0.01, context_tokens=40 + i,
+                        kv_bytes_held=1_000_000 + 512 * (40 + i)) for i, s in enumerate(base)]
+    plots.add_samples(latent)
+    plots.redraw()
+    (label, x, y, kl), = plots.frontier.shown_points()
+    assert label == "mla" and x == pytest.approx(512) and y == 100.0
 
 
 def test_a_cache_in_the_label_only_where_the_points_differ_in_it(plots):

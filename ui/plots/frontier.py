@@ -1,9 +1,11 @@
 """The frontier: what each setting of the run costs in KV bytes per token against what it keeps of the model.
 
 Every setting the run visited (its attention and cache, as the Samples spell them: ``mqa``, ``mqa:mean``,
-``mla:64``, ``window:16``, ``sink:4+60``...) is one labelled point: x, the KV bytes it held per token of context
-(``kv_bytes_held / context_tokens``, the mean over its probed tokens: a window's or a sink's falls as the context
-grows past it); y, the quality probe's top-1 agreement with the model as loaded over those tokens, in %; its label
+``mla:64``, ``window:16``, ``sink:4+60``...) is one labelled point: x, the KV bytes each more token of context
+costs under it (the held bytes' growth over the context's between its consecutive probed tokens: what the setting
+saves per token, without the fixed part a latent's basis or a preallocation adds once); a cache that stops growing
+(a full window, a sink) is placed at the bytes it held per token of context instead (``kv_bytes_held /
+context_tokens``, the mean over its tokens, falling as the context grows past it); y, the quality probe's top-1 agreement with the model as loaded over those tokens, in %; its label
 names the setting and its mean KL in nats. x on a log scale (powers of two: a half is one step, whatever the
 size), y linear from 0 to 100 %. A setting visited twice is one point over all its tokens. Only tokens the probe
 judged count; a run without the probe has no point (``LivePlots`` hides the panel).
@@ -57,6 +59,8 @@ class FrontierPoint:
     kl_sum: float = 0.0
     bytes_tokens: int = 0  # tokens with a KV figure (held bytes and a context)
     bytes_per_token_sum: float = 0.0
+    grown_bytes: int = 0  # the held bytes' growth between consecutive tokens of this setting
+    grown_tokens: int = 0  # and the context's
 
     @property
     def top1(self) -> float:
@@ -70,7 +74,10 @@ class FrontierPoint:
 
     @property
     def bytes_per_token(self) -> float | None:
-        """Mean KV bytes held per token of context, or None where no token had a KV figure."""
+        """KV bytes each more token costs (the growth over consecutive tokens); where the cache did not grow, the mean
+        KV bytes held per token of context; None where no token had a KV figure."""
+        if self.grown_tokens and self.grown_bytes > 0:
+            return self.grown_bytes / self.grown_tokens
         return self.bytes_per_token_sum / self.bytes_tokens if self.bytes_tokens else None
 
 
@@ -82,8 +89,8 @@ class FrontierPlot(PlotPanel):
     #: To the right of the KV plot and the quality strip.
     beside = True
     TOOLTIP = ("The trade-off of this run: one point per setting it ran with the quality probe on.\n"
-               "x: KV bytes the cache held per token of context (held / tokens so far, mean over the setting's "
-               "tokens).\ny: how often the run's next token is the loaded model's (its own attention, a full cache), "
+               "x: KV bytes each more token of context costs under the setting (the held bytes' growth per token; "
+               "a cache that stopped growing, a full window: held / tokens so far).\ny: how often the run's next token is the loaded model's (its own attention, a full cache), "
                "in %.\nThe label: the setting, and its mean KL divergence from the loaded model in nats.")
     READOUT_BIG = False
 
@@ -100,6 +107,7 @@ class FrontierPlot(PlotPanel):
         self.labels: dict[tuple[str, str], pg.TextItem] = {}
         self.leaders: dict[tuple[str, str], pg.PlotCurveItem] = {}  # a line to a label placed off a corner
         self._version = 0  # bumped by every judged token
+        self._last: tuple | None = None  # the last judged token's (attention, cache, context, held bytes)
         self._drawn = -1
         self._placed_key = None
         self.empty_ranges()
@@ -121,6 +129,11 @@ class FrontierPlot(PlotPanel):
         if s.kv_bytes_held is not None and s.context_tokens > 0:
             point.bytes_tokens += 1
             point.bytes_per_token_sum += s.kv_bytes_held / s.context_tokens
+            last = self._last
+            if last and last[:2] == (s.attention, s.cache) and s.context_tokens > last[2]:
+                point.grown_bytes += s.kv_bytes_held - last[3]
+                point.grown_tokens += s.context_tokens - last[2]
+            self._last = (s.attention, s.cache, s.context_tokens, s.kv_bytes_held)
         self._version += 1
 
     def marker_lines(self, marker, label):
@@ -153,6 +166,7 @@ class FrontierPlot(PlotPanel):
         self.leaders.clear()
         self.scatter.setData([])
         self._version, self._drawn, self._placed_key = 0, -1, None
+        self._last = None
         self.empty_ranges()
 
     def draw(self) -> int:

@@ -55,13 +55,7 @@ def _running_means(samples: list[Sample]) -> list[tuple[int, float, float]]:
     return out
 
 
-@pytest.fixture
-def plots(qtbot):
-    widget = LivePlots(capacity=1000)
-    qtbot.addWidget(widget)
-    widget.resize(1000, 700)
-    widget.show()
-    return widget
+from tests.test_ui_plots import plots  # noqa: E402,F401 - the live plots, shown at 1000 x 700 (a fixture)
 
 
 def test_the_strip_draws_the_running_top1_and_kl_and_shows_only_with_the_probe(plots, probed, qtbot):

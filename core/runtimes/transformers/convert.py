@@ -66,6 +66,7 @@ __all__ = [
     "kv_heads_of",
     "refill_cache",
     "regroup_heads",
+    "set_head_counts",
     "set_kv_heads",
     "with_window",
 ]
@@ -373,13 +374,21 @@ def set_kv_heads(model: nn.Module, kv_heads: int, origin: KVOrigin | None = None
                 _own_storage(attn)
                 _regroup_linear(attn.k_proj, old, kv_heads, head_dim)
                 _regroup_linear(attn.v_proj, old, kv_heads, head_dim)
-            attn.num_key_value_groups = q_heads // kv_heads
-            if hasattr(attn, "num_key_value_heads"):
-                attn.num_key_value_heads = kv_heads
+    set_head_counts(model, modules, kv_heads)
+    return exact
+
+
+def set_head_counts(model: nn.Module, modules: list[nn.Module], kv_heads: int) -> None:
+    """Every attention module's (and the config's) K/V head count and query groups, after its projections changed."""
+    config = _text_config(model)
+    q_heads = int(config.num_attention_heads)
+    for attn in modules:
+        attn.num_key_value_groups = q_heads // kv_heads
+        if hasattr(attn, "num_key_value_heads"):
+            attn.num_key_value_heads = kv_heads
     config.num_key_value_heads = kv_heads
     if model.config is not config:
         model.config.num_key_value_heads = kv_heads
-    return exact
 
 
 # ------------------------------------------------------------------------------------------------

@@ -376,13 +376,14 @@ def fit(model: nn.Module, origin, target: int, own_kv: dict[int, tuple[torch.Ten
 def set_merged(model: nn.Module, origin, merges: dict[int, LayerMerge]) -> None:
     """Every attention layer's q/k/v/o projections merged (``merges`` from ``fit``), from the model's own tensors
     (``origin``), as new Parameters; config and modules' head counts as ``set_kv_heads`` sets them."""
-    from kvscope.core.runtimes.transformers.convert import _attention_modules, _own_storage
+    from kvscope.core.runtimes.transformers.convert import _attention_modules, _own_storage, set_head_counts
 
     config = _text_config(model)
     q_heads = int(config.num_attention_heads)
     target = next(iter(merges.values())).target
+    modules = _attention_modules(model)
     with torch.no_grad():
-        for i, attn in enumerate(_attention_modules(model)):
+        for i, attn in enumerate(modules):
             m = merges[int(getattr(attn, "layer_idx", i))]
             kw, kb, vw, vb, qw, qb, ow = origin.layers[i][:4] + origin.queries[i]
             _own_storage(attn)
@@ -403,12 +404,7 @@ def set_merged(model: nn.Module, origin, merges: dict[int, LayerMerge]) -> None:
                 attn.q_proj.bias = nn.Parameter(m.queries(qb.detach().reshape(q_heads, -1)).reshape(-1),
                                                 requires_grad=False)
             attn.k_proj.out_features = attn.v_proj.out_features = target * m.layout.head_dim
-            attn.num_key_value_groups = q_heads // target
-            if hasattr(attn, "num_key_value_heads"):
-                attn.num_key_value_heads = target
-    config.num_key_value_heads = target
-    if model.config is not config:
-        model.config.num_key_value_heads = target
+    set_head_counts(model, modules, target)
 
 
 def merge_cache(cache, merges: dict[int, LayerMerge], held: int) -> None:

@@ -427,3 +427,56 @@ def test_the_models_name_is_on_screen(qtbot, settings, size, presenter):
     shown = badge.fontMetrics().elidedText(badge.text(), Qt.TextElideMode.ElideRight, badge.contentsRect().width())
     assert len(shown.rstrip("\u2026")) >= 4, shown
     w.close()
+
+
+@pytest.mark.parametrize("size,presenter", [((1024, 768), True), ((1024, 768), False), ((1280, 720), True),
+                                            ((1920, 1080), True)], ids=["1024-presenter", "1024-normal",
+                                                                        "1280-presenter", "1920-presenter"])
+def test_the_numbers_show_whole_tiles_only(qtbot, settings, size, presenter):
+    """Issue 37, item 6: squeezed by its column (presenter type at 1024x768) the numbers' scroll area ended inside a
+    tile, and the audience saw "Free memory" without its number; a tile is now whole in view or out of it."""
+    w = _plots_window(qtbot, settings, size, presenter)
+    qtbot.wait(100)
+    scroll = w.live.stats_scroll
+    view = scroll.viewport()
+    seen = QRect(QPoint(0, 0), view.size())
+    whole = 0
+    for tile in w.stats_panel.tiles.values():
+        if not tile.isVisibleTo(w):
+            continue
+        rect = QRect(tile.mapTo(view, QPoint(0, 0)), tile.size())
+        assert seen.contains(rect) or not seen.intersects(rect), (tile.name.text(), rect.getRect(), seen.getRect())
+        whole += seen.contains(rect)
+    assert whole >= 2, whole
+    w.close()
+
+
+def test_the_kv_axis_follows_the_data_after_an_excursion(qtbot, settings):
+    """Issue 37, item 6: after a static cache (its whole context reserved) the KV axis kept its 0-500 MiB scale and
+    the later curves drew flat at 0. Once 32 tokens have come since the last switch the axis follows them: the
+    excursion runs off the top (at most 8x their top), the later curves take a readable share of the height."""
+    w = MainWindow(settings=settings, start_engine=False)
+    qtbot.addWidget(w)
+    w.resize(1280, 720)
+    w.show()
+    qtbot.wait(50)
+    samples = synthetic_samples(300, switches={100: "gqa:2", 150: "mha"})
+    big = lambda s: s.replace(kv_bytes_held=s.kv_bytes_held * 1000, kv_bytes_reserved=s.kv_bytes_reserved * 1000,  # noqa: E731
+                              kv_bytes_predicted=s.kv_bytes_predicted * 1000)
+    samples = [big(s) if 100 <= s.token < 150 and not s.is_event else s for s in samples]
+    peak = max(s.kv_bytes_reserved for s in samples)
+    first = [s for s in samples if s.token < 165]
+    w.add_samples(first)  # 15 tokens after the excursion: not yet, the whole excursion in view
+    w.plots.redraw(settle=True)
+    qtbot.wait(50)
+    w.plots.redraw(settle=True)
+    assert w.plots.kv.plot.getViewBox().viewRange()[1][1] >= peak
+    w.add_samples(samples[len(first):])
+    w.plots.redraw(settle=True)
+    qtbot.wait(50)
+    w.plots.redraw(settle=True)
+    hi = w.plots.kv.plot.getViewBox().viewRange()[1][1]
+    recent = max(s.kv_bytes_reserved for s in samples if s.token >= 150)
+    assert recent < hi <= recent * 8 * 2, (recent, hi, peak)  # 8x, with the labels' headroom
+    assert hi < peak / 5
+    w.close()

@@ -7,8 +7,9 @@ a run says (the window wires the session to the widgets it holds).
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QGroupBox, QLabel, QScrollArea, QSizePolicy, QSplitter, QTabWidget, QVBoxLayout, QWidget
+from PySide6.QtCore import QEvent, Qt, QTimer
+from PySide6.QtGui import QFont, QFontMetrics
+from PySide6.QtWidgets import QGroupBox, QHeaderView, QLabel, QScrollArea, QSizePolicy, QSplitter, QTabWidget, QVBoxLayout, QWidget
 
 from kvscope.ui.alert import AlertOverlay
 from kvscope.ui.badges import STATE_TEXT, BadgeRow
@@ -19,7 +20,7 @@ from kvscope.ui.diagnose import EventsTable, GpuProcessesPanel
 from kvscope.ui.plots import LivePlots
 from kvscope.ui.stats import StatsPanel, compute_stats
 from kvscope.ui.text_view import StreamView
-from kvscope.ui.theme import Theme
+from kvscope.ui.theme import HEADER_PAD_PX, HEADER_WEIGHT, Theme
 
 #: Column widths (logical px) that let the window fit 1280x720 with every control reachable.
 RIGHT_MIN_W, RIGHT_MAX_W = 200, 420
@@ -37,6 +38,34 @@ def _column(*widgets, stretch_last: bool = False, margins=(4, 4, 4, 0)) -> QWidg
     for i, w in enumerate(widgets):
         layout.addWidget(w, 1 if stretch_last and i == len(widgets) - 1 else 0)
     return column
+
+
+class WholeTilesScroll(QScrollArea):
+    """The numbers' scroll area: it shows whole tiles only. Squeezed by the column (presenter type at 1024x768, the
+    speaker never scrolls), its viewport ended inside a tile and the audience saw a number cut at its bottom
+    ("Free memory" with no value, issue 37); the viewport now ends under the last tile that fits whole, the rest
+    of its height left blank, and the scroll bar reaches the others."""
+
+    def resizeEvent(self, event) -> None:  # noqa: N802 - Qt's name
+        super().resizeEvent(event)
+        self.snap()
+
+    def eventFilter(self, watched, event) -> bool:  # noqa: N802 - Qt's name
+        handled = super().eventFilter(watched, event)  # (QScrollArea follows its widget's resizes here)
+        if watched is self.widget() and event.type() in (QEvent.Type.Resize, QEvent.Type.LayoutRequest):
+            QTimer.singleShot(0, self, self.snap)  # the tiles moved (their columns, their type): after the layout
+        return handled
+
+    def snap(self) -> None:
+        panel = self.widget()
+        if panel is None:
+            return
+        room = self.height() - 2 * self.frameWidth()
+        bottoms = sorted({t.geometry().bottom() + 1 for t in panel.findChildren(QWidget, "tile") if t.isVisibleTo(panel)})
+        fits = [b for b in bottoms if b <= room]
+        blank = room - fits[-1] if fits and bottoms[-1] > room else 0
+        if self.viewportMargins().bottom() != blank:
+            self.setViewportMargins(0, 0, 0, blank)
 
 
 class LiveTab(QSplitter):
@@ -75,7 +104,7 @@ class LiveTab(QSplitter):
         tl.addWidget(self.text_view)
         text_box.setMinimumHeight(120)
         # The numbers scroll rather than push the window taller than a 720p projector.
-        self.stats_scroll = QScrollArea()
+        self.stats_scroll = WholeTilesScroll()
         self.stats_scroll.setWidget(self.stats_panel)
         self.stats_scroll.setWidgetResizable(True)
         self.stats_scroll.setFrameShape(QScrollArea.Shape.NoFrame)
@@ -123,6 +152,27 @@ class LiveTab(QSplitter):
         self.breakdown_view.apply_theme(theme)
         self.events_table.recolor(old, theme)
         self.gpu_panel.theme = theme
+        # The events table's titles are elided when a section resizes; the type changed under them (presenter mode:
+        # "etail / likely ca." in the real window at 1024x768, issue 37): fit them again once the new type is in force.
+        QTimer.singleShot(0, self.events_table, self._refit_event_titles)
+        QTimer.singleShot(0, self.stats_scroll, self.stats_scroll.snap)
+
+    def _refit_event_titles(self) -> None:
+        """The events table's column titles elided again for the type now in force (``elide_headers``'s rule: the
+        whole title in the section's tooltip once cut)."""
+        table = self.events_table
+        header = table.horizontalHeader()
+        font = QFont(header.font())
+        font.setWeight(QFont.Weight(HEADER_WEIGHT))
+        metrics = QFontMetrics(font)
+        for c, title in enumerate(table.HEADERS):
+            item = table.horizontalHeaderItem(c)
+            if item is None or header.sectionResizeMode(c) == QHeaderView.ResizeMode.ResizeToContents:
+                continue
+            shown = metrics.elidedText(title, Qt.TextElideMode.ElideRight, max(header.sectionSize(c) - 2 * HEADER_PAD_PX - 2, 1))
+            if item.text() != shown:
+                item.setText(shown)
+                item.setToolTip(title if shown != title else "")
 
     # ---- layout
 

@@ -235,8 +235,27 @@ class KVPlot(PlotPanel):
         top = self.top(("kv_observed", "kv_predicted", "kv_reserved", "kv_used"))
         if top is not None and self.previous:  # the held runs' curves fit too
             top = max([top] + [float(p[1].max()) for p in self.previous])
+        top = self.past_excursion(tok, top)
         if top is not None:
             self.set_y(frame, self.plot, 0.0, top, headroom(self.plot.getViewBox(), self.label_band() if self.markers else 0))
+
+    #: Once this many tokens have come since the last switch, the KV axis follows them: an earlier top more than
+    #: EXCURSION times theirs (a static cache's whole context, 500 MiB, then a few MiB) runs off the top of the plot.
+    EXCURSION_AFTER = 32
+    EXCURSION = 8.0
+
+    def past_excursion(self, tok: np.ndarray, top: float | None) -> float | None:
+        """The y range's top after an excursion (issue 37: after a static cache the axis kept 0-500 MiB and the later
+        curves drew flat at 0): at most EXCURSION times the top of the curves since the last switch, once it has
+        run EXCURSION_AFTER tokens; ``top`` as it was otherwise. The drop itself still shows (8x its new level)."""
+        if top is None or not self.markers or not len(tok):
+            return top
+        recent = tok > self.markers[-1].token
+        if int(recent.sum()) < self.EXCURSION_AFTER:
+            return top
+        tops = [np.nanmax(col[recent]) for col in (self.tokens.column(k) for k in LIVE) if np.isfinite(col[recent]).any()]
+        now = float(max(tops)) if tops else 0.0
+        return min(top, self.EXCURSION * now) if now > 0 else top
 
     def slope(self, window: int = 32) -> float | None:
         """Bytes per token over the last ``window`` tokens since the last switch (a step is not a slope)."""

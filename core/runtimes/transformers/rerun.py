@@ -53,6 +53,8 @@ CATCH_UP_CHUNK = 64
 #: left; the token thread does the rest between two tokens. It did them all there: on SmolLM2-135M at 1,000 tokens,
 #: C to static stood the run still 2-4.5 s (16 tokens through a 4,096-slot static cache in one gap, issue 37).
 CATCH_UP_LEFT = 2
+#: It stops sooner when this many rounds in a row bring it no closer (the token thread then catches up the rest).
+CATCH_UP_IDLE = 4
 #: The status line is refreshed at most this often while the pass runs.
 PROGRESS_EVERY_S = 0.25
 #: A switch that needs no re-run but converts a cache of at least this many bytes (a cache moved into a static,
@@ -334,12 +336,19 @@ def _catch_up_behind(prep: PreparedSwitch) -> None:
     if live is None:
         return
     chunk = CATCH_UP_CHUNK if _holds_every_token(shadow) else 1
+    least, idle = None, 0
     with torch.inference_mode():
         while not prep.cancel_flag.is_set():
             ids = live.ids  # the run's tokens now (the token thread replaces the tensor, never writes into it)
             end = (ids.shape[1] if ids is not None else 0) - CATCH_UP_LEFT
             at = shadow.seq_len
             if end <= at:
+                return
+            # No closer for a few rounds (the run makes a token per step as fast as the shadow takes one, a cache
+            # caught up one by one on two busy cores): the token thread finishes it, as before, the run waiting.
+            idle = idle + 1 if least is not None and end - at >= least else 0
+            least = end - at if least is None else min(least, end - at)
+            if idle >= CATCH_UP_IDLE:
                 return
             token = ids[:, at:min(at + chunk, end)]
             with shadow._forward_context():

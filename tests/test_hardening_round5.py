@@ -259,8 +259,12 @@ def test_fifo_weights_never_block(runtime, hostile):
     assert is_user_error(done[0]) and "is a FIFO (named pipe), not a regular file" in str(done[0]), done
 
 
-def test_nan_weights_are_named(real, tmp_path, capsys):
-    """A real copy with model.norm.weight all NaN: one line naming it once loaded, before the sampler's traceback."""
+@pytest.mark.parametrize("runtime", ["transformers", "mlx"])
+def test_nan_weights_are_named(runtime, real, tmp_path, capsys):
+    """A real copy with model.norm.weight all NaN: one line naming it once loaded, before the sampler's traceback (or,
+    under MLX, garbage tokens and exit 0)."""
+    if runtime == "mlx":
+        pytest.importorskip("mlx.core")
     folder = tmp_path / "nan"
     _copy_small_files(real, folder)
     shutil.copyfile(real.weights, folder / "model.safetensors")
@@ -268,7 +272,8 @@ def test_nan_weights_are_named(real, tmp_path, capsys):
     with open(folder / "model.safetensors", "r+b") as f:
         f.seek(8 + real.n + start)
         f.write(struct.pack("<f", float("nan")) * ((end - start) // 4))
-    line = _run(capsys, "run", "--model", folder, "--device", "cpu", "--tokens", "2")
+    where = ("--runtime", "mlx") if runtime == "mlx" else ("--device", "cpu")
+    line = _run(capsys, "run", "--model", folder, *where, "--tokens", "2")
     assert f"the model's weights hold NaN: {LAST} is all NaN (576 of 576 values)" in line, line
 
 

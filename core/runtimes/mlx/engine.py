@@ -183,6 +183,22 @@ def cache_refusal(layers: Any, cache: MlxCache, dtype: Any = None) -> str | None
     return said or rule
 
 
+def nonfinite_arrays(mx: Any, named: list[tuple[str, Any]]) -> str | None:
+    """What is wrong when a model's floating-point MLX arrays hold NaN or infinity (None when none does), in the
+    transformers loader's words: one sum per array, and only a non-finite one counted element by element."""
+    for name, array in named:
+        if not mx.issubdtype(array.dtype, mx.floating) or array.size == 0 or mx.isfinite(array.sum()).item():
+            continue
+        nan, inf = int(mx.isnan(array).sum().item()), int(mx.isinf(array).sum().item())
+        if not nan and not inf:
+            continue
+        kind, count = ("NaN", nan) if nan else ("infinity", inf)
+        what = (f"is all {kind} ({count:,} of {array.size:,} values)" if count == array.size
+                else f"holds {kind} in {count:,} of {array.size:,} values")
+        return f"hold {kind}: {name} {what}"
+    return None
+
+
 class MlxEngine:
     """One model in mlx-lm with one cache per layer, generating for one sequence; ``step`` returns a Sample per
     token. The same shape as ``kvscope.core.runtimes.llamacpp.engine.LlamaCppEngine``: ``prefill``, ``step``, ``apply``,
@@ -223,6 +239,10 @@ class MlxEngine:
             raise MlxRunError(f"mlx-lm cannot load {self.folder.name}: {safe_text(said, limit=300)}") from None
         from mlx.utils import tree_flatten
 
+        problem = nonfinite_arrays(mx, tree_flatten(self.model.parameters()))
+        if problem:  # as the transformers loader says it (kvscope.core.runtimes.transformers.loading.nonfinite_weights)
+            raise MlxRunError(f"{self.folder.name}: the model's weights {problem}; every token would come out of NaN "
+                              "logits - the file is corrupt, or was saved from a diverged run")
         self.weights = int(sum(p.nbytes for _, p in tree_flatten(self.model.parameters())))
         self.load_active = mx.get_active_memory() - before
         self.dtype = model_dtype(self.model)

@@ -505,7 +505,7 @@ def _vllm_options(args: argparse.Namespace):
 
 def _calc_device(args: argparse.Namespace) -> tuple[str, int]:
     """calc's --device (run's spellings; "cpu", or a GPU: the figures without the CPU's sdpa scratch) and
-    --cpu-threads, checked: at least 1, only with --device cpu; default the app's thread count."""
+    --cpu-threads, only with --device cpu (its range is NUMBER_RANGES'); default the app's thread count."""
     from kvscope.core.runtimes.transformers.calc import app_cpu_threads
 
     device = (args.device or "cuda").strip().lower()
@@ -516,8 +516,6 @@ def _calc_device(args: argparse.Namespace) -> tuple[str, int]:
         return device, app_cpu_threads()
     if device != "cpu":
         raise CliError("--cpu-threads is the CPU's torch threads: give it with --device cpu")
-    if args.cpu_threads < 1:
-        raise CliError(f"--cpu-threads must be at least 1 (got {args.cpu_threads})")
     return device, args.cpu_threads
 
 

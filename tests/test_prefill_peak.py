@@ -249,4 +249,4 @@ def test_calc_cpu_threads_default_to_the_apps(capsys, monkeypatch) -> None:
     code, err = calc("--cpu-threads", "2")
     assert code != 0 and "--device cpu" in err
     code, err = calc("--device", "cpu", "--cpu-threads", "0")
-    assert code != 0 and "at least 1" in err
+    assert code != 0 and "--cpu-threads must be 1 to" in err and "(got 0)" in err  # main.NUMBER_RANGES

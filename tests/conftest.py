@@ -33,6 +33,28 @@ os.environ.pop("OLLAMA_MODELS", None)
 import pytest  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _qt_garbage_at_safe_points(request):
+    """In a test that drives Qt, Python's cycle collector runs before and after it, never inside: run by whatever
+    allocation came next, it once deleted plot items inside a paint (a segfault in pyqtgraph's
+    GraphicsScene.prepareForPaint during tests/test_recording_fuzz's window replay). The app does the same with
+    pyqtgraph's GarbageCollector (ui/app.py)."""
+    if "qtbot" not in request.fixturenames:
+        yield
+        return
+    import gc
+
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+        gc.collect()
+
+
 @pytest.fixture
 def settings(tmp_path):
     """Throwaway QSettings, past the first start (no demo banner)."""

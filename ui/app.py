@@ -75,6 +75,12 @@ def _application():
         app.setApplicationName("KV Scope")
         app.setDesktopFileName("kvscope")  # matches packaging/kvscope.desktop, so docks group the window
         app.setWindowIcon(_app_icon())
+        # Python's cycle collector runs only from a timer on the GUI thread (pyqtgraph's GarbageCollector): run by
+        # whatever allocation came next, it could delete plot items inside a paint (a segfault in
+        # GraphicsScene.prepareForPaint, seen once in the suite's window replay) or on a worker thread.
+        from pyqtgraph.util.garbage_collector import GarbageCollector
+
+        app.garbage_collector = GarbageCollector(interval=1.0)
     return app
 
 

@@ -301,6 +301,18 @@ CONVERSIONS = [
 ]
 
 
+def _applied_matches_prepared(applied_run, prepared_run, key, value, tokens) -> None:
+    """``key=value`` applied between two tokens, then the tokens the prepared run generated meanwhile forced: the
+    same ids, and the same cache from there on, as the switch prepared off the token path."""
+    assert applied_run.apply(key, value).event == "switch"
+    forced = iter(tokens)
+    applied_run._sample_next = lambda: next(forced)
+    for _ in range(len(tokens)):
+        applied_run.step()
+    assert torch.equal(applied_run.ids, prepared_run.ids)
+    _same_cache_and_runs_on(prepared_run, applied_run)
+
+
 @pytest.mark.parametrize("i", range(len(CONVERSIONS)))
 def test_a_conversion_off_the_token_path_leaves_the_cache_an_applied_switch_leaves(loaded, monkeypatch, i):
     monkeypatch.setattr(rerun, "PREPARE_BYTES", 0)
@@ -334,13 +346,7 @@ def test_a_conversion_off_the_token_path_leaves_the_cache_an_applied_switch_leav
         applied_run.step()
     for (k1, v1), (k2, v2) in zip(live, dense_kv(applied_run.cache), strict=True):  # the same run up to N
         torch.testing.assert_close(k1[..., -k2.shape[-2]:, :] if k1.shape != k2.shape else k1, k2)
-    assert applied_run.apply(key, value).event == "switch"
-    forced = iter(tokens)
-    applied_run._sample_next = lambda: next(forced)
-    for _ in range(meanwhile):
-        applied_run.step()
-    assert torch.equal(applied_run.ids, prepared_run.ids)
-    _same_cache_and_runs_on(prepared_run, applied_run)
+    _applied_matches_prepared(applied_run, prepared_run, key, value, tokens)
 
 
 @pytest.mark.parametrize("case", [("cache", "static"), ("cache", "quantized:fp8"), ("attention", "mla")])
@@ -383,10 +389,4 @@ def test_the_tokens_generated_meanwhile_are_caught_up_off_the_token_path(loaded,
     applied_run = _engine(loaded, None, "dynamic")
     for _ in range(20):
         applied_run.step()
-    assert applied_run.apply(key, value).event == "switch"
-    forced = iter(tokens)
-    applied_run._sample_next = lambda: next(forced)
-    for _ in range(meanwhile):
-        applied_run.step()
-    assert torch.equal(applied_run.ids, prepared_run.ids)
-    _same_cache_and_runs_on(prepared_run, applied_run)
+    _applied_matches_prepared(applied_run, prepared_run, key, value, tokens)

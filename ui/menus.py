@@ -12,7 +12,8 @@ from kvscope.core.model.spec import ASSETS
 ATTENTION_KEYS = {1: "MHA", 2: "GQA", 3: "MQA", 4: "MLA", 5: "Sliding window"}
 KEY_MAP = (("1", "MHA: every query head has its own K/V head"),
            ("2", "GQA: the middle group count the model allows"),
-           ("3", "MQA: one K/V head"), ("4", "MLA: a low-rank latent of the model's own K/V (half its bytes)"),
+           ("3", "MQA: one K/V head, the model's own aligned and merged"),
+           ("4", "MLA: a low-rank latent of the model's own K/V (half its bytes)"),
            ("5", "sliding window: the smallest offered (its plateau shows soonest)"),
            ("F", "flash attention on / off"), ("C", "next cache strategy"), ("Space", "pause / resume"),
            ("F11", "presenter mode (Esc leaves it)"), ("Ctrl+S", "screenshot to your Pictures folder"),

@@ -147,7 +147,7 @@ def test_calc_json_shape(capsys):
     assert [r["context"] for r in data["rows"]] == [4096, 32768]
     assert data["rows"][0]["kv_cache_bytes"] == 536_870_912
     assert set(data["rows"][0]) == {"context", "kv_cache_bytes", "weights_bytes", "activation_bytes", "total_bytes",
-                                    "prefill_peak_bytes", "decode_peak_bytes"}
+                                    "activations_source", "prefill_peak_bytes", "decode_peak_bytes"}
     # the prefill holds the KV it writes and more (its transients): the peak is above the KV, and grows with the prompt
     first, second = data["rows"]
     assert first["kv_cache_bytes"] < first["prefill_peak_bytes"] < second["prefill_peak_bytes"]

@@ -82,6 +82,7 @@ class CalcResult:
                     "weights_bytes": p.breakdown.weights,
                     "activation_bytes": p.breakdown.activations,
                     "total_bytes": p.total,
+                    "activations_source": p.activations_source,
                     **prefill_peak_json(self.spec, self.settings, p.context, self.device, self.cpu_threads),
                 }
                 for p in self.rows
@@ -108,14 +109,15 @@ def calculate(spec: ModelSpec, settings: RunSettings, contexts: list[int], gpu_m
               parallelism: Parallelism | None = None, device: str = "cuda", cpu_threads: int = 1) -> CalcResult:
     """Predict every context; with ``gpu_memory``, also the largest context that fits in it (on every GPU
     of ``parallelism``, which splits the model vLLM's way: ``kvscope.core.prediction.parallel``). ``device`` and
-    ``cpu_threads``: where the JSON's prefill and decode peaks run."""
+    ``cpu_threads``: where the forward passes run, for the activations, the totals and the largest context (the
+    replayed peaks, ``kvscope.core.prediction.predict.predict``) and the JSON's prefill and decode peaks."""
     effective_spec(spec, settings)  # validates the attention mode against the model before any row
     if settings.cache.needs_attention_weights:
         settings = settings.with_(attn_impl="eager")  # as the engine runs h2o: its activations are eager's
     rows = []
     for context in contexts:
         s = settings.with_(max_context=settings.max_context or context) if settings.cache.name == "static" else settings
-        rows.append(predict(spec, s, context))
+        rows.append(predict(spec, s, context, device=device, cpu_threads=cpu_threads))
     parallelism = parallelism or Parallelism()
     if not parallelism.single:
         per_gpu = []
@@ -126,7 +128,8 @@ def calculate(spec: ModelSpec, settings: RunSettings, contexts: list[int], gpu_m
                 if gpu_memory else None)
         return CalcResult(spec, settings, tuple(rows), gpu_memory, fits, kv_overtakes_weights_at(spec, settings),
                           parallelism, tuple(per_gpu))
-    fits = max_context_that_fits(spec, settings, gpu_memory, limit=SEARCH_LIMIT) if gpu_memory else None
+    fits = (max_context_that_fits(spec, settings, gpu_memory, limit=SEARCH_LIMIT, device=device, cpu_threads=cpu_threads)
+            if gpu_memory else None)
     return CalcResult(spec, settings, tuple(rows), gpu_memory, fits, kv_overtakes_weights_at(spec, settings),
                       device=device, cpu_threads=cpu_threads)
 

@@ -1,8 +1,10 @@
 """The memory predictor: bytes of weights, KV cache and activations for a spec and run settings.
 
 KV bytes are exact (they mirror transformers' cache classes, see ``kvscope.core.model.caches``). Weight bytes are
-exact for the parameters (count from a meta-device build). Activations are the peak of the
-transient tensors of one forward pass, an estimate whose dominant term (eager's scores) is exact.
+exact for the parameters (count from a meta-device build). Activations are what the largest moment of reaching the
+context holds beyond the weights and the KV: the prefill's and the last decode step's peaks as the activation replay
+follows them allocation by allocation (``kvscope.core.prediction.replay``, checked against the allocator), on a GPU
+or on the CPU for a thread count; the older rough sum (``activation_bytes``) only where the replay cannot go.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Callable
 
 from kvscope.core.model.caches import kv_layout
 from kvscope.core.model.settings import RunSettings, effective_spec
-from kvscope.core.model.spec import ModelSpec, dtype_bytes
+from kvscope.core.model.spec import ModelSpec, SettingsError, dtype_bytes
 from kvscope.core.model.states import state_bytes
 from kvscope.core.prediction.replay.heap import PrefillPeak
 from kvscope.core.prediction.replay.registry import recipe_for
@@ -48,6 +50,10 @@ class Prediction:
     activations_prefill: int
     activations_decode: int
     kv_bytes_per_token: float
+    #: Where the activations come from: "replay" (the forward pass replayed allocation by allocation, the peaks an
+    #: allocator reads), "replay, approximate" (replayed, but the model type or the cache is one the replay does
+    #: not follow op by op: a Llama layer's, or a dynamic cache's concatenation), "estimate" (the rough sum).
+    activations_source: str = "estimate"
 
     @property
     def total(self) -> int:
@@ -119,28 +125,78 @@ def activation_bytes(spec: ModelSpec, settings: RunSettings, q_len: int, kv_len:
     return int(stream + max(attention + qkv, mlp) + logits)
 
 
-def predict(spec: ModelSpec, settings: RunSettings, context: int, prompt_tokens: int | None = None) -> Prediction:
-    """Predicted memory after ``context`` tokens: weights + KV + the larger of the prefill and decode peaks.
+def predict(spec: ModelSpec, settings: RunSettings, context: int, prompt_tokens: int | None = None,
+            device: str = "cuda", cpu_threads: int = 1) -> Prediction:
+    """Predicted memory after ``context`` tokens: weights + KV + activations, the activations being what the
+    largest moment of getting there holds beyond the weights and the KV of ``context`` tokens (never below 0).
 
-    ``prompt_tokens`` is how much of the context came in the prefill (default: all of it, as a
-    calculator's "load a context of N tokens" means).
+    ``prompt_tokens`` is how much of the context came in the prefill (default: all of it, as a calculator's "load a
+    context of N tokens" means). The two moments (``peak_moments``): the prefill of the prompt on an empty cache,
+    weights + its replayed peak; the decode step that reaches ``context``, weights + the cache it starts from + its
+    replayed peak. ``device`` ("cuda": a GPU's allocator, no CPU kernel buffers; "cpu") and ``cpu_threads`` (the CPU
+    sdpa kernel's buffers are per thread) say where the pass runs. A spec the replay cannot follow gets the rough
+    sum (``activation_bytes``), said in ``activations_source``.
     """
     prompt = context if prompt_tokens is None else min(prompt_tokens, context)
     weights = weight_bytes(spec, settings)
     kv = kv_bytes(spec, settings, context, prompt)
-    act_prefill = activation_bytes(spec, settings, prompt, prompt) if prompt > 0 else 0
-    act_decode = activation_bytes(spec, settings, 1, context)
+    try:
+        prefill_moment, decode_moment, exact = peak_moments(spec, settings, context, prompt, device, cpu_threads)
+    except SettingsError:
+        raise
+    except (ValueError, ZeroDivisionError):  # a spec the replay cannot build a pass for: the rough sum
+        act_prefill = activation_bytes(spec, settings, prompt, prompt) if prompt > 0 else 0
+        act_decode = activation_bytes(spec, settings, 1, context)
+        activations, source = max(act_prefill, act_decode), "estimate"
+    else:
+        act_prefill = max(prefill_moment - kv, 0)
+        act_decode = max(decode_moment - kv, 0)
+        activations, source = max(act_prefill, act_decode), "replay" if exact else "replay, approximate"
     return Prediction(
         context=context,
-        breakdown=MemoryBreakdown(weights=weights, kv_cache=kv, activations=max(act_prefill, act_decode)),
+        breakdown=MemoryBreakdown(weights=weights, kv_cache=kv, activations=activations),
         activations_prefill=act_prefill,
         activations_decode=act_decode,
         kv_bytes_per_token=kv / context if context else 0.0,
+        activations_source=source,
     )
 
 
-def max_context_that_fits(spec: ModelSpec, settings: RunSettings, memory_bytes: int, limit: int | None = None) -> int | None:
-    """Largest context (tokens) whose predicted total fits in ``memory_bytes``; None if not even one token.
+def peak_moments(spec: ModelSpec, settings: RunSettings, context: int, prompt: int, device: str = "cuda",
+                 cpu_threads: int = 1) -> tuple[int, int, bool]:
+    """The bytes beyond the weights at the two largest moments of reaching ``context`` tokens, ``prompt`` of them in
+    the prefill, and whether the replay follows both exactly: (prefill, decode, exact).
+
+    - The prefill: its replayed peak above the weights and an empty dynamic cache (the K/V it writes included); for
+      a cache that holds other than what it was given (a static cache's preallocation, a token-selecting or
+      quantized cache), the pass's temporaries at its peak (``PrefillPeak.transient``) on top of the cache it leaves.
+    - A decode step: the one that made the last token (on the cache of ``context - 1`` tokens), or, when the whole
+      context is the prefill's (``prompt == context``, a calculator's context), the first step after it (on the cache
+      of ``context``): the cache it starts from plus its replayed peak above that (the grown K/V of one layer held
+      twice while the cat runs, the 1 x past scores in eager). A token-selecting cache's step attends its capacity,
+      not the context (``past_tokens`` capped there).
+    The replay follows a dynamic cache's concatenation; ``exact`` is False for any other cache, a model type the
+    replay lends a Llama layer, or a step past a sliding window."""
+    dynamic = settings.cache.name == "dynamic"
+    prefill_bytes = 0
+    exact = dynamic
+    if prompt > 0:
+        pre = prefill_peak(spec, settings, prompt, device=device, cpu_threads=cpu_threads)
+        prefill_bytes = pre.peak if dynamic else kv_bytes(spec, settings, prompt, prompt) + pre.transient
+        exact = exact and pre.exact
+    past = context - 1 if context > prompt else context
+    capacity = settings.cache.capacity
+    step = decode_peak(spec, settings, past if capacity is None else min(past, capacity), device=device,
+                       cpu_threads=cpu_threads)
+    decode_bytes = kv_bytes(spec, settings, past, min(prompt, past)) + step.peak
+    exact = exact and step.exact
+    return prefill_bytes, decode_bytes, exact
+
+
+def max_context_that_fits(spec: ModelSpec, settings: RunSettings, memory_bytes: int, limit: int | None = None,
+                          device: str = "cuda", cpu_threads: int = 1) -> int | None:
+    """Largest context (tokens) whose predicted total (``predict`` on ``device`` with ``cpu_threads``: the replayed
+    peaks) fits in ``memory_bytes``; None if not even one token.
 
     Static caches preallocate their max context, so that is tied to the context being tried.
     """
@@ -148,7 +204,7 @@ def max_context_that_fits(spec: ModelSpec, settings: RunSettings, memory_bytes: 
 
     def fits(n: int) -> bool:
         s = settings.with_(max_context=n) if settings.cache.name == "static" else settings
-        return predict(spec, s, n).total <= memory_bytes
+        return predict(spec, s, n, device=device, cpu_threads=cpu_threads).total <= memory_bytes
 
     if not fits(1):
         return None

@@ -21,8 +21,10 @@ from kvscope.core.runtimes.calculator import TIMES, CalcFigures, CalcInputs, Cal
 TIPS = {
     "weights": "Parameters x bytes per element (parameter count from a meta-device build of the config).",
     "kv": "Exact bytes of the KV cache for this context, mirroring transformers' cache classes.",
-    "activations": "Peak transient bytes of one forward pass (the larger of the prefill and one decode step).",
-    "total": "weights + KV + activations: what must fit on the GPU (plus the runtime's own few hundred MiB).",
+    "activations": "What the largest moment holds beyond the weights and the KV: the prefill's peak or a decode "
+                   "step's, each replayed allocation by allocation as transformers runs it (on a GPU).",
+    "total": "weights + KV + activations: the allocator's peak for this context, what must fit on the GPU (plus the "
+             "runtime's own: the CUDA context and libraries, a few hundred MiB).",
     "per_token": "KV bytes added per token of context.",
 }
 

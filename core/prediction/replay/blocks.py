@@ -23,12 +23,14 @@ def prologue(p: Pass, cos_sin_fp32: bool = False) -> None:
             p.mask += heap.alloc(b * s * kv * dt)  # torch.where into the additive float mask
             heap.free(tmp)
     heap.at = "rotary embedding"
-    pos32, inv32 = heap.alloc(b * s * FP32), heap.alloc(b * (rotary // 2) * FP32)
-    freqs = heap.alloc(b * s * (rotary // 2) * FP32)
+    # The position ids are cache_position.unsqueeze(0), [1, s], whatever the batch: rotary's tensors are one
+    # sequence's, broadcast over the batch (two sequences measured: tests/test_transformers_total.py).
+    pos32, inv32 = heap.alloc(s * FP32), heap.alloc((rotary // 2) * FP32)
+    freqs = heap.alloc(s * (rotary // 2) * FP32)
     heap.free(pos32, inv32)
-    emb = heap.alloc(b * s * rotary * FP32)
-    cs32 = [heap.alloc(b * s * rotary * FP32) for _ in range(2)]  # cos() and sin() x attention_scaling
-    p.cos_sin = 2 * b * s * rotary * dt
+    emb = heap.alloc(s * rotary * FP32)
+    cs32 = [heap.alloc(s * rotary * FP32) for _ in range(2)]  # cos() and sin() x attention_scaling
+    p.cos_sin = 2 * s * rotary * dt
     if cos_sin_fp32:
         p.cos_sin = sum(cs32)
     elif dt != FP32:
@@ -118,7 +120,7 @@ def rope_fp32(p: Pass, nq: int, nk: int, copies: bool) -> tuple[int, int]:
         half = n * up // 2 if made else n // 2  # -x2 (and the cat/stack) in the dtype rotate_half gets
         # A mixed-dtype multiply casts its other-dtype operand to fp32 in a temporary inside the op: OLMo's
         # q/k (and the rotated halves), Cohere's cos/sin.
-        cast = p.b * p.s * p.rotary * FP32 if made else n * up
+        cast = p.s * p.rotary * FP32 if made else n * up  # cos/sin are [1, s, rotary] (see ``prologue``)
         a = heap.alloc(n * up)  # x * cos, fp32
         heap.free(heap.alloc(cast))
         neg = heap.alloc(half)

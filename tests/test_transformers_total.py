@@ -1,0 +1,114 @@
+"""calc's transformers total against the real allocator (issue 35, item 3).
+
+``calc``'s ``total_bytes`` for a context is weights + KV + activations, the activations being what the largest
+moment of reaching the context holds beyond the weights and the KV (``kvscope.core.prediction.predict.predict``:
+the replayed prefill peak, or a decode step's on the cache it starts from). Here the same quantity is measured:
+the weights walked on the loaded model, and the CPU allocator's high-water marks of the prefill and of the first
+decode step after it (``kvscope.core.runtimes.transformers.peak.measure_peak``, the profiler's memory events), on
+the real SmolLM2-135M (float32, as ``tests/real_models.py`` builds it) and on tiny models at batch 2. calc's largest
+context for a memory of exactly the measured total is that context.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvscope.core.model.hf_config import spec_from_config  # noqa: E402
+from kvscope.core.model.settings import RunSettings  # noqa: E402
+from kvscope.core.prediction.calc import calculate  # noqa: E402
+from kvscope.core.prediction.predict import decode_peak, prefill_peak  # noqa: E402
+from kvscope.core.runtimes.transformers.measure import cache_bytes, model_weight_bytes  # noqa: E402
+from kvscope.core.runtimes.transformers.peak import adopt_dynamic_cache, measure_peak  # noqa: E402
+from tests import archs  # noqa: E402
+
+EXACT_SLACK = 64  # bytes: the sub-kilobyte position scalars the replay does not follow one by one
+
+
+def _measured_moments(model, ids: torch.Tensor) -> tuple[int, int, int]:
+    """The prefill of ``ids`` on an empty dynamic cache and the first decode step after it, each under the profiler:
+    (prefill peak above the weights, the cache's KV after the prefill + the step's peak above it, KV after it)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        out, pre = measure_peak(lambda: model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1), "cpu")
+        kv = cache_bytes(cache).logical
+        nxt = out.logits[:, -1:].argmax(-1)
+        adopt = adopt_dynamic_cache(cache)
+        assert adopt is not None
+        _, step = measure_peak(lambda: model(input_ids=nxt, cache=cache, use_cache=True, logits_to_keep=1), "cpu",
+                               adopt=adopt)
+    return pre.peak, kv + step.peak, kv
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from tests import real_models
+
+    loaded = real_models.load("smollm2")
+    loaded.model.eval()
+    return loaded
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield 1
+    torch.set_num_threads(before)
+
+
+def test_calc_total_is_the_allocators_peak_on_smollm2(smollm2, one_thread) -> None:
+    """SmolLM2-135M, float32, sdpa, 1 thread, 200 tokens: calc --device cpu --cpu-threads 1's total_bytes equals the
+    weights walked + the larger of the two measured moments, to the position scalars; its activations are that
+    total less the weights and the KV; and a memory of exactly that total fits 200 tokens, not 201."""
+    model, spec = smollm2.model, smollm2.spec
+    model.set_attn_implementation("sdpa")
+    n = 200
+    ids = torch.randint(0, 1000, (1, n), generator=torch.Generator().manual_seed(7))
+    prefill, decode, kv = _measured_moments(model, ids)
+    weights = model_weight_bytes(model)
+    settings = RunSettings(weight_dtype="float32", attn_impl="sdpa")
+    result = calculate(spec, settings, [n], device="cpu", cpu_threads=one_thread)
+    row = result.to_json()["rows"][0]
+    assert row["weights_bytes"] == weights
+    assert row["kv_cache_bytes"] == kv
+    measured_total = weights + max(prefill, decode)
+    assert abs(row["total_bytes"] - measured_total) <= EXACT_SLACK, (row, prefill, decode)
+    assert row["activation_bytes"] == row["total_bytes"] - weights - kv > 0
+    assert row["activations_source"] == "replay"
+    # the search: what fits in exactly the measured total (with the scalars' slack) is this context
+    fits = calculate(spec, settings, [n], gpu_memory=row["total_bytes"], device="cpu", cpu_threads=one_thread)
+    assert fits.max_context == n
+    # the old rough sum (kvscope.core.prediction.predict.activation_bytes) was far from it on this model
+    from kvscope.core.prediction.predict import activation_bytes
+
+    rough = max(activation_bytes(spec, settings, n, n), activation_bytes(spec, settings, 1, n))
+    assert abs(weights + kv + rough - measured_total) > 10 * EXACT_SLACK
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt_neox"])
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_batch_two_matches_the_allocator(one_thread, model_type: str, impl: str) -> None:
+    """Batch 2 (never checked before issue 35): the replay's prefill and decode peaks of two sequences, and calc's
+    total, equal the allocator's on tiny float32 models."""
+    model = archs.build_tiny_model(model_type)
+    model.set_attn_implementation(impl)
+    spec = spec_from_config(model.config.to_dict(), model_type)
+    n = 96
+    ids = torch.randint(0, 200, (2, n), generator=torch.Generator().manual_seed(11))
+    prefill, decode, kv = _measured_moments(model, ids)
+    settings = RunSettings(weight_dtype="float32", attn_impl=impl, batch=2)
+    predicted = prefill_peak(spec, settings, n, cpu_threads=one_thread)
+    assert abs(predicted.peak - prefill) <= EXACT_SLACK, (predicted, prefill)
+    step = decode_peak(spec, settings, n, cpu_threads=one_thread)
+    assert abs(kv + step.peak - decode) <= EXACT_SLACK, (step, decode - kv)
+    row = calculate(spec, settings, [n], device="cpu", cpu_threads=one_thread).to_json()["rows"][0]
+    assert row["kv_cache_bytes"] == kv
+    assert abs(row["total_bytes"] - (model_weight_bytes(model) + max(prefill, decode))) <= EXACT_SLACK
+    # two sequences hold twice one's KV, and more than one's peak
+    one = calculate(spec, settings.with_(batch=1), [n], device="cpu", cpu_threads=one_thread).to_json()["rows"][0]
+    assert row["kv_cache_bytes"] == 2 * one["kv_cache_bytes"]
+    assert row["activation_bytes"] > one["activation_bytes"]

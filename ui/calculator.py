@@ -1,119 +1,31 @@
 """The calculator tab: what a context costs for any model, from the predictor alone (no weights).
 
-A view of ``kvscope.core.runtimes.calculator`` (the model, no Qt): the inputs become a ``CalcInputs``, the model answers with a
-``CalcFigures`` (the rows, the total, what fits, the formula) and a ``Chart``, and this tab renders them. Which
-runtimes it offers, which inputs each reads and which rows it shows are the registry's answers
-(``kvscope.core.runtimes.calculators``). Specs load in the background (``kvscope.workers.spec_loader``); the models on this
-machine come from the shared scan (``kvscope.workers.installed_models``).
+A view of ``kvscope.core.runtimes.calculator`` (the model, no Qt): the form (``kvscope.ui.calc_form``) says what the
+inputs are as a ``CalcInputs``, the model answers with a ``CalcFigures`` (the rows, the total, what fits, the
+formula) and a ``Chart``, and the results (``kvscope.ui.calc_results``) and the chart (``kvscope.ui.calc_chart``)
+render them. Which runtimes it offers, which inputs each reads and which rows it shows are the registry's answers
+(``kvscope.core.runtimes.calculators``). Specs load in the background (``kvscope.workers.spec_loader``); the models on
+this machine come from the shared scan (``kvscope.workers.installed_models``).
 """
 
 from __future__ import annotations
 
-import html
+from PySide6.QtCore import QSettings, Signal
+from PySide6.QtWidgets import QHBoxLayout, QVBoxLayout, QWidget
 
-from PySide6.QtCore import QSettings, Qt, Signal
-from PySide6.QtWidgets import (QComboBox, QFileDialog, QGridLayout, QGroupBox, QHBoxLayout, QLabel, QPushButton,
-                               QSizePolicy, QSlider, QVBoxLayout, QWidget)
-
-from kvscope.core import runtimes
-from kvscope.core.base.safe_text import NAME_LIMIT, safe_text
-from kvscope.core.model.attention import native_attention
-from kvscope.core.model.settings import RunSettings, attention_choices
-from kvscope.core.model.spec import ModelSpec, SpecError, human_bytes, parse_size, preset_names
+from kvscope.core.model.settings import RunSettings
+from kvscope.core.model.spec import ModelSpec, SpecError
 from kvscope.core.prediction.parallel import Parallelism
-from kvscope.core.runtimes.calculator import (GPU_LAYOUTS, KV_DTYPES, WEIGHT_DTYPES, CalcFigures, CalcInputs,
-                                              Calculator, context_stops, context_values, gpus_text, offered, rules_for)
-from kvscope.ui.axes import format_count, format_tokens
+from kvscope.core.runtimes.calculator import GPU_LAYOUTS, CalcFigures, CalcInputs, Calculator, rules_for  # noqa: F401
 from kvscope.ui.calc_chart import CalcChart
-from kvscope.ui.forms import form_box
+from kvscope.ui.calc_form import INSTALLED_ROLE, MEMORY_CHOICES, CalcForm  # noqa: F401 - the names tests know
+from kvscope.ui.calc_results import ROW_KEYS, CalcResults  # noqa: F401
 from kvscope.ui.theme import Theme, theme as make_theme
-from kvscope.workers.installed_models import FollowsInstalled, InstalledModels
+from kvscope.workers.installed_models import InstalledModels
 from kvscope.workers.spec_loader import SpecLoader
 
-MEMORY_CHOICES = ("8 GiB  laptop GPU", "12 GiB  RTX 4070", "16 GiB  RTX 4080", "24 GiB  RTX 4090",
-                  "32 GiB  RTX 5090", "48 GiB  L40S", "80 GiB  A100 / H100", "141 GiB  H200",
-                  "192 GiB  B200")
-#: Marks the model combo's entries that list installed models (and their separator), to refill them.
-INSTALLED_ROLE = Qt.ItemDataRole.UserRole + 1
-#: The numbers' rows before a model is shown (each runtime's figures name them: ``CalcRow``).
-ROW_KEYS = ("weights", "kv", "activations", "total", "per_token")
 
-
-class _StopSlider(QSlider):
-    """A slider whose arrow keys go from stop to stop (the context slider's powers of two: 4K, 8K, 16K...),
-    not one of its thousand fine steps; Page Up/Down go two stops. Without stops, Qt's own keys."""
-
-    def __init__(self) -> None:
-        super().__init__(Qt.Orientation.Horizontal)
-        self.stops: list[int] = []  # slider positions, ascending
-
-    def keyPressEvent(self, event) -> None:  # noqa: N802 - Qt's name
-        keys = {Qt.Key.Key_Right: 1, Qt.Key.Key_Up: 1, Qt.Key.Key_Left: -1, Qt.Key.Key_Down: -1,
-                Qt.Key.Key_PageUp: 2, Qt.Key.Key_PageDown: -2}
-        move = keys.get(Qt.Key(event.key()))
-        if not self.stops or move is None:
-            super().keyPressEvent(event)
-            return
-        self.setValue(self.stop_from(self.value(), move))
-        event.accept()
-
-    def stop_from(self, position: int, move: int) -> int:
-        """The position ``move`` stops away from ``position`` (which need not be a stop)."""
-        import bisect
-
-        if move > 0:
-            i = bisect.bisect_right(self.stops, position) + move - 1
-        else:
-            i = bisect.bisect_left(self.stops, position) + move
-        return self.stops[min(max(i, 0), len(self.stops) - 1)]
-
-
-class _Slider(QWidget):
-    """A labelled discrete slider over ``values`` with a text for the current one."""
-
-    changed = Signal()
-
-    def __init__(self, title: str, tooltip: str) -> None:
-        super().__init__()
-        self.values: list = [None]
-        self.fmt = str
-        layout = QHBoxLayout(self)
-        layout.setContentsMargins(0, 0, 0, 0)
-        self.slider = _StopSlider()
-        self.slider.setMinimumWidth(160)
-        self.value_label = QLabel()
-        self.value_label.setMinimumWidth(110)
-        self.value_label.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
-        layout.addWidget(self.slider, 1)
-        layout.addWidget(self.value_label)
-        self.title = title
-        self.setToolTip(tooltip)
-        self.slider.valueChanged.connect(self._moved)
-
-    def set_values(self, values: list, fmt=str, current=None, stops: list | None = None) -> None:
-        """The values in order; ``stops``: the values the arrow keys go between (default: every one)."""
-        self.values, self.fmt = list(values), fmt
-        self.slider.stops = [self.values.index(v) for v in stops if v in self.values] if stops else []
-        self.slider.blockSignals(True)
-        self.slider.setRange(0, len(self.values) - 1)
-        index = self.values.index(current) if current in self.values else 0
-        self.slider.setValue(index)
-        self.slider.blockSignals(False)
-        self.value_label.setText(self.fmt(self.value()))
-
-    def value(self):
-        return self.values[min(self.slider.value(), len(self.values) - 1)]
-
-    def set_value(self, value) -> None:
-        if value in self.values:
-            self.slider.setValue(self.values.index(value))
-
-    def _moved(self) -> None:
-        self.value_label.setText(self.fmt(self.value()))
-        self.changed.emit()
-
-
-class CalculatorTab(FollowsInstalled, QWidget):
+class CalculatorTab(QWidget):
     """Preset / config / hub id in, sliders for the settings, a stacked chart and the numbers out."""
 
     updated = Signal(object)  # CalcFigures
@@ -124,151 +36,77 @@ class CalculatorTab(FollowsInstalled, QWidget):
         super().__init__(parent)
         self.theme = theme or make_theme("dark")
         self.model = Calculator()
-        self.spec: ModelSpec | None = None
         self.state: CalcFigures | None = None
-        self._context_values: list[int] = [4096]
         self._chart_key = None
-        self._caches: dict[str, str] = {}  # the cache chosen per runtime, kept while another runtime is shown
         self.loader = SpecLoader(self)
         self.loader.loaded.connect(self._spec_arrived)
         self.loader.failed.connect(self._spec_failed)
         self.loader.warmed.connect(self.warmed)
-        self.installed: InstalledModels | None = None  # the models on this machine, listed after the presets
-        inputs = self._build_inputs()
-        outputs = self._build_outputs()
+        self.form = CalcForm()
+        self.form.source_chosen.connect(self.load_model)
+        self.form.changed.connect(self._inputs_changed)
+        self.results = CalcResults()
         self.chart = CalcChart()
+        f, r = self.form, self.results
+        # The widgets the window, the tests and the scripts reach for by name.
+        self.model_combo, self.model_status, self.runtime_combo = f.model_combo, f.model_status, f.runtime_combo
+        self.context, self.batch, self.dtype, self.kv_dtype, self.attention = (f.context, f.batch, f.dtype, f.kv_dtype,
+                                                                               f.attention)
+        self.cache_combo, self.memory_combo, self.gpus_combo = f.cache_combo, f.memory_combo, f.gpus_combo
+        self.headline, self.fits_label, self.formula_label = r.headline, r.fits_label, r.formula_label
+        self.numbers, self.number_names, self.error_label = r.numbers, r.number_names, r.error_label
         top = QHBoxLayout()
         left = QVBoxLayout()
-        left.addWidget(inputs)
+        left.addWidget(self.form)
         left.addStretch(1)
         top.addLayout(left, 5)
-        top.addLayout(outputs, 4)
+        top.addWidget(self.results, 4)
         outer = QVBoxLayout(self)
         outer.addLayout(top, 0)
         outer.addWidget(self.chart, 1)
-        inputs.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Maximum)
         self.apply_theme(self.theme)
 
-    # ---- building
+    # ---- what the form holds, read where the tab's users look for it
 
-    def _build_inputs(self) -> QGroupBox:
-        self.model_combo = QComboBox()
-        self.model_combo.setEditable(True)
-        self.model_combo.addItems(preset_names())
-        self._preset_count = self.model_combo.count()
-        self.model_combo.setToolTip("A preset, a model already on this machine (after the presets), a path to a "
-                                    "config.json, a model folder or a .gguf file, or a Hugging Face hub id\n(org/name; "
-                                    "the config alone is fetched). Press Enter to load.")
-        self.model_combo.lineEdit().returnPressed.connect(lambda: self.load_model(self.model_combo.currentText()))
-        self.model_combo.activated.connect(self._model_activated)
-        browse = QPushButton("Config\u2026")
-        browse.setToolTip("Choose a config.json (or a model folder's config)")
-        browse.clicked.connect(self._browse)
-        self.model_status = QLabel("")
-        self.model_status.setObjectName("statNote")
-        self.model_status.setWordWrap(True)
-        self.model_status.setTextFormat(Qt.TextFormat.PlainText)  # model names come from files: never HTML
+    @property
+    def spec(self) -> ModelSpec | None:
+        return self.form.spec
 
-        self.context = _Slider("Context", "Tokens in the cache (prompt + generated), on a log scale.")
-        self.batch = _Slider("Batch", "Sequences generated at once; KV and activations scale with it.")
-        self.dtype = _Slider("Weights dtype", "Element type of the weights (int4/int8: quantized weights).")
-        self.kv_dtype = _Slider("KV dtype", "Element type of the cached K/V; 'as weights' is what transformers' "
-                                             "caches store by default.")
-        self.attention = _Slider("Attention", "Attention mode: how many K/V heads (or a latent, or a window) "
-                                              "each layer caches per token.")
-        self.batch.set_values([2 ** i for i in range(9)], lambda v: f"{v}")
-        self.dtype.set_values(list(WEIGHT_DTYPES), str, "bfloat16")
-        self.kv_dtype.set_values(list(KV_DTYPES), lambda v: "as weights" if v is None else v)
-        self.cache_combo = QComboBox()
-        self.cache_combo.setToolTip("Cache strategy: dynamic grows per token; static preallocates the context; "
-                                    "quantized stores 4/2-bit or fp8 codes.")
-        self.memory_combo = QComboBox()
-        self.memory_combo.setEditable(True)
-        self.memory_combo.addItems(MEMORY_CHOICES)
-        self.memory_combo.setCurrentText("24 GiB  RTX 4090")
-        self.memory_combo.setToolTip("GPU memory to fit into: detected from the loaded model's device, picked, "
-                                     "or typed (e.g. 24GiB, 80 GB).")
-        # Tensor x pipeline parallel, as vLLM splits a model (kvscope.core.prediction.parallel): the numbers are then one GPU's.
-        self.gpus_combo = QComboBox()
-        for tp, pp in GPU_LAYOUTS:
-            self.gpus_combo.addItem(gpus_text(tp, pp))
-        self.gpus_combo.setToolTip("How many GPUs share the model: tensor parallel splits every layer's K/V heads "
-                                   "(replicated past the KV-head count), pipeline parallel splits the layers.\n"
-                                   "With more than one, the numbers, the chart and what fits are the busiest GPU's; "
-                                   "GPU memory is per GPU.")
-        # The runtimes the registry gives calculator rules (transformers' caches grow per token; llama.cpp
-        # allocates the whole context at load); the Cache list holds the runtime's own.
-        self.runtime_combo = QComboBox()
-        for name, rules in offered():
-            self.runtime_combo.addItem(rules.label, name)
-        self.runtime_combo.setToolTip("\n".join(rules.tip for _, rules in offered()))
-        self._fill_caches()
+    @property
+    def runtime(self) -> str:
+        return self.form.runtime
 
-        self.memory_combo.currentTextChanged.connect(lambda _t: self.recompute())
-        self.gpus_combo.currentIndexChanged.connect(lambda _i: self._settings_changed())
-        self.runtime_combo.currentIndexChanged.connect(lambda _i: self._runtime_changed())
-        self.context.changed.connect(self.recompute)
-        self.cache_combo.currentIndexChanged.connect(lambda _i: self._settings_changed())
-        for s in (self.batch, self.dtype, self.kv_dtype, self.attention):
-            s.changed.connect(self._settings_changed)
-        model_row = QHBoxLayout()
-        model_row.addWidget(self.model_combo, 1)
-        model_row.addWidget(browse)
-        return form_box("Model and settings", [
-            ("Model", model_row), ("", self.model_status), ("Runtime", self.runtime_combo), ("Context", self.context),
-            ("Batch", self.batch), ("Weights", self.dtype), ("KV dtype", self.kv_dtype), ("Attention", self.attention),
-            ("Cache", self.cache_combo), ("GPU memory", self.memory_combo), ("GPUs", self.gpus_combo)])
+    @property
+    def installed(self) -> InstalledModels | None:
+        return self.form.installed
 
-    def _build_outputs(self) -> QVBoxLayout:
-        self.headline = QLabel("Loading\u2026")
-        self.headline.setObjectName("headline")
-        self.headline.setWordWrap(True)
-        self.fits_label = QLabel("")
-        self.fits_label.setToolTip("The largest context whose predicted total (weights + KV + activation peak) "
-                                   "fits in the GPU memory above (kvscope.core.prediction.predict.max_context_that_fits).")
-        self.fits_label.setObjectName("headline")
-        self.fits_label.setWordWrap(True)  # never wider than the column: at 1024x768 its one line cut the numbers off
-        numbers_box = QGroupBox("Breakdown at this context")
-        self._grid = QGridLayout(numbers_box)
-        self.numbers: dict[str, QLabel] = {}
-        self.number_names: dict[str, QLabel] = {}
-        self._show_rows(ROW_KEYS)
-        self.formula_label = QLabel("")
-        self.formula_label.setObjectName("formula")
-        self.formula_label.setWordWrap(True)
-        self.formula_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.formula_label.setToolTip("The KV-cache formula with this model's numbers substituted; the result is "
-                                      "the exact bytes a dynamic cache of full-attention layers holds.")
-        self.error_label = QLabel("")
-        self.error_label.setTextFormat(Qt.TextFormat.PlainText)  # errors quote files: never HTML
-        self.error_label.setObjectName("error")
-        self.error_label.setWordWrap(True)
-        formula_box = QGroupBox("KV cache formula")
-        QVBoxLayout(formula_box).addWidget(self.formula_label)
-        column = QVBoxLayout()
-        for w in (self.headline, self.fits_label, numbers_box, formula_box, self.error_label):
-            column.addWidget(w)
-        column.addStretch(1)
-        return column
+    @property
+    def _context_values(self) -> list[int]:
+        return self.form.context_values
 
-    def _show_rows(self, keys) -> None:
-        """One name and one value label per row the runtime's figures have (built again when they change)."""
-        if tuple(self.numbers) == tuple(keys):
-            return
-        for label in (*self.numbers.values(), *self.number_names.values()):
-            self._grid.removeWidget(label)
-            label.deleteLater()
-        self.numbers.clear()
-        self.number_names.clear()
-        for row, key in enumerate(keys):
-            name = QLabel(key)
-            name.setObjectName("statName")
-            value = QLabel("\u2014")
-            value.setObjectName("statValue")
-            value.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
-            self._grid.addWidget(name, row, 0)
-            self._grid.addWidget(value, row, 1)
-            self.numbers[key], self.number_names[key] = value, name
+    def use_installed(self, installed: InstalledModels) -> None:
+        """List ``installed``'s models in the picker, after the presets (and follow it as it finds more)."""
+        self.form.use_installed(installed)
+
+    def current_source(self) -> str:
+        return self.form.current_source()
+
+    def set_context(self, tokens: int) -> None:
+        """Move the context slider to the value nearest ``tokens``."""
+        self.form.set_context(tokens)
+
+    def set_detected_memory(self, total: int | None, device_name: str) -> None:
+        """Offer the memory of the device the Live tab loaded onto (selected when it is a GPU)."""
+        self.form.set_detected_memory(total, device_name)
+
+    def memory_bytes(self) -> int | None:
+        return self.form.memory_bytes()
+
+    def parallelism(self) -> Parallelism:
+        return self.form.parallelism()
+
+    def inputs(self) -> CalcInputs:
+        return self.form.inputs()
 
     # ---- the spec (loads in the background: kvscope.workers.spec_loader)
 
@@ -280,188 +118,40 @@ class CalculatorTab(FollowsInstalled, QWidget):
         """Import transformers in the loader's thread (first job; spec loads queue behind it)."""
         self.loader.warm_up()
 
-    def _fill_installed(self) -> None:
-        """The installed models after the presets (``use_installed``: FollowsInstalled), keeping the choice."""
-        combo = self.model_combo
-        current = self.current_source()
-        text = combo.currentText()
-        combo.blockSignals(True)
-        try:
-            for i in reversed(range(combo.count())):
-                if combo.itemData(i, INSTALLED_ROLE):
-                    combo.removeItem(i)
-            models = self.installed.models if self.installed is not None else []
-            at = self._preset_count
-            if models:
-                combo.insertSeparator(at)
-                combo.setItemData(at, True, INSTALLED_ROLE)
-            for k, m in enumerate(models, start=at + 1):
-                combo.insertItem(k, m.describe(), m.source)
-                combo.setItemData(k, True, INSTALLED_ROLE)
-                combo.setItemData(k, f"{m.describe()}\n{m.source}", Qt.ItemDataRole.ToolTipRole)
-            i = combo.findData(current) if current else -1
-            if i >= 0:
-                combo.setCurrentIndex(i)
-            else:
-                combo.setEditText(text)
-        finally:
-            combo.blockSignals(False)
-
-    def current_source(self) -> str:
-        """What the model combo names: an installed entry's path, else the text (a preset, path or hub id)."""
-        combo = self.model_combo
-        i = combo.currentIndex()
-        if i >= 0 and combo.itemData(i) and combo.itemText(i) == combo.currentText():
-            return str(combo.itemData(i))
-        return combo.currentText().strip()
-
-    def _model_activated(self, index: int) -> None:
-        self.load_model(str(self.model_combo.itemData(index) or self.model_combo.itemText(index)))
-
-    def _resolve(self, source: str) -> str:
-        """A typed installed model's name or entry text ('llama3.2:1b') is that model's path."""
-        for m in self.installed.models if self.installed is not None else []:
-            if source in (m.label, m.describe()):
-                return m.source
-        return source
-
     def load_model(self, source: str) -> None:
         """Load a spec (preset, config path, model folder, GGUF file, installed model's name, hub id) in the
         background; the tab updates when it arrives."""
-        source = self._resolve(source.strip())
+        source = self.form.resolve(source.strip())
         if not source:
             return
         if source not in self.loader.specs:
-            self.model_status.setText(f"loading {safe_text(source, limit=NAME_LIMIT)}\u2026")
-            listed = self.model_combo.findData(source)
-            if listed >= 0:
-                self.model_combo.setCurrentIndex(listed)
-            elif self.model_combo.currentText() != source:
-                self.model_combo.setCurrentText(source)
+            self.form.show_loading(source)
         self.loader.load(source)
 
     def _spec_arrived(self, source: str, spec: ModelSpec) -> None:
         self.set_spec(spec)
-        self._follow_runtime(source)
+        self.form.follow_runtime(source)
 
     def _spec_failed(self, error: str) -> None:
         self.model_status.setText("")
-        self.error_label.setText(safe_text(error))
-
-    def _follow_runtime(self, source: str) -> None:
-        """A model its runtime claims (a GGUF: llama.cpp, as Ollama and LM Studio run it) shows that runtime's
-        allocation, at the context its Ollama Modelfile sets (num_ctx) when it sets one."""
-        model = next((m for m in (self.installed.models if self.installed is not None else []) if m.source == source),
-                     None)
-        gguf = self.spec.config.get("gguf") if isinstance(self.spec.config, dict) else None
-        claimed = runtimes.claimed_by(gguf or source)
-        listed = self.runtime_combo.findData(claimed) if claimed else -1
-        if listed >= 0:
-            self.runtime_combo.setCurrentIndex(listed)
-        if model is not None and model.num_ctx:
-            self.set_context(model.num_ctx)
+        self.results.show_error(error)
 
     def set_spec(self, spec: ModelSpec, source: str | None = None) -> None:
         """Show ``spec`` (also used for the model the Live tab loaded)."""
         if source:
             self.loader.specs[source] = spec
-            if self.model_combo.findText(source) < 0:
-                self.model_combo.addItem(source)
-            self.model_combo.setCurrentText(source)
-        self.spec = spec
-        self.error_label.setText("")
-        self._context_values = context_values(spec)
-        current = self.context.value() if self.context.values != [None] else 4096
-        current = min(self._context_values, key=lambda v: abs(v - (current or 4096)))
-        self.context.set_values(self._context_values, lambda v: f"{format_tokens(v)} tokens", current,
-                                stops=context_stops(spec))
-        self.dtype.set_values(list(WEIGHT_DTYPES), str, spec.dtype if spec.dtype in WEIGHT_DTYPES else "bfloat16")
-        self.attention.set_values(list(attention_choices(spec)), str, native_attention(spec).key)
-        self._fill_caches()
-        self.model_status.setText(
-            f"{safe_text(spec.label, limit=NAME_LIMIT)}: {spec.num_layers} layers, {spec.num_query_heads} query / "
-            f"{spec.num_kv_heads} KV heads of {spec.head_dim}, {format_count(spec.num_parameters)} parameters, "
-            f"trained to {format_tokens(spec.max_position_embeddings)} tokens")
+        self.form.show_spec(spec, source)
+        self.results.show_error("")
         self._chart_key = None
         self.spec_loaded.emit(spec)
         self.recompute()
 
-    # ---- the runtime and its inputs
-
-    @property
-    def runtime(self) -> str:
-        return self.runtime_combo.currentData() or runtimes.DEFAULT
-
-    def _fill_caches(self) -> None:
-        """The Cache list of the runtime (its rules' caches; the sink and h2o sizes follow the model's context),
-        and the inputs it does not read greyed, saying why."""
-        rules = rules_for(self.runtime)
-        keys = rules.caches(self.spec)
-        cache = self.cache_combo.currentText()
-        if cache not in keys:
-            cache = self._caches.get(self.runtime) or rules.default_cache
-        self.cache_combo.blockSignals(True)
-        self.cache_combo.clear()
-        self.cache_combo.addItems(keys if cache in keys else keys + [cache])
-        self.cache_combo.setCurrentText(cache)
-        self.cache_combo.blockSignals(False)
-        for name, w in (("batch", self.batch), ("weight_dtype", self.dtype), ("kv_dtype", self.kv_dtype),
-                        ("attention", self.attention), ("gpus", self.gpus_combo)):
-            used = name in rules.inputs
-            w.setEnabled(used)
-            w.setToolTip(w.toolTip().split("\n(")[0] + ("" if used else "\n" + rules.unused_note))
-
-    def _runtime_changed(self) -> None:
-        self._fill_caches()
-        self._settings_changed()
-
-    def _settings_changed(self) -> None:
-        self._caches[self.runtime] = self.cache_combo.currentText()
-        self._chart_key = None
-        self.recompute()
-
-    def set_context(self, tokens: int) -> None:
-        """Move the context slider to the value nearest ``tokens``."""
-        if self.spec is None:
-            return
-        self.context.set_value(min(self._context_values, key=lambda v: abs(v - tokens)))
-
-    def set_detected_memory(self, total: int | None, device_name: str) -> None:
-        """Offer the memory of the device the Live tab loaded onto (selected when it is a GPU)."""
-        if not total:
-            return
-        text = f"{human_bytes(total)}  {device_name} (detected)"
-        if self.memory_combo.findText(text) < 0:
-            self.memory_combo.insertItem(0, text)
-        self.memory_combo.setCurrentText(text)
-
-    def _browse(self) -> None:
-        path, _ = QFileDialog.getOpenFileName(self, "Model config", "", "config (*.json);;all files (*)")
-        if path:
-            self.model_combo.setCurrentText(path)
-            self.load_model(path)
-
     # ---- the model's answer, rendered
 
-    def memory_bytes(self) -> int | None:
-        """The GPU memory typed or picked (the leading size of the combo's text), or None if unreadable."""
-        head = self.memory_combo.currentText().strip().split("  ")[0].split("(")[0].strip()
-        try:
-            return parse_size(head) if head else None
-        except SpecError:
-            return None
-
-    def parallelism(self) -> Parallelism:
-        tp, pp = GPU_LAYOUTS[max(self.gpus_combo.currentIndex(), 0)]
-        return Parallelism(tensor=tp, pipeline=pp)
-
-    def inputs(self) -> CalcInputs:
-        """What the inputs say, for the model (``kvscope.core.runtimes.calculator``)."""
-        parallel = self.parallelism()
-        return CalcInputs(context=int(self.context.value() or 4096), runtime=self.runtime, batch=self.batch.value(),
-                          weight_dtype=self.dtype.value(), kv_dtype=self.kv_dtype.value(),
-                          attention=self.attention.value(), cache=self.cache_combo.currentText(),
-                          memory=self.memory_bytes(), tensor=parallel.tensor, pipeline=parallel.pipeline)
+    def _inputs_changed(self, curve: bool) -> None:
+        if curve:
+            self._chart_key = None
+        self.recompute()
 
     def current_settings(self) -> RunSettings:
         """The run settings the inputs describe (as ``calc`` reads its flags)."""
@@ -478,47 +168,16 @@ class CalculatorTab(FollowsInstalled, QWidget):
             key = (spec, figures.inputs.with_(context=0, memory=None))
             chart = self.model.chart(spec, figures.inputs) if key != self._chart_key else None
         except SpecError as exc:  # SettingsError too: e.g. quantized cache on sliding layers
-            self.error_label.setText(safe_text(exc))
+            self.results.show_error(exc)
             return
-        self.error_label.setText("")
+        self.results.show_error("")
         self.state = figures
-        self._show_figures(spec, figures)
+        self.results.show_figures(spec, figures, self.theme)
         if chart is not None:
             self._chart_key = key
             self.chart.show_curve(spec, chart)
         self.chart.show_lines(spec, figures)
         self.updated.emit(figures)
-
-    def _show_figures(self, spec: ModelSpec, f: CalcFigures) -> None:
-        self._show_rows([row.key for row in f.rows])
-        for row in f.rows:
-            self.number_names[row.key].setText(row.name)
-            shown = "not predicted" if row.bytes is None else human_bytes(row.bytes)
-            self.numbers[row.key].setText(shown)
-            for w in (self.number_names[row.key], self.numbers[row.key]):
-                w.setToolTip(row.tip)
-        t = self.theme
-        memory = f.memory
-        verdict = "" if f.fits_now is None else (f"<span style='color:{t.curves['allocated']}'>fits</span>" if f.fits_now
-                                                 else f"<span style='color:{t.error}'>does not fit</span>")
-        per_gpu = f" per GPU (the busiest of {f.gpus})" if f.per_gpu else ""
-        name = html.escape(safe_text(spec.label, limit=NAME_LIMIT))
-        self.headline.setText(
-            f"{human_bytes(f.total)}{per_gpu} at {format_tokens(f.context)} tokens"
-            + (f" \u2014 {verdict} in {human_bytes(memory)}" if memory else "")
-            + (f"<br><span style='font-size:{t.font_pt}pt;color:{t.warning}'>beyond {name}'s trained context of "
-               f"{format_tokens(spec.max_position_embeddings)}</span>" if f.beyond_trained else ""))
-        if memory is None:
-            self.fits_label.setText("<span style='font-size:small'>type a GPU memory size to see what fits</span>")
-        elif f.fit is None:
-            self.fits_label.setText(f"Weights alone do not fit in {human_bytes(memory)}")
-        else:
-            where = f" on every one of {f.gpus} GPUs" if f.per_gpu else ""
-            past = (f"<br><span style='font-size:small'>past the trained {format_tokens(spec.max_position_embeddings)}"
-                    "</span>" if f.fit > spec.max_position_embeddings else "")
-            self.fits_label.setText(f"Largest context that fits{where}: {f.fit:,}{'+' if f.fit_capped else ''} "
-                                    f"tokens{past}")
-        self.formula_label.setText(f.formula)
 
     # ---- looks and settings
 
@@ -529,49 +188,15 @@ class CalculatorTab(FollowsInstalled, QWidget):
             self.recompute()
 
     def save_settings(self, s: QSettings) -> None:
-        s.beginGroup("calculator")
-        s.setValue("model", self.current_source())
-        if self.spec is not None:
-            s.setValue("context", int(self.context.value()))
-        for name, slider in (("batch", self.batch), ("dtype", self.dtype), ("kv_dtype", self.kv_dtype),
-                             ("attention", self.attention)):
-            s.setValue(name, "" if slider.value() is None else str(slider.value()))
-        s.setValue("cache", self.cache_combo.currentText())
-        s.setValue("runtime", self.runtime)
-        s.setValue("memory", self.memory_combo.currentText())
-        s.setValue("gpus", self.gpus_combo.currentText())
-        s.endGroup()
+        self.form.save(s)
 
     def restore_settings(self, s: QSettings) -> None:
         """Restore the last model and settings (the model loads in the background, then the sliders apply)."""
-        s.beginGroup("calculator")
-        model = str(s.value("model", "llama-3-8b") or "llama-3-8b")
-        saved = {k: s.value(k) for k in ("context", "batch", "dtype", "kv_dtype", "attention", "cache", "memory", "gpus",
-                                         "runtime")}
-        s.endGroup()
-        if saved["runtime"] and self.runtime_combo.findData(str(saved["runtime"])) >= 0:
-            self.runtime_combo.setCurrentIndex(self.runtime_combo.findData(str(saved["runtime"])))
-        if saved["gpus"] and self.gpus_combo.findText(str(saved["gpus"])) >= 0:
-            self.gpus_combo.setCurrentText(str(saved["gpus"]))
-        if saved["cache"] and self.cache_combo.findText(str(saved["cache"])) >= 0:
-            self.cache_combo.setCurrentText(str(saved["cache"]))
-        if saved["memory"]:
-            self.memory_combo.setCurrentText(str(saved["memory"]))
+        model, saved = self.form.restore(s)
 
         def apply(_spec) -> None:
             self.spec_loaded.disconnect(apply)
-            try:
-                if saved["context"]:
-                    self.set_context(int(saved["context"]))
-                if saved["batch"]:
-                    self.batch.set_value(int(saved["batch"]))
-                if saved["dtype"]:
-                    self.dtype.set_value(str(saved["dtype"]))
-                self.kv_dtype.set_value(str(saved["kv_dtype"]) if saved["kv_dtype"] else None)
-                if saved["attention"]:
-                    self.attention.set_value(str(saved["attention"]))
-            except (TypeError, ValueError):
-                pass  # settings from another version: keep the defaults
+            self.form.apply_saved(saved)
 
         self.spec_loaded.connect(apply)
         self.use_installed(InstalledModels.for_settings(s))

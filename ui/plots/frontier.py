@@ -9,6 +9,10 @@ context_tokens``, the mean over its tokens, falling as the context grows past it
 names the setting and its mean KL in nats. x on a log scale (powers of two: a half is one step, whatever the
 size), y linear from 0 to 100 %. A setting visited twice is one point over all its tokens. Only tokens the probe
 judged count; a run without the probe has no point (``LivePlots`` hides the panel).
+
+Every point is labelled, readable at 1024x768 in presenter mode (``declutter``): beside its point where no other
+label, dot or leader line is, else at the nearest free spot with a leader line to its dot, in smaller type where it
+must; points on one dot share one label; a name with no room whole is elided, its tooltip saying it whole.
 """
 
 from __future__ import annotations
@@ -110,6 +114,8 @@ class FrontierPlot(PlotPanel):
         self._last: tuple | None = None  # the last judged token's (attention, cache, context, held bytes)
         self._drawn = -1
         self._placed_key = None
+        self.unlabelled: list[tuple[str, str]] = []  # points whose label found no spot (declutter)
+        self.placed: dict[tuple[str, str], QRectF] = {}  # each shown label's box, in scene coordinates
         self.empty_ranges()
 
     def titles(self) -> tuple[str, ...]:
@@ -167,6 +173,7 @@ class FrontierPlot(PlotPanel):
         self.scatter.setData([])
         self._version, self._drawn, self._placed_key = 0, -1, None
         self._last = None
+        self.unlabelled, self.placed = [], {}
         self.empty_ranges()
 
     def draw(self) -> int:
@@ -179,6 +186,7 @@ class FrontierPlot(PlotPanel):
             item = self.labels.get(key)
             if item is None:
                 item = self.labels[key] = pg.TextItem(anchor=(0, 0.5))
+                item.textItem.document().setDocumentMargin(1)  # (Qt's 4 px around each label crowded a small plot)
                 leader = self.leaders[key] = pg.PlotCurveItem(pen=pg.mkPen(self.theme.muted, width=1))
                 leader.setZValue(2)
                 leader.setVisible(False)
@@ -187,25 +195,37 @@ class FrontierPlot(PlotPanel):
                 self.plot.addItem(item, ignoreBounds=True)
             item.point = point
             item.setPos(math.log2(point.bytes_per_token), 100.0 * point.top1)
-            item.setToolTip(f"{self.label_of(point)}: top-1 {100 * point.top1:.1f}% over {point.tokens:,} tokens, "
-                            f"KL {point.kl:.4g} nats, {format_bytes(point.bytes_per_token)} per token")
+            item.names = [self.label_of(point)]
+            item.setToolTip(self._tooltip(point))
             self._style_label(item, point)
         self._placed_key = None
         return 1
 
-    def _style_label(self, item: pg.TextItem, point: FrontierPoint, figures: bool = True, step: int = 0) -> None:
-        """The setting in bold and, with ``figures``, its top-1 and KL on a second line (two short lines: one was
-        wider than the whole plot in presenter type)."""
+    def _tooltip(self, point: FrontierPoint) -> str:
+        return (f"{self.label_of(point)}: top-1 {100 * point.top1:.1f}% over {point.tokens:,} tokens, "
+                f"KL {point.kl:.4g} nats, {format_bytes(point.bytes_per_token)} per token")
+
+    def _style_label(self, item: pg.TextItem, point: FrontierPoint, figures: bool = True, step: int = 0,
+                     elide: int = 0, joined: bool = False) -> None:
+        """The setting in bold (the settings of a group of overlapping points, one per line, or with ``joined``
+        on one line) and, with ``figures``, its top-1 and KL on a further line (short lines: one was wider than
+        the whole plot in presenter type); ``elide`` cuts each name to its first ``ELIDE_KEEP`` characters and an
+        ellipsis."""
         t = self.theme
-        name = html.escape(self.label_of(point))
-        text = (f"<div style='color:{t.text}; font-size:{max(self.type.label_pt - step, 7)}pt; font-weight:600'>"
-                f"{name}</div>")
+        names = getattr(item, "names", None) or [self.label_of(point)]
+        if elide:
+            names = [n if len(n) <= elide else n[:elide - 1] + "\u2026" for n in names]
+        if joined:
+            names = [", ".join(names)]
+        text = "".join(f"<div style='color:{t.text}; font-size:{max(self.type.label_pt - step, 7)}pt; "
+                       f"font-weight:600'>{html.escape(n)}</div>" for n in names)
         if figures:
             small = max(self.type.label_pt - 1, 8)
             text += (f"<div style='color:{t.muted}; font-size:{small}pt'>{100 * point.top1:.0f}% "
                      f"\u00b7 KL {point.kl:.2g}</div>")
         item.setHtml(text)
         item.figures = figures
+        item.elided, item.joined = elide, joined
         item.fill = pg.mkBrush(QColor(t.background))
 
     def fit_ranges(self, frame) -> None:
@@ -233,13 +253,34 @@ class FrontierPlot(PlotPanel):
     #: Where a label may sit around its point (a TextItem's anchor): right, left, under, over; never at a corner,
     #: where in a cluster it read as another point's.
     ANCHORS = ((0, 0.5), (1, 0.5), (0.5, 0), (0.5, 1))
-    #: Where a label goes where none of those is free: off a corner, with a leader line to its dot.
-    CORNERS = ((0, 0), (0, 1), (1, 0), (1, 1))
+    #: Type steps a label may take below the theme's label type (a name in a cluster still shows).
+    STEPS = (0, 2, 4, 5)
+    #: Directions searched for a free spot away from a point (a leader line then joins them), in eighths of a turn.
+    RING_DIRECTIONS = 16
+    #: A name elided to fit keeps at least this many characters, its ellipsis included (its tooltip says it whole).
+    ELIDE_KEEP = 4
+
+    def _groups(self, dots: dict[tuple[str, str], object], radius: float) -> list[list[tuple[str, str]]]:
+        """Points whose dots overlap on screen, as groups (each one label naming them all), the highest first."""
+        keys = sorted(dots, key=lambda k: -self.points[k].top1)
+        groups: list[list[tuple[str, str]]] = []
+        for k in keys:
+            at = dots[k]
+            for g in groups:
+                if any((dots[o].x() - at.x()) ** 2 + (dots[o].y() - at.y()) ** 2 < (1.2 * radius) ** 2 for o in g):
+                    g.append(k)
+                    break
+            else:
+                groups.append([k])
+        return groups
 
     def declutter(self) -> None:
-        """Each label beside its point where it meets no other label and stays inside the data area (``ANCHORS`` in
-        order): first every setting's name, the highest points first; then, where the room allows, its figures
-        under the name. A name with no room anywhere is hidden (its point's tooltip still says it)."""
+        """Every point's label placed where it meets no other label and no dot and stays inside the data area:
+        first beside its point (``ANCHORS``; the theme's type, then smaller), then, for those with no room there,
+        the nearest free spot around it with a leader line to its dot, then the same with its name elided (its
+        tooltip says it whole). Points whose dots overlap share one label naming them all. Where room allows, a
+        label beside its point adds its figures (top-1, KL) under the name. ``unlabelled`` lists what found no
+        spot at all (none at 1024x768 in presenter mode with seven settings)."""
         view = self.plot.getViewBox()
         key = (tuple(view.viewRange()[0]), tuple(view.viewRange()[1]), view.width(), view.height(), self._drawn,
                self.type)
@@ -247,71 +288,184 @@ class FrontierPlot(PlotPanel):
             return
         self._placed_key = key
         area = view.sceneBoundingRect()
-        placed: dict[tuple[str, str], object] = {}
+        placed: dict[tuple[str, str], QRectF] = {}
         # The dots: no label covers one; a label keeps its dot's radius and a gap away from its point.
         radius = self.scatter.opts["size"] / 2 + 2
         px, py = view.viewPixelSize()
-        dots = []
-        for p in self.points.values():
-            if p.bytes_per_token is not None:
-                at = view.mapViewToScene(pg.Point(math.log2(p.bytes_per_token), 100.0 * p.top1))
-                dots.append(QRectF(at.x() - radius + 2, at.y() - radius + 2, 2 * radius - 4, 2 * radius - 4))
+        shown = {k: p for k, p in self.points.items() if p.bytes_per_token is not None and k in self.labels}
+        centres = {k: view.mapViewToScene(pg.Point(math.log2(p.bytes_per_token), 100.0 * p.top1))
+                   for k, p in shown.items()}
+        dots = [QRectF(c.x() - radius + 2, c.y() - radius + 2, 2 * radius - 4, 2 * radius - 4)
+                for c in centres.values()]
+        for k, item in self.labels.items():
+            item.setVisible(False)
+            self.leaders[k].setVisible(False)
+        groups = self._groups(centres, radius)
+        self.unlabelled = []
 
-        def place(item, others, anchors=self.ANCHORS, reach: float = 1.0) -> object | None:
+        lines: list[tuple[float, float, float, float]] = []  # the leader lines drawn so far (scene)
+
+        def crosses(x0, y0, x1, y1, rect: QRectF) -> bool:
+            n = max(2, int(math.hypot(x1 - x0, y1 - y0) / 3))
+            return any(rect.contains(pg.Point(x0 + (x1 - x0) * i / n, y0 + (y1 - y0) * i / n)) for i in range(n + 1))
+
+        def free(rect: QRectF, others) -> bool:
+            return area.contains(rect) and not any(rect.intersects(o) for o in list(others) + dots) and \
+                not any(crosses(*line, rect) for line in lines)
+
+        def segment(centre, rect: QRectF) -> tuple[float, float, float, float] | None:
+            """The leader from the dot's edge to the nearest point of ``rect`` (None: the label touches its dot)."""
+            nx = min(max(centre.x(), rect.left()), rect.right())
+            ny = min(max(centre.y(), rect.top()), rect.bottom())
+            dx, dy = nx - centre.x(), ny - centre.y()
+            gap = math.hypot(dx, dy)
+            if gap <= radius:
+                return None
+            return centre.x() + dx * radius / gap, centre.y() + dy * radius / gap, nx, ny
+
+        def gap(rect: QRectF, at) -> float:
+            return math.hypot(at.x() - min(max(at.x(), rect.left()), rect.right()),
+                              at.y() - min(max(at.y(), rect.top()), rect.bottom()))
+
+        def nearer_another(rect: QRectF, item) -> bool:
+            """Whether a label without a leader is as near another dot as its own (it would read as that one's)."""
+            mine = gap(rect, item.centre)
+            return any(gap(rect, centres[k]) < mine + radius for k in centres if k not in item.group)
+
+        def beside(item, others) -> QRectF | None:
             point = item.point
-            for anchor in anchors:
+            for anchor in self.ANCHORS:
                 item.setAnchor(anchor)
-                item.setPos(math.log2(point.bytes_per_token) + (0.5 - anchor[0]) * 2 * radius * px * reach,
-                            100.0 * point.top1 + (anchor[1] - 0.5) * 2 * radius * py * reach)
+                item.setPos(math.log2(point.bytes_per_token) + (0.5 - anchor[0]) * 2 * radius * px,
+                            100.0 * point.top1 + (anchor[1] - 0.5) * 2 * radius * py)
                 item.updateTransform(force=True)
                 rect = item.mapRectToScene(item.boundingRect())
-                if area.contains(rect) and not any(rect.intersects(o) for o in list(others) + dots):
+                if free(rect, others) and not nearer_another(rect, item):
                     return rect
             return None
 
-        order = sorted(self.labels, key=lambda k: -self.points[k].top1)
-        for k in order:
-            item, point = self.labels[k], self.points[k]
-            item.setVisible(point.bytes_per_token is not None)
-            if not item.isVisible():
-                continue
+        def away(item, centre, others) -> QRectF | None:
+            """The nearest free spot on rings around ``centre`` (scene), the label centred on it, its leader crossing
+            no other label and no dot but its own (its group's)."""
+            own = [centres[k] for k in item.group]
+            blocks = list(others) + [d for d in dots if not any(d.contains(c) for c in own)]
+            item.setAnchor((0.5, 0.5))
+            item.setPos(view.mapSceneToView(centre))
+            item.updateTransform(force=True)
+            size = item.mapRectToScene(item.boundingRect())
+            w, h = size.width(), size.height()
+            reach = max(area.width(), area.height())
+            ring = radius + min(w, h) / 2 + 4
+            while ring < reach:
+                for i in range(self.RING_DIRECTIONS):
+                    turn = 2 * math.pi * i / self.RING_DIRECTIONS
+                    # (an ellipse as wide as the label: a spot straight left or right keeps the label's half width)
+                    cx = centre.x() + math.cos(turn) * (ring + (w - h) / 2 * abs(math.cos(turn)))
+                    cy = centre.y() - math.sin(turn) * ring
+                    rect = QRectF(cx - w / 2, cy - h / 2, w, h)
+                    line = segment(centre, rect)
+                    # (its leader crosses no other label and no other dot)
+                    if free(rect, others) and not (line and any(crosses(*line, o) for o in blocks)):
+                        item.setPos(view.mapSceneToView(pg.Point(cx, cy)))
+                        item.updateTransform(force=True)
+                        return item.mapRectToScene(item.boundingRect())
+                ring += max(h, radius)
+            return None
+
+        def lead(k, centre, rect: QRectF) -> None:
+            line = segment(centre, rect)
+            if line is None:
+                return
+            lines.append(line)
+            a, b = view.mapSceneToView(pg.Point(*line[:2])), view.mapSceneToView(pg.Point(*line[2:]))
             leader = self.leaders[k]
-            leader.setVisible(False)
-            for step in (0, 2, 4):  # the theme's label type, then smaller: a name in a cluster still shows
-                self._style_label(item, point, figures=False, step=step)
-                spot = place(item, placed.values())
-                if spot is not None:
-                    break
-            if spot is None:
-                # Last: a corner a little further off, a line from the dot to it (so that it reads as this point's).
-                spot = place(item, placed.values(), self.CORNERS, reach=2.0)
-                if spot is not None:
-                    x, y = math.log2(point.bytes_per_token), 100.0 * point.top1
-                    leader.setData([x, item.pos().x()], [y, item.pos().y()])
-                    leader.setVisible(True)
-                    step = -1  # (no figures)
-            if spot is None:
-                item.setVisible(False)
-            else:
-                placed[k] = spot
-                item.step = step
+            leader.setData([a.x(), b.x()], [a.y(), b.y()])
+            leader.setVisible(True)
+
+        heads = []
+        for group in groups:
+            head = group[0]
+            item = self.labels[head]
+            item.names = [self.label_of(self.points[k]) for k in group]
+            item.group = group
+            item.centre = centres[head]
+            item.setToolTip("\n".join(self._tooltip(self.points[k]) for k in group))
+            item.setVisible(True)
+            heads.append(head)
+        def attempt(order: list[tuple[str, str]]) -> list[tuple[str, str]]:
+            """Place the labels in ``order``; returns those with no spot."""
+            placed.clear()
+            lines.clear()
+            for k in order:
+                self.leaders[k].setVisible(False)
+            left = []
+            for k in order:  # beside its point
+                item = self.labels[k]
+                for step in self.STEPS:
+                    self._style_label(item, item.point, figures=False, step=step)
+                    spot = beside(item, placed.values())
+                    if spot is not None:
+                        placed[k], item.step, item.away = spot, step, False
+                        break
+                else:
+                    left.append(k)
+            # Then away from it, with a leader line (over no other dot: it would read as that one's); last, its
+            # name elided.
+            for elide, joined in ((0, False), (0, True), (6, False), (6, True), (self.ELIDE_KEEP, False),
+                                  (self.ELIDE_KEEP, True)):
+                still = []
+                for k in left:
+                    item = self.labels[k]
+                    if joined and len(item.names) == 1:
+                        still.append(k)  # (tried as it is)
+                        continue
+                    for step in self.STEPS:
+                        self._style_label(item, item.point, figures=False, step=step, elide=elide, joined=joined)
+                        spot = away(item, centres[k], placed.values())
+                        if spot is not None:
+                            placed[k], item.step, item.away = spot, step, True
+                            lead(k, centres[k], spot)
+                            break
+                    else:
+                        still.append(k)
+                left = still
+            return left
+
+        # The highest points first; a label left without a spot goes first in the next round (a few rounds, the
+        # best kept: fewest left, then fewest placed away from their points).
+        order, best, left = list(heads), None, []
+        for _ in range(min(len(heads), 4)):
+            left = attempt(order)
+            score = (len(left), sum(self.labels[k].away for k in placed), sum(self.labels[k].step for k in placed))
+            if best is None or score < best[0]:
+                best = (score, list(order))
+            if not left:
+                break
+            order = left + [k for k in order if k not in left]
+        if best is not None and (order != best[1] or left):
+            left = attempt(best[1])
+        for k in left:
+            self.labels[k].setVisible(False)
+            self.unlabelled.extend(self.labels[k].group)
         for k in list(placed):
-            item, point = self.labels[k], self.points[k]
-            if item.step:
+            item = self.labels[k]
+            if item.step or item.away or len(item.names) > 1:
                 continue  # (no room for its figures: it had none for its name in the theme's type)
             name_spot = placed[k]
-            self._style_label(item, point, figures=True)
-            spot = place(item, [r for o, r in placed.items() if o != k])
+            self._style_label(item, item.point, figures=True)
+            spot = beside(item, [r for o, r in placed.items() if o != k])
             if spot is not None:
                 placed[k] = spot
                 continue
-            self._style_label(item, point, figures=False)  # back to the name where it was
-            place(item, [r for o, r in placed.items() if o != k])  # (the first free spot: the one it had)
+            self._style_label(item, item.point, figures=False)  # back to the name where it was
+            beside(item, [r for o, r in placed.items() if o != k])  # (the first free spot: the one it had)
             placed[k] = name_spot
+        self.placed = placed
 
     def restyle_labels(self) -> None:
         for key, item in self.labels.items():
-            self._style_label(item, self.points[key], getattr(item, "figures", True))
+            self._style_label(item, self.points[key], getattr(item, "figures", True),
+                              elide=getattr(item, "elided", 0), joined=getattr(item, "joined", False))
         self._placed_key = None
 
     def apply_theme(self, theme: Theme) -> None:

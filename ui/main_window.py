@@ -6,8 +6,9 @@ and widgets (``kvscope.ui.live_tab``: the controls, badges, plots, events, numbe
 (``kvscope.ui.file_actions``), the menus (``kvscope.ui.menus``), the status line (``kvscope.ui.status_line``), the calculator and the
 Servers tab. The run itself is the session model (``kvscope.core.live.session.Session``, no Qt): the window forwards what the
 run part delivers (samples, a model loaded, the end) to it, and renders what it announces. Two timers draw: a
-fast one (~30 Hz) for curves and text, a slow one (1 Hz) for numbers. What stays here is the wiring, themes and
-presenter mode, the window's settings and its shutdown.
+fast one (~30 Hz) for curves and text, a slow one (1 Hz) for numbers. What stays here is the wiring, the rendering
+of what the run and the session say, the window's settings and its shutdown; the entry points the menus and scripts
+call are ``kvscope.ui.window_actions``'s, themes, presenter mode and the window's size ``kvscope.ui.window_looks``'s.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import logging
 
 from PySide6.QtCore import QSettings, Qt, QTimer, Signal
-from PySide6.QtGui import QGuiApplication, QKeySequence, QShortcut
+from PySide6.QtGui import QKeySequence, QShortcut
 from PySide6.QtWidgets import QMainWindow, QScrollArea, QTabWidget, QWidget
 
 from kvscope.core.base.safe_text import NAME_LIMIT, safe_text
@@ -34,19 +35,19 @@ from kvscope.ui.servers import ServersTab
 from kvscope.ui.stats import compute_stats
 from kvscope.ui.status_line import StatusLine
 from kvscope.ui.text_view import TEXT_BLOCK_CHARS  # noqa: F401 - TEXT_BLOCK_CHARS: tests
-from kvscope.ui.theme import Theme, stylesheet, theme as make_theme
+from kvscope.ui.theme import Theme, theme as make_theme
+from kvscope.ui.window_actions import WindowActions
+from kvscope.ui.window_looks import COMPACT_BANNER_BELOW_H, WindowLooks  # noqa: F401 - tests read it here
 from kvscope.workers.gpu_poller import GpuProcessPoller
 
 log = logging.getLogger(__name__)
-#: Shorter than this, the first start's offer is its button alone (its three wrapped lines crushed the plots).
-COMPACT_BANNER_BELOW_H = 700
 
 ORG, APP = "KVScope", "KV Scope"
 REDRAW_HZ = 30
 STATS_MS = 1000
 
 
-class MainWindow(QMainWindow):
+class MainWindow(WindowActions, WindowLooks, QMainWindow):
     """KV Scope's window. ``add_samples`` is the one way data gets in (live runs and replays)."""
 
     samples_added = Signal(int)  # decode tokens so far, after each batch
@@ -164,90 +165,6 @@ class MainWindow(QMainWindow):
 
     # ---- the session's state, read where the window's users (tests, scripts, the app) look for it
 
-    @property
-    def state(self) -> str:
-        return self.session.state
-
-    @property
-    def mode(self) -> str:
-        return self.session.mode
-
-    @property
-    def last_error(self) -> str:
-        return self.session.last_error
-
-    @property
-    def decode_tokens(self) -> int:
-        return self.session.decode_tokens
-
-    @property
-    def info(self):
-        return self.session.info
-
-    # ============================================================================================
-    # the window's entry points (the menus, the app, scripts): each is its part's
-
-    def build_request(self):
-        """The RunRequest the controls describe. Raises SpecError (SettingsError) with a user message."""
-        return self.controls.build_request()
-
-    def apply_request(self, request) -> None:
-        """Show a RunRequest's choices in the controls (from the command line)."""
-        self.controls.apply_request(request)
-
-    def start_run(self, request=None) -> bool:
-        """Start generating (``request`` or the controls' settings). False with a message if it cannot."""
-        return self.run.start_run(request)
-
-    def open_recording(self, path: str | None = None, speed: float = 1.0, ask: bool = False) -> bool:
-        """Play a recording through this window at ``speed`` x its pace."""
-        return self.run.open_recording(path, speed, ask)
-
-    def play_demo(self) -> bool:
-        """Replay the demo recording from assets/ (first start offers it)."""
-        from kvscope.ui.file_actions import demo_recording_path
-
-        self.demo_banner.setVisible(False)
-        path = demo_recording_path()
-        if not path.is_file():
-            self._show_error(f"the demo recording is missing ({path})")
-            return False
-        return self.run.open_recording(str(path))
-
-    def stop_run(self) -> None:
-        self.run.stop_run()
-
-    def toggle_pause(self) -> None:
-        self.run.toggle_pause()
-
-    def request_switch(self, key: str, value: str) -> None:
-        """Switch ``key`` (attention / attn-impl / cache) to ``value`` now, or set it for the next run."""
-        self.run.request_switch(key, value)
-
-    def attention_key(self, n: int) -> None:
-        """Keys 1-5: mha, the middle GQA choice, mqa, mla, the smallest window."""
-        self.run.attention_key(n)
-
-    def set_record_path(self, path: str | None) -> None:
-        self.files.set_record_path(path)
-
-    def export_csv(self, path: str | None = None, ask: bool = False) -> int | None:
-        return self.files.export_csv(path, ask)
-
-    def export_plots(self, base: str | None = None, fmt: str = "png", ask: bool = False):
-        return self.files.export_plots(base, fmt, ask)
-
-    def export_summary(self, path: str | None = None, ask: bool = False):
-        return self.files.export_summary(path, ask)
-
-    def save_screenshot(self, path: str | None = None, ask: bool = False):
-        return self.files.save_screenshot(path, ask)
-
-    def set_sampler_rate(self, hz: float) -> None:
-        self.sampling.set_rate(hz)
-        if hz in getattr(self, "rate_actions", {}):
-            self.rate_actions[hz].setChecked(True)
-
     # ============================================================================================
     # rendering what the run and the session say
 
@@ -358,77 +275,7 @@ class MainWindow(QMainWindow):
             log.exception("stats refresh failed")
 
     # ============================================================================================
-    # looks
-
-    def set_theme(self, name: str) -> None:
-        self.theme_name = "light" if name == "light" else "dark"
-        self.apply_theme()
-
-    def set_presenter(self, on: bool, fullscreen: bool = True) -> None:
-        """Presenter mode: full screen, large type, thick lines, high contrast; the controls hide (keys drive)."""
-        was = self.presenter
-        self.presenter = bool(on)
-        self.presenter_action.setChecked(self.presenter)
-        if self.presenter and not was:
-            self._normal_geometry = self.saveGeometry()  # leaving presenter mode puts the window back
-        screen = self.screen() or QGuiApplication.primaryScreen()
-        wide = screen is None or screen.availableGeometry().width() >= 1600
-        self.live.presenter_layout(self.presenter, was, wide)
-        self.apply_theme()
-        self.live.fit_to_width(self.width(), self.presenter)  # the controls come and go: the plots' column changes
-        # The controls come back after the normal type is in force: shown while the presenter type's wide badges
-        # still were, they would grow the window past its normal size.
-        self.controls.setVisible(not self.presenter)
-        if fullscreen:
-            if self.presenter:
-                self.showFullScreen()
-            else:
-                self.showNormal()
-        if not self.presenter and was and getattr(self, "_normal_geometry", None) is not None:
-            # After the normal layout's minimum sizes are in force (pending layout requests), else the presenter
-            # layout's wider minimum would clamp the restored width.
-            geometry = self._normal_geometry
-
-            def give_back() -> None:
-                # The window's minimum is what its layout last set: still the presenter layout's until activated
-                # (it clamped a 764 px window to 796 px).
-                self.layout().activate()
-                self.restoreGeometry(geometry)
-                self.live.restore_centre()
-
-            QTimer.singleShot(0, give_back)
-
-    def apply_theme(self) -> None:
-        old = self.theme
-        self.theme = make_theme(self.theme_name, self.presenter)
-        self.setStyleSheet(stylesheet(self.theme))
-        self.live.apply_theme(old, self.theme)
-        self.calculator.apply_theme(self.theme)
-        self.servers.apply_theme(self.theme)
-        if self.theme_name in getattr(self, "theme_actions", {}):
-            self.theme_actions[self.theme_name].setChecked(True)
-        self._show_state(self.state)
-
-    def resizeEvent(self, event) -> None:  # noqa: N802 - Qt's name
-        super().resizeEvent(event)
-        self.live.fit_to_width(self.width(), self.presenter)
-        self.demo_banner.set_compact(self.height() < COMPACT_BANNER_BELOW_H)
-
-    # ============================================================================================
     # settings and shutdown
-
-    def fit_to_screen(self) -> None:
-        """Never larger than the screen's free area (a 1280x720 projector, a remembered size from a bigger
-        monitor): shrink to it, title bar included, and move fully onto it."""
-        screen = self.screen() or QGuiApplication.primaryScreen()
-        if screen is None:
-            return
-        free = screen.availableGeometry()
-        title = 32  # the window manager's title bar, not part of our geometry before the window is shown
-        width, height = min(self.width(), free.width()), min(self.height(), free.height() - title)
-        if (width, height) != (self.width(), self.height()):
-            self.resize(max(width, self.minimumSizeHint().width()), max(height, self.minimumSizeHint().height()))
-            self.move(free.left(), free.top())
 
     def restore_settings(self) -> None:
         s = self.qsettings

@@ -65,45 +65,34 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                         "and report top-1 agreement and KL of the next-token distributions (costs a second forward "
                         "pass and a second cache; off by default)")
     p.add_argument("--runtime", default=None, choices=_runtime_names(),
-                   help="llama.cpp: generate in the real llama.cpp (a .gguf --model; default the embedded model "
-                        "converted) and watch the KV cache it reserves at load against the cells that hold tokens "
-                        "(default: llama.cpp for a .gguf --model, else transformers)")
-    p.add_argument("--context", "-c", default=None, metavar="N",
-                   help="--runtime llama.cpp: the context llama.cpp allocates, as llama-server's -c (default 4096)")
-    _add_llamacpp_options(p)
-    _add_mlx_options(p)
+                   help=f"where the model runs: {_runtime_labels()} (default: the runtime that claims the --model's "
+                        "file, e.g. a .gguf, else the first)")
+    _add_runtime_flags(p, "run")
 
 
-def _add_mlx_options(p: argparse.ArgumentParser, calc: bool = False) -> None:
-    """MLX's cache options, spelled as mlx-lm's generate flags (``--runtime mlx``)."""
-    g = p.add_argument_group("--runtime mlx (mlx-lm's flags)")
-    g.add_argument("--max-kv-size", type=int, default=None, metavar="N",
-                   help="a RotatingKVCache of N tokens keeping the first 4 (default: a KVCache in 256-token steps)")
-    g.add_argument("--kv-bits", type=int, default=None, help="a QuantizedKVCache of 8, 4 or 2 bits")
-    g.add_argument("--kv-group-size", type=int, default=None, help="the quantized cache's group: 32, 64 or 128 (default 64)")
-    if calc:
-        g.add_argument("--prompt-tokens", type=int, default=1, metavar="N",
-                       help="the prompt's tokens before the decode (a rotating cache depends on it; default 1)")
-    else:
-        g.add_argument("--prefill-step-size", type=int, default=None, metavar="N",
-                       help="the prompt's chunk (default 2048, mlx-lm's)")
+def _add_runtime_flags(p: argparse.ArgumentParser, command: str) -> None:
+    """Each runtime's own flags, from its ``add_flags`` hook (``run``'s or ``calc``'s: ``command``); their ranges
+    join ``NUMBER_RANGES``, and the parser remembers which runtime each is of (``_refuse_other_runtimes_flags``)."""
+    from kvscope.core import runtimes
+
+    owners: dict[str, tuple[str, str, object]] = {}
+    for name in runtimes.names():
+        add = runtimes.get(name).hook("add_flags")
+        if add is None:
+            continue
+        before = {a.dest for a in p._actions}
+        NUMBER_RANGES.update(add(p, command) or {})
+        owners.update({a.dest: (name, max(a.option_strings, key=len), a.default)
+                       for a in p._actions if a.dest not in before and a.option_strings})
+    p.set_defaults(runtime_flags=owners)
 
 
-def _add_llamacpp_options(p: argparse.ArgumentParser) -> None:
-    """llama.cpp's context options, spelled as llama-server's flags (``--runtime llama.cpp``)."""
-    g = p.add_argument_group("--runtime llama.cpp (llama-server's flags)")
-    g.add_argument("--cache-type-k", "-ctk", default="f16", help="K cache type: f32, f16, bf16, q8_0, q4_0, q4_1, "
-                                                              "iq4_nl, q5_0, q5_1 (default f16)")
-    g.add_argument("--cache-type-v", "-ctv", default="f16", help="V cache type, as --cache-type-k; quantized V needs "
-                                                              "flash attention (default f16)")
-    g.add_argument("--flash-attn", "-fa", default="auto", help="on | off | auto (default auto)")
-    g.add_argument("--parallel", "-np", type=int, default=1, help="parallel sequences (default 1)")
-    g.add_argument("--kv-unified", action="store_true", help="one KV buffer shared by all sequences")
-    g.add_argument("--swa-full", action="store_true", help="full-size cache for sliding-window layers")
-    g.add_argument("--ubatch-size", "-ub", type=int, default=512, help="physical batch size (default 512)")
-    g.add_argument("--batch-size", "-b", type=int, default=2048, help="logical batch size (default 2048)")
-    g.add_argument("--n-gpu-layers", "-ngl", type=int, default=-1, help="layers on the GPU (default: all)")
-    g.add_argument("--no-kv-offload", action="store_true", help="keep the KV cache in system memory")
+def _refuse_other_runtimes_flags(args: argparse.Namespace, runtime: str) -> None:
+    """A flag of another runtime, given to a ``runtime`` run, is refused in one line (it was silently ignored)."""
+    for dest, (owner, option, default) in (getattr(args, "runtime_flags", None) or {}).items():
+        if owner != runtime and getattr(args, dest, default) != default:
+            raise CliError(f"{option} is --runtime {owner}'s flag, not --runtime {runtime}'s"
+                           + (" (a static cache's context is --max-context)" if dest == "context" else ""))
 
 
 #: ``calc --runtime vllm``: not a runtime KV Scope drives, but the transformers prediction sized by vLLM's rules.
@@ -114,6 +103,13 @@ def _runtime_names() -> tuple[str, ...]:
     from kvscope.core import runtimes
 
     return runtimes.names()
+
+
+def _runtime_labels() -> str:
+    """``--runtime``'s choices with their labels, for its help."""
+    from kvscope.core import runtimes
+
+    return "; ".join(f"{name}: {runtimes.get(name).label}" for name in runtimes.names())
 
 
 def _add_metrics_options(p: argparse.ArgumentParser) -> None:
@@ -191,8 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     calc.add_argument("--pipeline-parallel", type=int, default=1, metavar="M", help="split the layers over M GPU stages")
     calc.add_argument("--runtime", default="transformers", choices=(*_runtime_names(), CALC_VLLM),
                       help="vllm: also the KV blocks, tokens and concurrency vLLM 0.33.0 would have (needs --gpu-memory); "
-                           "llama.cpp: what llama.cpp allocates at load for each --context (a .gguf --model gives "
-                           "its exact weights)")
+                           "a runtime with a calculator of its own: what it allocates for each --context")
     calc.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
                       help="--runtime vllm: vLLM's gpu_memory_utilization (default 0.92, vLLM 0.33.0's)")
     calc.add_argument("--block-size", type=int, default=None, help="--runtime vllm: tokens per KV block (default 16)")
@@ -208,14 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="--runtime vllm: window layers take blocks for every token, as full ones (vLLM's flag)")
     calc.add_argument("--cudagraph-memory", default=None, metavar="SIZE",
                       help="--runtime vllm: CUDA graphs per GPU (default 512MiB, an estimate; 0 for --enforce-eager)")
-    _add_llamacpp_options(calc)
-    calc.add_argument("--fit-target", type=int, default=1024, metavar="MiB",
-                      help="--runtime llama.cpp --gpu-memory: memory llama.cpp's --fit leaves free (default 1024, "
-                           "llama.cpp's)")
-    calc.add_argument("--no-dry-run", action="store_true",
-                      help="--runtime llama.cpp: KV Scope's replay only, without llama.cpp's own dry run of the GGUF "
-                           "(no_alloc, in a child process; on by default where llama.cpp is installed)")
-    _add_mlx_options(calc, calc=True)
+    _add_runtime_flags(calc, "calc")
     calc.add_argument("--json", action="store_true", help="print one JSON object")
 
     run = sub.add_parser("run", help="generate in the terminal with a live table of observed vs predicted memory")
@@ -224,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--metrics-linger", type=float, default=0.0, metavar="S",
                      help="keep serving the metrics S seconds after the run ends, for a last scrape (default 0)")
 
-    watch = sub.add_parser("watch", help="scrape inference servers' /metrics (vLLM, SGLang, llama.cpp, TGI, KV Scope) "
+    watch = sub.add_parser("watch", help="scrape inference servers' /metrics (vLLM, SGLang, llama-server, TGI, KV Scope) "
                                          "and show their KV cache in bytes")
     watch.add_argument("urls", nargs="+", metavar="URL", help="a server, e.g. http://127.0.0.1:8000 (/metrics is added)")
     watch.add_argument("--model", default=None,
@@ -263,8 +251,8 @@ _MAX_COUNT = 2**31 - 1  # kvscope.core.model.spec.MAX_COUNT (not imported: the p
 #: means where that is a special value). ``_own_whole_numbers`` checks a value against it as argparse parses it, so
 #: that ``--fit-target -5`` or ``--prompt-tokens -1`` is refused in the flag's words instead of predicted from.
 #: Options left out are checked by their own rule, in their own words: --batch (``_check_amounts`` and the
-#: settings' bound), --seed (``check_seed``), --kv-bits and
-#: --kv-group-size (mlx-lm's bits and groups), --scale (``_view``), watch's --interval, --timeout and --warn-usage.
+#: settings' bound), --seed (``check_seed``), a runtime's flags its own rule leaves out, --scale (``_view``), watch's
+#: --interval, --timeout and --warn-usage. Each runtime's flags add their own ranges (``_add_runtime_flags``).
 NUMBER_RANGES: dict[str, tuple[float, float, str]] = {
     "tokens": (1, _MAX_COUNT, "tokens to generate"),
     "cpu_threads": (1, 4096, "CPU threads"),
@@ -273,14 +261,6 @@ NUMBER_RANGES: dict[str, tuple[float, float, str]] = {
     "block_size": (1, 1 << 20, "tokens per KV block"),
     "max_num_batched_tokens": (1, _MAX_COUNT, "tokens of vLLM's profile run"),
     "gpu_memory_utilization": (0.01, 1, "the share of each GPU's memory vLLM may use"),
-    "parallel": (1, 256, "parallel sequences; llama.cpp's LLAMA_MAX_SEQ is 256"),
-    "ubatch_size": (1, _MAX_COUNT, "tokens of llama.cpp's physical batch"),
-    "batch_size": (1, _MAX_COUNT, "tokens of llama.cpp's logical batch"),
-    "n_gpu_layers": (-1, _MAX_COUNT, "layers on the GPU; -1: all of them"),
-    "fit_target": (0, 1 << 24, "MiB llama.cpp's --fit leaves free"),
-    "max_kv_size": (2, 1 << 24, "tokens of MLX's rotating cache"),
-    "prompt_tokens": (1, _MAX_COUNT, "tokens of the prompt"),
-    "prefill_step_size": (1, _MAX_COUNT, "tokens of each prompt chunk"),
     "metrics_port": (0, 65535, "a TCP port; 0: any free port"),
     "metrics_linger": (0, 3600, "seconds"),
     "count": (1, _MAX_COUNT, "scrapes per server"),
@@ -535,7 +515,7 @@ def cmd_calc(args: argparse.Namespace) -> int:
     settings = _settings_from(args)  # transformers' flags, checked whatever the runtime (a typo is said, not ignored)
     device, cpu_threads = _calc_device(args)
     vllm_options = _vllm_options(args)  # and vLLM's (--block-size -3 was ignored under any other runtime)
-    if args.runtime != CALC_VLLM:  # a runtime of the registry with its own calc (llama.cpp's, mlx-lm's flags)
+    if args.runtime != CALC_VLLM:  # a runtime of the registry with its own calc (and its own flags)
         from kvscope.core import runtimes
 
         own_calc = runtimes.get(args.runtime).hook("calc")
@@ -600,23 +580,21 @@ def _run_request(args: argparse.Namespace):
                 check_output_path(path, inputs=(args.prompt_file,), force=args.force, allow_stdout=False)
             except OutputError as exc:
                 raise CliError(f"{what}{exc}") from None
-    if args.model and args.model.strip() != "embedded":  # a GGUF llama.cpp would refuse: calc's line, at once
+    if args.model and args.model.strip() != "embedded":  # a GGUF that cannot be read: calc's line, at once
         from kvscope.core.model.gguf import is_gguf_source, read_gguf
 
         if is_gguf_source(args.model.strip()):
             read_gguf(args.model.strip())
     from kvscope.core import runtimes
 
-    # A model runs where it was made to run (a GGUF in llama.cpp) unless --runtime says otherwise.
+    # A model runs where it was made to run (a GGUF in the runtime that claims it) unless --runtime says otherwise.
     runtime = getattr(args, "runtime", None) or runtimes.runtime_for_source(args.model)
-    options = runtimes.get(runtime).hook("cli_options")  # the request fields of the runtime's own flags
-    fields = options(args) if options is not None else {}
-    if options is None and getattr(args, "context", None) is not None:
-        raise CliError(f"--context is llama.cpp's -c (with --runtime llama.cpp); a {runtime} run's static cache "
-                       "takes --max-context")
+    from_flags = runtimes.get(runtime).hook("cli_options")  # the runtime's options, from its own flags
+    options = {runtime: from_flags(args)} if from_flags is not None else {}
+    _refuse_other_runtimes_flags(args, runtime)
     return RunRequest(
         runtime=runtime,
-        **fields,
+        options=options,
         source=args.model,
         device=args.device,
         dtype=args.dtype or "auto",

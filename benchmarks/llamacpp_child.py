@@ -33,7 +33,7 @@ def main() -> None:
     here = (time.perf_counter() - t) / tokens
     engine.close()
 
-    request = RunRequest(runtime="llama.cpp", source=str(path), llamacpp=options, max_new_tokens=tokens)
+    request = RunRequest(runtime="llama.cpp", source=str(path), options={"llama.cpp": options}, max_new_tokens=tokens)
     runtime = LlamaCppRuntime(request, lambda text: None)
     t = time.perf_counter()
     runtime.load()

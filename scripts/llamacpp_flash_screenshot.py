@@ -36,8 +36,8 @@ def main() -> int:
     controls.source_combo.setCurrentIndex(controls.source_combo.findData("llamacpp"))
     controls.max_context_spin.setValue(CONTEXT)
     request = controls.build_request()
-    request = dataclasses.replace(request, llamacpp=dataclasses.replace(request.llamacpp, flash_attn="off"),
-                                  switches=((SWITCH_AT, "attn-impl", "fa-on"),))
+    request = request.with_options("llama.cpp", dataclasses.replace(request.options_for("llama.cpp"), flash_attn="off"))
+    request = dataclasses.replace(request, switches=((SWITCH_AT, "attn-impl", "fa-on"),))
 
     before: dict[str, object] = {}
 

@@ -459,9 +459,9 @@ def test_an_installed_gguf_runs_with_llamacpp_and_ollamas_num_ctx(qtbot, tmp_pat
     c.max_context_spin.setValue(0)
     request = w.build_request()
     blob = c.installed_combo.itemData(i)
-    assert (request.runtime, request.source, request.llamacpp.n_ctx) == ("llama.cpp", blob, 1024)
+    assert (request.runtime, request.source, request.options_for("llama.cpp").n_ctx) == ("llama.cpp", blob, 1024)
     c.max_context_spin.setValue(2048)
-    assert w.build_request().llamacpp.n_ctx == 2048
+    assert w.build_request().options_for("llama.cpp").n_ctx == 2048
     w.shutdown()
     pytest.importorskip("llama_cpp")
     assert main.main(["run", "--runtime", "llama.cpp", "--model", blob, "-c", "1024", "--tokens", "3"]) == 0

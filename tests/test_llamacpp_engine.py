@@ -51,7 +51,7 @@ def _decodes(samples: list[Sample]) -> list[Sample]:
 def test_sixty_tokens_reserve_the_whole_context_at_load_and_fill_one_cell_per_token(gguf_path):
     options = LlamaCppOptions(n_ctx=4096)
     predicted = plan(read_gguf(gguf_path), options)
-    samples = _run(RunRequest(runtime="llama.cpp", llamacpp=options, max_new_tokens=60))
+    samples = _run(RunRequest(runtime="llama.cpp", options={"llama.cpp": options}, max_new_tokens=60))
     decodes = _decodes(samples)
     assert len(decodes) == 60 and all(s.runtime == "llama.cpp" for s in samples)
     per_cell = predicted.buffers[0].row_bytes
@@ -71,7 +71,7 @@ def test_sixty_tokens_reserve_the_whole_context_at_load_and_fill_one_cell_per_to
 def test_an_attention_switch_is_refused_and_a_cache_type_reload_reserves_the_new_plan(gguf_path):
     options = LlamaCppOptions(n_ctx=4096)
     g = read_gguf(gguf_path)
-    samples = _run(RunRequest(runtime="llama.cpp", llamacpp=options, max_new_tokens=400,
+    samples = _run(RunRequest(runtime="llama.cpp", options={"llama.cpp": options}, max_new_tokens=400,
                               switches=((5, "attention", "mqa"), (12, "cache-type", "q8_0"))),
                    polls=[(20, ("context", "8192"))])
     refused = [s for s in samples if s.event == "refused"]
@@ -104,7 +104,7 @@ def test_a_window_model_keeps_its_window_cells_used(tmp_path):
     path = gguf_models.gemma3(tmp_path / "g3.gguf")
     options = LlamaCppOptions(n_ctx=1024)
     predicted = plan(read_gguf(path), options)
-    samples = _run(RunRequest(runtime="llama.cpp", source=str(path), llamacpp=options, max_new_tokens=200,
+    samples = _run(RunRequest(runtime="llama.cpp", source=str(path), options={"llama.cpp": options}, max_new_tokens=200,
                               prompt="hello"))
     decodes = _decodes(samples)
     assert all(s.kv_bytes_reserved == predicted.kv_bytes for s in decodes)
@@ -117,7 +117,7 @@ def test_a_recording_of_a_llamacpp_run_round_trips_and_old_ones_still_read(gguf_
     from kvscope.core.records.recording import RecordingReader
 
     path = tmp_path / "llama.jsonl"
-    samples = _run(RunRequest(runtime="llama.cpp", llamacpp=LlamaCppOptions(n_ctx=512), max_new_tokens=12,
+    samples = _run(RunRequest(runtime="llama.cpp", options={"llama.cpp": LlamaCppOptions(n_ctx=512)}, max_new_tokens=12,
                               record_path=str(path), switches=((6, "cache", "q4_0"),)))
     with RecordingReader(path) as reader:
         back = list(reader)
@@ -168,7 +168,7 @@ def test_a_llamacpp_run_in_the_window_draws_reserved_and_used(qtbot, window):
     controls.max_context_spin.setValue(0)
     controls.max_tokens_spin.setValue(40)
     request = controls.build_request()
-    assert request.runtime == "llama.cpp" and request.source == "embedded" and request.llamacpp.n_ctx == 4096
+    assert request.runtime == "llama.cpp" and request.source == "embedded" and request.options_for("llama.cpp").n_ctx == 4096
     request = dataclasses.replace(request, switches=((20, "cache", "q8_0"),))
     run_in_window(qtbot, window, request)
     assert window.last_error == ""
@@ -185,10 +185,12 @@ def test_a_llamacpp_run_in_the_window_draws_reserved_and_used(qtbot, window):
 
 
 def test_without_llama_cpp_the_window_disables_the_choice(qtbot, settings, monkeypatch):
-    import kvscope.ui.source_picker
+    import kvscope.core.runtimes.llamacpp.switches
     from kvscope.ui.controls import ControlsPanel
 
-    monkeypatch.setattr(kvscope.ui.source_picker, "llamacpp_missing", lambda: "llama-cpp-python is not installed: pip install it")
+    # The registry resolves the runtime's ``missing`` hook when asked: the window's Source list asks it.
+    monkeypatch.setattr(kvscope.core.runtimes.llamacpp.switches, "llamacpp_missing",
+                        lambda: "llama-cpp-python is not installed: pip install it")
     panel = ControlsPanel()
     qtbot.addWidget(panel)
     i = panel.source_combo.findData("llamacpp")
@@ -213,7 +215,7 @@ def test_thread_mode_runs_llamacpp_too(qtbot, thread_window):
     """KVSCOPE_ENGINE=thread: the same RunDriver on a thread of the window's process dispatches to llama.cpp."""
     from tests.helpers import run_in_window
 
-    request = RunRequest(runtime="llama.cpp", llamacpp=LlamaCppOptions(n_ctx=512), max_new_tokens=10)
+    request = RunRequest(runtime="llama.cpp", options={"llama.cpp": LlamaCppOptions(n_ctx=512)}, max_new_tokens=10)
     run_in_window(qtbot, thread_window, request)
     assert thread_window.last_error == "" and thread_window.decode_tokens == 10
     assert thread_window.info.label.endswith("(llama.cpp)")
@@ -258,7 +260,7 @@ def test_a_reload_pressed_live_is_prepared_on_a_second_context_while_the_run_goe
     on another axis waits for it, and the decode steps meanwhile are the old context's, at its bytes."""
     options = LlamaCppOptions(n_ctx=4096)
     g = read_gguf(gguf_path)
-    samples = _run(RunRequest(runtime="llama.cpp", llamacpp=options, max_new_tokens=300),
+    samples = _run(RunRequest(runtime="llama.cpp", options={"llama.cpp": options}, max_new_tokens=300),
                    polls=[(40, ("cache-type", "q8_0")), (40, ("attn-impl", "fa-off"))])
     switches = [s for s in samples if s.event in ("switch", "refused")]
     assert [(s.event, s.switch_key) for s in switches] == [("switch", "cache-type"), ("refused", "attn-impl")], \

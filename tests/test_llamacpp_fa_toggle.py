@@ -41,7 +41,7 @@ def test_flash_attention_toggles_reload_and_move_the_compute_buffer_as_predicted
     assert None not in predicted.values()
     switches = ((4, "attn-impl", "fa-on"), (9, "attn-impl", "fa-off"), (12, "attn-impl", "xformers"),
                 (14, "attention", "mqa"), (16, "attn-impl", "fa-off"))
-    samples = _run(RunRequest(runtime="llama.cpp", llamacpp=options, max_new_tokens=20, switches=switches))
+    samples = _run(RunRequest(runtime="llama.cpp", options={"llama.cpp": options}, max_new_tokens=20, switches=switches))
 
     done = [s for s in samples if s.event == "switch"]
     assert [(s.switch_key, s.switch_before, s.switch_after) for s in done] == [

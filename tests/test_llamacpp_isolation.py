@@ -70,7 +70,7 @@ def test_an_abort_mid_run_keeps_the_samples_and_ends_with_the_error(tmp_path):
                     child.send_signal(signal.SIGABRT)
 
     with pytest.raises(RuntimeCrashed, match="llama.cpp ended with SIGABRT at token 3"):
-        run_generation(RunRequest(runtime="llama.cpp", llamacpp=LlamaCppOptions(n_ctx=512), max_new_tokens=20,
+        run_generation(RunRequest(runtime="llama.cpp", options={"llama.cpp": LlamaCppOptions(n_ctx=512)}, max_new_tokens=20,
                                   record_path=str(record)), RunHooks(emit=emit))
     with RecordingReader(record) as reader:
         back = list(reader)
@@ -85,8 +85,8 @@ def test_an_abort_mid_run_keeps_the_samples_and_ends_with_the_error(tmp_path):
 
 def test_the_window_says_it_and_runs_llamacpp_again(qtbot, window, aborting_gguf):
     run_in_window(qtbot, window, RunRequest(runtime="llama.cpp", source=str(aborting_gguf), max_new_tokens=3,
-                                            llamacpp=LlamaCppOptions(n_ctx=512)))
+                                            options={"llama.cpp": LlamaCppOptions(n_ctx=512)}))
     assert "llama.cpp ended with SIGABRT while loading twice.gguf" in window.last_error
     assert "Traceback" not in window.last_error and "\n" not in window.last_error
-    run_in_window(qtbot, window, RunRequest(runtime="llama.cpp", max_new_tokens=3, llamacpp=LlamaCppOptions(n_ctx=512)))
+    run_in_window(qtbot, window, RunRequest(runtime="llama.cpp", max_new_tokens=3, options={"llama.cpp": LlamaCppOptions(n_ctx=512)}))
     assert window.last_error == "" and window.decode_tokens == 3

@@ -172,7 +172,7 @@ def test_the_window_path_runs_a_quantized_cache(embedded_folder):
 
     for cache in ("quantized:8:32", "quantized:2:32"):
         messages = []
-        request = RunRequest(source="embedded", runtime="mlx", mlx=MlxOptions(cache=cache), max_new_tokens=4,
+        request = RunRequest(source="embedded", runtime="mlx", options={"mlx": MlxOptions(cache=cache)}, max_new_tokens=4,
                              prompt="Keys and values.")
         RunDriver(request, lambda kind, payload: messages.append((kind, payload))).run()
         assert not [p for k, p in messages if k == "errored"], messages[-3:]

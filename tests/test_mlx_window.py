@@ -30,7 +30,7 @@ def test_three_runtimes_on_one_plot(qtbot, window):
     controls.source_combo.setCurrentIndex(controls.source_combo.findData("mlx"))
     controls.max_tokens_spin.setValue(260)  # past the first 256-token step
     mlx = controls.build_request()
-    assert mlx.runtime == "mlx" and mlx.source == "embedded" and mlx.mlx.cache == "kv"
+    assert mlx.runtime == "mlx" and mlx.source == "embedded" and mlx.options_for("mlx").cache == "kv"
     run_in_window(qtbot, window, mlx)
     assert window.last_error == "" and window.info.label.endswith("(MLX)")
     window._redraw()

@@ -23,16 +23,12 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QGroupBox, QHBoxLayout, QLa
 
 from kvscope.core import runtimes
 from kvscope.core.base.sample import Sample
-from kvscope.core.model.attention import parse_attention
-from kvscope.core.model.caches import parse_cache
-from kvscope.core.model.request import DEFAULT_PROMPT, RunRequest
-from kvscope.core.model.settings import ATTN_IMPLS, RunSettings, attention_choices, cache_choices, parse_attn_impl
+from kvscope.core.model.request import DEFAULT_PROMPT, RunForm, RunRequest
+from kvscope.core.model.settings import ATTN_IMPLS, attention_choices, cache_choices
 from kvscope.core.model.sources import load_spec
 from kvscope.core.model.spec import SpecError, human_bytes, parse_size
-from kvscope.core.prediction.llamacpp import CACHE_TYPES as LLAMACPP_CACHE_TYPES, LlamaCppOptions
-from kvscope.core.runtimes.mlx.predict import parse_cache as parse_mlx_cache
-from kvscope.core.runtimes.mlx.switches import MlxOptions
 from kvscope.ui.forms import form_box
+from kvscope.ui.key_offers import SWITCH_KEYS, KeyOffers
 from kvscope.ui.source_picker import SOURCES, SourcePicker, disable_item  # noqa: F401 - SOURCES: tests import it here
 from kvscope.workers.installed_models import InstalledModels, saved_folders  # noqa: F401 - saved_folders: tests
 
@@ -43,8 +39,6 @@ log = logging.getLogger(__name__)
 FIRST_START_TOKENS = 3000
 CONTROLS_MIN_W = 300
 KEYS_HELP = "1\u20135 attention \u00b7 F flash \u00b7 C cache \u00b7 Space pause \u00b7 F11 presenter \u00b7 Ctrl+S screenshot"
-#: The axes a live switch changes, in the command line's spelling.
-SWITCH_KEYS = ("attention", "attn-impl", "cache")
 #: The quality probe is on by default for the embedded model and for a transformers model whose weights on disk are
 #: at most this (1 GiB: ~500M parameters in bf16, ~250M in float32). It runs one more decode step of the model as
 #: loaded per token and keeps a second, full cache (benchmarks/quality_probe.py: ~0.5x the tokens/s on a CPU), which
@@ -82,11 +76,6 @@ def _prompt_text(text: str) -> str:
     return text if text.strip() else ""
 
 
-def _short(reason: str, limit: int = 44) -> str:
-    """A reason short enough for a combo entry (the whole one is its tooltip)."""
-    return reason if len(reason) <= limit else reason[:limit - 1].rstrip() + "\u2026"
-
-
 def _default_attention_choices() -> tuple[str, ...]:
     try:
         return attention_choices(load_spec("embedded"))
@@ -94,7 +83,7 @@ def _default_attention_choices() -> tuple[str, ...]:
         return ("mha", "mqa")
 
 
-class ControlsPanel(QScrollArea):
+class ControlsPanel(KeyOffers, QScrollArea):
     """The left column. ``switch_asked(key)``: the user picked another attention / kernel / cache."""
 
     switch_asked = Signal(str)
@@ -127,9 +116,8 @@ class ControlsPanel(QScrollArea):
         src.model_changed.connect(self._probe_default)
         # The Source list's widgets, by the names the window's users (tests, scripts) reach for.
         self.source_combo, self.source_stack, self.installed_combo = src.combo, src.stack, src.installed_combo
-        self.folder_edit, self.hub_edit, self.gguf_edit = src.folder_edit, src.hub_edit, src.gguf_edit
+        self.folder_edit, self.hub_edit = src.folder_edit, src.hub_edit
         self.add_folder_button = src.add_folder_button
-        self.llamacpp_missing, self.mlx_missing = src.llamacpp_missing, src.mlx_missing
 
         self.device_combo = QComboBox()
         self.device_combo.addItems(["auto", "cpu", "cuda", "mps"])
@@ -292,7 +280,7 @@ class ControlsPanel(QScrollArea):
             source, entry, _ = self.source.chosen()
         except SpecError:
             return False
-        return entry is None and probe_is_cheap_for(source, "transformers")
+        return entry is None and probe_is_cheap_for(source, runtimes.DEFAULT)
 
     def _probe_default(self) -> None:
         """Another model is chosen: the quality probe as its size sets it (``probe_is_cheap``); the user may change it."""
@@ -337,131 +325,11 @@ class ControlsPanel(QScrollArea):
                 combo.addItem(key, key)
                 self.select(combo, key)
         self.grey_what_cannot_run()
-        if runtimes.reloads_cache(s.runtime):  # another KV type is a reload of the context (llama.cpp): say so
+        if runtimes.reloads_cache(s.runtime):  # another KV type is a reload of the runtime's context: say so
             for i in range(self.cache_combo.count()):
                 key = self.cache_combo.itemData(i)
-                if key in LLAMACPP_CACHE_TYPES:
+                if key and key in dict(self.cache_choices):
                     self.cache_combo.setItemText(i, f"{key} KV" if key == s.cache else f"reload with {key} KV")
-
-    # ---- what can run from here (issue 25: C stuck on a quantized cache the engine refuses)
-
-    def set_model(self, spec, device: str | None) -> None:
-        """The loaded model's spec and device: what ``switch_problem`` judges by; refusals learned for
-        another model are forgotten."""
-        self.model_spec, self.model_device = spec, device
-        self.refusals.clear()
-        self.running = {}
-
-    @staticmethod
-    def _state(now: dict[str, str]) -> tuple[str, str, str]:
-        return (now.get("attention", ""), now.get("attn-impl", ""), now.get("cache", ""))
-
-    def settings_ahead(self) -> dict[str, str]:
-        """The settings once the switches asked are in: the combos (which show what was asked), else what runs."""
-        out = dict(self.running)
-        for key in SWITCH_KEYS:
-            data = self.combo(key).currentData()
-            if data:
-                out[key] = data
-        return out
-
-    def problem(self, key: str, value: str, now: dict[str, str] | None = None) -> str | None:
-        """Why ``key=value`` cannot run from ``now`` (default: the settings ahead), or None: a refusal the
-        engine gave from that state, else the runtime's own rules (its registry ``switch_problem``:
-        ``kvscope.core.model.settings.switch_problem`` for transformers). Only a run with a known model is judged, and only
-        where its runtime judges ahead (llama.cpp's own choices say what it reloads)."""
-        now = self.settings_ahead() if now is None else now
-        info = runtimes.find(self.runtime)
-        if self.model_spec is None or len(now) < 3 or info is None or info.switch_problem is None:
-            return None
-        if now.get(key) == value:
-            return None  # what runs: no switch
-        learned = self.refusals.get((key, value, self._state(now)))
-        if learned:
-            return learned
-        return runtimes.switch_problem(self.runtime, self.model_spec, self.model_device, now, key, value,
-                                       tokens=self.context_tokens(), max_context=self.run_max_context,
-                                       ahead=self.tokens_ahead())
-
-    def grey_what_cannot_run(self) -> None:
-        """Grey out, with the reason, each combo entry the engine cannot apply from the settings ahead;
-        enable again what can (the entries the choices themselves rule out stay grey)."""
-        base = {"cache": dict(self.cache_choices),
-                "attn-impl": {k: None if k in self.impl_choices else "not available here" for k in self._impls_listed()}}
-        now = self.settings_ahead()
-        for key in SWITCH_KEYS:
-            combo = self.combo(key)
-            model = combo.model()
-            for i in range(combo.count()):
-                value = combo.itemData(i)
-                item = model.item(i)
-                if not value or item is None or (key == "cache" and runtimes.reloads_cache(self.runtime)):
-                    continue
-                fixed = base.get(key, {}).get(value)
-                reason = fixed or self.problem(key, value, now)
-                item.setEnabled(reason is None)
-                item.setToolTip(reason or "")
-                item.setText(value if reason is None else f"{value} ({_short(reason)})")
-
-    def _offer(self, key: str, value: str | None) -> str | None:
-        """``value`` when it can run from the settings ahead; else None, with the reason in ``last_problem``."""
-        if value is None:
-            self.last_problem = "not available for this model"
-            return None
-        reason = self.problem(key, value)
-        if reason:
-            self.last_problem = f"{value}: {reason}"
-            return None
-        self.last_problem = ""
-        return value
-
-    # ---- what the keys mean for this model
-
-    def attention_for_key(self, n: int) -> str | None:
-        """Keys 1-5: mha, the middle GQA choice, mqa, mla, the smallest window (its plateau shows soonest);
-        None (with ``last_problem``) when the model has none or the engine cannot apply it from here."""
-        choices = list(self.attention_choices)
-        gqa = [c for c in choices if c.startswith("gqa:")]
-        return self._offer("attention", {
-            1: "mha" if "mha" in choices else None,
-            2: gqa[len(gqa) // 2] if gqa else None,
-            3: "mqa" if "mqa" in choices else None,
-            4: "mla" if "mla" in choices else None,
-            5: next((c for c in reversed(choices) if c.startswith("window")), None),
-        }.get(n))
-
-    def _impls_listed(self) -> list[str]:
-        """The kernels the Kernel combo lists: torch's three (those this model cannot run greyed), or the
-        runtime's own where it names others (llama.cpp's ``fa-off`` / ``fa-on``)."""
-        own = [k for k in self.impl_choices if k not in ATTN_IMPLS]
-        return list(self.impl_choices) if own else list(ATTN_IMPLS)
-
-    def _flash_kernel(self) -> str | None:
-        """The kernel key F means here: SDPA's flash, or a runtime's flash attention on (``fa-on``)."""
-        return next((k for k in ("flash", "fa-on") if k in self.impl_choices), None)
-
-    def flash_toggled(self) -> str | None:
-        """Key F: the kernel to switch to (flash, or back to the last other one); None (with ``last_problem``)
-        if flash is not here or cannot run from the settings ahead."""
-        flash = self._flash_kernel()
-        if flash is not None and (self.impl_combo.currentData() or "sdpa") == flash:
-            others = [k for k in self.impl_choices if k != flash]
-            back = self.last_non_flash if self.last_non_flash in others else (others[0] if others else None)
-            return self._offer("attn-impl", back)
-        return self._offer("attn-impl", flash)
-
-    def next_cache(self) -> str | None:
-        """Key C: the next cache strategy after the one shown that the engine can apply from the settings
-        ahead (what it cannot is skipped, never proposed again and again); None when there is none."""
-        listed = [k for k, reason in self.cache_choices if reason is None]
-        current = self.cache_combo.currentData() or "dynamic"
-        start = listed.index(current) + 1 if current in listed else 0
-        for k in listed[start:] + listed[:start]:
-            if k != current and self.problem("cache", k) is None:
-                self.last_problem = ""
-                return k
-        self.last_problem = "no other cache can run with these settings"
-        return None
 
     # ---- requests
 
@@ -472,23 +340,9 @@ class ControlsPanel(QScrollArea):
         return dataclasses.replace(request, label=label) if label else request
 
     def _request(self) -> RunRequest:
-        source, entry, default_ctx = self.source.chosen()
-        # A runtime's own Source entry (llama.cpp's file, MLX's embedded model; an installed GGUF or MLX folder)
-        # builds that runtime's request.
-        own = {"llamacpp": lambda: self._llamacpp_request(source, default_ctx),
-               "mlx": lambda: self._mlx_request(source)}.get(entry or "")
-        if own is not None:
-            return own()
-        attention = self.attention_combo.currentData() or ""
-        cache = self.cache_combo.currentData() or "dynamic"
-        impl = self.impl_combo.currentData() or "sdpa"
-        settings = RunSettings(
-            attention=parse_attention(attention) if attention else None,
-            cache=parse_cache("dynamic" if cache in LLAMACPP_CACHE_TYPES else cache),  # a llama.cpp run's type
-            attn_impl=parse_attn_impl(impl if impl in ATTN_IMPLS else "sdpa"),
-            max_context=self.max_context_spin.value() or None,
-        )
-        prompt = _prompt_text(self.prompt_edit.toPlainText())
+        """The request of the runtime the Source entry chosen runs (the default one for the window's own entries),
+        made by that runtime from the form (``kvscope.core.runtimes.form_request``)."""
+        source, entry, store_context = self.source.chosen()
         budget_text = self.budget_edit.text().strip()
         budget = None
         if budget_text and budget_text.lower() not in ("none", "off", "0"):
@@ -496,43 +350,14 @@ class ControlsPanel(QScrollArea):
                 budget = parse_size(budget_text)
             except SpecError as exc:
                 raise SpecError(f"memory budget: {exc}") from exc
-        kwargs = dict(source=source, device=self.device_combo.currentText(), dtype=self.dtype_combo.currentText(),
-                      max_new_tokens=self.max_tokens_spin.value(), settings=settings, memory_budget=budget,
-                      quality_probe=self.quality_check.isChecked())
-        if prompt:
-            kwargs["prompt"] = prompt
-        return RunRequest(**kwargs)
-
-    def _llamacpp_request(self, source: str | None = None, default_ctx: int | None = None) -> RunRequest:
-        """A llama.cpp run: the GGUF (``source``, else the file chosen, else the embedded model converted), -c from
-        Max context (0: ``default_ctx`` or 4096, as llama-server's), the KV type from the Cache combo where it
-        names one (else f16)."""
-        if self.llamacpp_missing:
-            raise SpecError(self.llamacpp_missing)
-        source = source or self.gguf_edit.text().strip() or "embedded"
-        cache = self.cache_combo.currentData() or ""
-        kv = cache if cache in LLAMACPP_CACHE_TYPES else "f16"
-        options = LlamaCppOptions(n_ctx=self.max_context_spin.value() or default_ctx or 4096, type_k=kv, type_v=kv)
-        kwargs = dict(source=source, runtime="llama.cpp", llamacpp=options, max_new_tokens=self.max_tokens_spin.value())
-        prompt = _prompt_text(self.prompt_edit.toPlainText())
-        if prompt:
-            kwargs["prompt"] = prompt
-        return RunRequest(**kwargs)
-
-    def _mlx_request(self, source: str) -> RunRequest:
-        """An MLX run of ``source``: the cache from the Cache combo where it names an MLX cache (else a KVCache)."""
-        if self.mlx_missing:
-            raise SpecError(self.mlx_missing)
-        cache = self.cache_combo.currentData() or ""
-        try:
-            cache = parse_mlx_cache(cache).key if cache and cache != "dynamic" else "kv"
-        except SpecError:
-            cache = "kv"  # a transformers or llama.cpp cache from the run before
-        kwargs = dict(source=source, runtime="mlx", mlx=MlxOptions(cache=cache), max_new_tokens=self.max_tokens_spin.value())
-        prompt = _prompt_text(self.prompt_edit.toPlainText())
-        if prompt:
-            kwargs["prompt"] = prompt
-        return RunRequest(**kwargs)
+        form = RunForm(source=source, entry=entry, device=self.device_combo.currentText(),
+                       dtype=self.dtype_combo.currentText(), attention=self.attention_combo.currentData() or "",
+                       attn_impl=self.impl_combo.currentData() or "sdpa",
+                       cache=self.cache_combo.currentData() or "dynamic",
+                       max_context=self.max_context_spin.value() or None, store_context=store_context,
+                       max_new_tokens=self.max_tokens_spin.value(), prompt=_prompt_text(self.prompt_edit.toPlainText()),
+                       memory_budget=budget, quality_probe=self.quality_check.isChecked())
+        return runtimes.form_request(runtimes.entry_runtime(entry) or runtimes.DEFAULT, form)
 
     def apply_request(self, request: RunRequest) -> None:
         """Show a RunRequest's choices in the controls (from the command line)."""

@@ -124,7 +124,7 @@ def _llamacpp_part(app, timeout_s: float) -> str:
     if why:
         return f"llama.cpp skipped: {why}"
 
-    request = RunRequest(source="embedded", runtime="llama.cpp", llamacpp=LlamaCppOptions(n_ctx=512),
+    request = RunRequest(source="embedded", runtime="llama.cpp", options={"llama.cpp": LlamaCppOptions(n_ctx=512)},
                          max_new_tokens=LLAMACPP_TOKENS, device="cpu")
     decoded, _controller, where = _generate(app, request, timeout_s, LLAMACPP_TOKENS, "llama.cpp")
     used = [s.kv_bytes_held for s in decoded]

@@ -1,10 +1,11 @@
 """The Source list of the controls: which model a run loads, and from where (the embedded model, an installed one,
-a folder, a hub id, a GGUF for llama.cpp, MLX's embedded model), with the installed-model list that follows the
-shared scan (``kvscope.workers.installed_models``).
+a folder, a hub id, and each runtime's own entries), with the installed-model list that follows the shared scan
+(``kvscope.workers.installed_models``).
 
-It answers ``chosen()``: the model source and the Source entry of a runtime of its own (``llamacpp``, ``mlx``) that
-runs it, if any; the controls build the request. Which runtime a request names is the registry's answer
-(``kvscope.core.runtimes.source_entry``).
+The window's own entries are ``BASE_SOURCES``; a runtime brings its own through the registry
+(``kvscope.core.runtimes.source_entries``: a ``SourceEntry`` each, with a file field where it takes a file of its own),
+greyed with the reason where the runtime is not installed. It answers ``chosen()``: the model source and the Source
+entry of a runtime of its own that runs it, if any; the controls build the request (``runtimes.form_request``).
 """
 
 from __future__ import annotations
@@ -21,11 +22,15 @@ from kvscope.core.base.safe_text import safe_text
 from kvscope.core.model.gguf import is_gguf_source
 from kvscope.core.model.request import RunRequest
 from kvscope.core.model.spec import SpecError
-from kvscope.core.runtimes.llamacpp.switches import llamacpp_missing
-from kvscope.core.runtimes.mlx.switches import mlx_missing
 from kvscope.workers.installed_models import FollowsInstalled, InstalledModels
 
-SOURCES = ("embedded", "installed", "folder", "hub", "llamacpp", "mlx")
+#: The window's own Source entries (the default runtime runs them).
+BASE_SOURCES = ("embedded", "installed", "folder", "hub")
+#: Every entry at import: the window's own, then the runtimes' (``SourcePicker.sources``: those of its own time).
+SOURCES = BASE_SOURCES + tuple(entry.key for _, entry in runtimes.source_entries())
+_BASE_TIP = ("Embedded: a tiny Llama-shaped model built offline, always available.\nInstalled model: one already on this "
+             "machine (the Hugging Face cache, Ollama, LM Studio, folders you add).\nLocal folder: a saved transformers "
+             "model, or a .gguf file.\nHub id: org/name, downloaded (or from the local Hugging Face cache).")
 #: The installed-model list's tooltip (the entries the scan skipped follow it, one line each).
 INSTALLED_TIP = "The models found on this machine: name \u00b7 where \u00b7 size"
 
@@ -63,18 +68,15 @@ class SourcePicker(FollowsInstalled, QObject):
         self.parent_widget = parent_widget
         self.installed: InstalledModels | None = None  # bound to the window's settings in restore()
         self.combo = QComboBox()
-        self.combo.addItem("Embedded demo model", "embedded")
-        self.combo.addItem("Installed model", "installed")
-        self.combo.addItem("Local folder", "folder")
-        self.combo.addItem("Hugging Face hub id", "hub")
-        self.combo.addItem("llama.cpp (GGUF)", "llamacpp")
-        self.combo.addItem("MLX (mlx-lm)", "mlx")  # the embedded model in MLX; installed MLX folders too
-        self.combo.setToolTip("Embedded: a tiny Llama-shaped model built offline, always available.\n"
-                                     "Installed model: one already on this machine (the Hugging Face cache, Ollama, "
-                                     "LM Studio, folders you add).\nLocal folder: a saved transformers model, or a "
-                                     ".gguf file.\nHub id: org/name, downloaded (or from the local Hugging Face cache).\n"
-                                     "llama.cpp: the embedded model as a GGUF, or a .gguf file, in the real llama.cpp "
-                                     "(its KV cache is reserved whole at load).")
+        #: The runtimes' own entries, by key: (runtime, SourceEntry).
+        self.entries = {entry.key: (name, entry) for name, entry in runtimes.source_entries()}
+        self.sources = BASE_SOURCES + tuple(self.entries)
+        for label, key in (("Embedded demo model", "embedded"), ("Installed model", "installed"),
+                           ("Local folder", "folder"), ("Hugging Face hub id", "hub")):
+            self.combo.addItem(label, key)
+        for key, (_, entry) in self.entries.items():
+            self.combo.addItem(entry.label, key)
+        self.combo.setToolTip("\n".join([_BASE_TIP] + [e.tooltip for _, e in self.entries.values() if e.tooltip]))
         self._installed_wanted = ""  # the installed model to show once the scan has listed it
         self.installed_combo = QComboBox()
         self.installed_combo.setToolTip(INSTALLED_TIP)
@@ -97,29 +99,23 @@ class SourcePicker(FollowsInstalled, QObject):
         folder_row = _with_browse(self.folder_edit, "Choose a model folder", self._browse_folder)
         self.hub_edit = QLineEdit()
         self.hub_edit.setPlaceholderText("org/name, e.g. HuggingFaceTB/SmolLM2-135M")
-        self.gguf_edit = QLineEdit()
-        self.gguf_edit.setPlaceholderText("embedded model \u00b7 or /path/to/model.gguf")
-        gguf_row = _with_browse(self.gguf_edit, "Choose a .gguf file", self._browse_gguf)
         self.stack = QStackedWidget()
         self.stack.addWidget(QWidget())
         self.stack.addWidget(installed_row)
         self.stack.addWidget(folder_row)
         self.stack.addWidget(self.hub_edit)
-        self.stack.addWidget(gguf_row)
-        self.stack.addWidget(QWidget())  # MLX: the embedded model (an installed MLX folder: "Installed model")
         #: The Source entries with a file field of their own: a request of their runtime shows its model there.
-        self._entry_files = {"llamacpp": self.gguf_edit}
-        #: Why the llama.cpp source cannot be chosen (llama-cpp-python missing), or None.
-        self.llamacpp_missing = llamacpp_missing()
-        if self.llamacpp_missing:
-            disable_item(self.combo, "llamacpp", self.llamacpp_missing)
-        #: Why the MLX source cannot be chosen (mlx / mlx-lm missing), or None.
-        self.mlx_missing = mlx_missing()
-        if self.mlx_missing:
-            disable_item(self.combo, "mlx", self.mlx_missing)
+        self._entry_files: dict[str, QLineEdit] = {}
+        #: Why each runtime entry cannot be chosen (its runtime not installed), or None.
+        self.missing: dict[str, str | None] = {}
+        for key, (name, entry) in self.entries.items():
+            self.stack.addWidget(self._entry_field(key, entry))
+            self.missing[key] = runtimes.missing(name)
+            if self.missing[key]:
+                disable_item(self.combo, key, self.missing[key])
         self._last_model: tuple[str, str] = self._model_key()
         self.combo.currentIndexChanged.connect(self._note_choice)
-        for edit in (self.folder_edit, self.hub_edit, self.gguf_edit):
+        for edit in (self.folder_edit, self.hub_edit, *self._entry_files.values()):
             edit.textChanged.connect(self._note_choice)
         self.combo.currentIndexChanged.connect(self.stack.setCurrentIndex)
         self.combo.currentIndexChanged.connect(lambda i: self.stack.setVisible(i != 0))
@@ -127,10 +123,31 @@ class SourcePicker(FollowsInstalled, QObject):
 
         self._fill_installed()
 
+    def _entry_field(self, key: str, entry) -> QWidget:
+        """The field under a runtime's entry: a path and its browse button where it takes a file, else nothing."""
+        if not entry.file_field:
+            return QWidget()
+        edit = QLineEdit()
+        edit.setPlaceholderText(entry.placeholder)
+        self._entry_files[key] = edit
+
+        def browse() -> None:
+            path, _ = QFileDialog.getOpenFileName(self.parent_widget, entry.label, edit.text() or str(Path.home()),
+                                                  entry.file_filter)
+            if path:
+                edit.setText(path)
+        return _with_browse(edit, f"Choose a file ({entry.label})", browse)
+
+    def file_edit(self, key: str) -> QLineEdit | None:
+        """The file field of the runtime entry ``key`` (None: it has none)."""
+        return self._entry_files.get(key)
+
     def _model_key(self) -> tuple[str, str]:
         kind = self.kind()
+        edit = self._entry_files.get(kind)
         field = {"installed": lambda: self.installed_combo.currentData() or self._installed_wanted,
-                 "folder": self.folder_edit.text, "hub": self.hub_edit.text, "llamacpp": self.gguf_edit.text}.get(kind)
+                 "folder": self.folder_edit.text, "hub": self.hub_edit.text,
+                 **({kind: edit.text} if edit is not None else {})}.get(kind)
         return kind, str(field() or "") if field is not None else ""
 
     def _note_choice(self, *_: object) -> None:
@@ -150,26 +167,28 @@ class SourcePicker(FollowsInstalled, QObject):
         return model.label if model is not None else None
 
     def kind(self) -> str:
-        """The Source entry chosen (one of ``SOURCES``)."""
+        """The Source entry chosen (one of ``sources``)."""
         return self.combo.currentData() or "embedded"
 
     def chosen(self) -> tuple[str, str | None, int | None]:
         """(the model source, the Source entry of the runtime that runs it where it is not the default one, the
         context its store sets: Ollama's num_ctx). Raises SpecError with what is missing."""
         kind = self.kind()
-        if kind == "llamacpp":
-            return self.gguf_edit.text().strip() or "embedded", kind, None
-        if kind in ("mlx", "embedded"):
-            return "embedded", (kind if kind != "embedded" else None), None
+        if kind in self.entries:  # a runtime's own entry: its file, else the embedded model
+            edit = self._entry_files.get(kind)
+            return (edit.text().strip() if edit is not None else "") or "embedded", kind, None
+        if kind == "embedded":
+            return "embedded", None, None
         if kind == "installed":
             source = self.installed_combo.currentData() or ""
             if not source:
                 raise SpecError("pick an installed model (or add a folder that holds models)")
             model = self._installed_model(source)
             found = model.kind if model is not None else ("gguf" if is_gguf_source(source) else "hf")  # before the scan
-            # A GGUF (Ollama's, LM Studio's...) runs where it was made to run: llama.cpp, with the context Ollama's
-            # Modelfile sets (num_ctx) unless Max context says otherwise; an MLX conversion runs in MLX.
-            entry = {"gguf": "llamacpp", "mlx": "mlx"}.get(found)
+            # A model runs where it was made to run (a GGUF of Ollama's or LM Studio's: the runtime whose entry runs
+            # that kind), with the context its store sets (Ollama's num_ctx) unless Max context says otherwise.
+            own = runtimes.runs_kind(found)
+            entry = own.key if own is not None else None
             return source, entry, (model.num_ctx if model is not None and entry else None)
         if kind == "folder":
             source = self.folder_edit.text().strip()
@@ -188,34 +207,35 @@ class SourcePicker(FollowsInstalled, QObject):
 
     def _runtime_entry(self, request: RunRequest) -> str | None:
         """The Source list entry of the request's runtime where it has one of its own (the registry's
-        ``source_entry``) and that entry can show the request: one with a file field takes any model; one without
-        (MLX's) only the embedded model, and only where the runtime is installed."""
-        entry = runtimes.source_entry(request.runtime)
-        if entry not in SOURCES:
-            return None
-        if entry in self._entry_files:
-            return entry
-        item = self.combo.model().item(SOURCES.index(entry))
-        return entry if request.source == "embedded" and item is not None and item.isEnabled() else None
+        ``source_entries``) and that entry can show the request: one with a file field takes any model; one without
+        only the embedded model, and only where the runtime is installed."""
+        for key, (name, entry) in self.entries.items():
+            if name != request.runtime:
+                continue
+            if entry.file_field:
+                return key
+            if request.source == "embedded" and not self.missing.get(key):
+                return key
+        return None
 
     def show(self, request: RunRequest) -> None:
         """Show where a RunRequest's model comes from (from the command line)."""
         entry = self._runtime_entry(request)
         if entry is not None:
-            self.combo.setCurrentIndex(SOURCES.index(entry))
+            self.combo.setCurrentIndex(self.sources.index(entry))
             if entry in self._entry_files:
                 self._entry_files[entry].setText("" if request.source == "embedded" else request.source)
         elif request.source == "embedded":
-            self.combo.setCurrentIndex(SOURCES.index("embedded"))
+            self.combo.setCurrentIndex(self.sources.index("embedded"))
         elif self.installed_combo.findData(request.source) >= 0:
-            self.combo.setCurrentIndex(SOURCES.index("installed"))
+            self.combo.setCurrentIndex(self.sources.index("installed"))
             self.installed_combo.setCurrentIndex(self.installed_combo.findData(request.source))
             self._installed_wanted = request.source
         elif Path(request.source).expanduser().exists():
-            self.combo.setCurrentIndex(SOURCES.index("folder"))
+            self.combo.setCurrentIndex(self.sources.index("folder"))
             self.folder_edit.setText(request.source)
         else:
-            self.combo.setCurrentIndex(SOURCES.index("hub"))
+            self.combo.setCurrentIndex(self.sources.index("hub"))
             self.hub_edit.setText(request.source)
 
     def set_enabled(self, on: bool) -> None:
@@ -233,12 +253,13 @@ class SourcePicker(FollowsInstalled, QObject):
         combo = self.installed_combo
         wanted = self._installed_wanted or combo.currentData() or ""
         models = self.installed.models if self.installed is not None else []
+        kinds = {kind: word for _, entry in self.entries.values() for kind, word in entry.kind_labels}
         combo.blockSignals(True)
         try:
             combo.clear()
             for m in models:
                 combo.addItem(m.describe(), m.source)
-                kind = {"gguf": "GGUF file", "mlx": "MLX model folder"}.get(m.kind, "transformers model folder")
+                kind = kinds.get(m.kind, "transformers model folder")
                 combo.setItemData(combo.count() - 1, f"{m.describe()}\n{kind}: {safe_text(m.source)}",
                                   Qt.ItemDataRole.ToolTipRole)
             if wanted and combo.findData(wanted) < 0 and Path(wanted).exists():
@@ -284,12 +305,6 @@ class SourcePicker(FollowsInstalled, QObject):
                 self._note_choice()
                 break
 
-    def _browse_gguf(self) -> None:
-        path, _ = QFileDialog.getOpenFileName(self.parent_widget, "GGUF model", self.gguf_edit.text() or str(Path.home()),
-                                              "GGUF models (*.gguf);;All files (*)")
-        if path:
-            self.gguf_edit.setText(path)
-
     def _browse_folder(self) -> None:
         folder = QFileDialog.getExistingDirectory(self.parent_widget, "Model folder", self.folder_edit.text() or str(Path.home()))
         if folder:
@@ -299,17 +314,19 @@ class SourcePicker(FollowsInstalled, QObject):
 
     def restore(self, s) -> None:
         kind = str(s.value("source_kind", "embedded"))
-        kind = "embedded" if kind == "llamacpp" and self.llamacpp_missing else kind
-        self.combo.setCurrentIndex(SOURCES.index(kind) if kind in SOURCES else 0)
+        kind = "embedded" if self.missing.get(kind) else kind  # its runtime is not installed (any more)
+        self.combo.setCurrentIndex(self.sources.index(kind) if kind in self.sources else 0)
         self.stack.setVisible(self.combo.currentIndex() != 0)
         self.folder_edit.setText(str(s.value("folder", "") or ""))
         self.hub_edit.setText(str(s.value("hub_id", "") or ""))
-        self.gguf_edit.setText(str(s.value("gguf", "") or ""))
+        for key, edit in self._entry_files.items():
+            edit.setText(str(s.value(f"file_{key}", "") or ""))
         self._installed_wanted = str(s.value("installed", "") or "")
 
     def save(self, s) -> None:
         s.setValue("source_kind", self.combo.currentData())
         s.setValue("folder", self.folder_edit.text())
         s.setValue("hub_id", self.hub_edit.text())
-        s.setValue("gguf", self.gguf_edit.text())
+        for key, edit in self._entry_files.items():
+            s.setValue(f"file_{key}", edit.text())
         s.setValue("installed", self.installed_combo.currentData() or self._installed_wanted or "")

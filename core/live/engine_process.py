@@ -37,12 +37,10 @@ from collections.abc import Callable
 from typing import Any
 
 import kvscope.core.live.run  # every runtime's one loop (the runtime's module loads with the run); called as kvscope.core.live.run.run_generation
+from kvscope.core import runtimes
 from kvscope.core.base.errors import is_user_error, one_line  # noqa: F401 - one_line: also this module's name for it
-from kvscope.core.model.hf import ensure_transformers
 from kvscope.core.model.request import RunHooks
 from kvscope.core.runtimes.probes import MemoryProbe
-from kvscope.core.runtimes.transformers.loading import resolve_device
-from kvscope.core.runtimes.transformers.prepare import backend_needed, is_ready, prepare, progress_text
 
 #: Samples leave in batches of at most this many, or at least every FLUSH_S seconds.
 BATCH_MAX = 16
@@ -65,7 +63,8 @@ class RunDriver:
         self.paused = False
         self._batch: list[Any] = []
         self._last_flush = time.monotonic()
-        # Switches waiting for what they need (a quantized cache's backend) to be prepared off the token path.
+        # Switches waiting for what they need (the runtime's ``prepare_switch``: a quantized cache's backend) to be
+        # prepared off the token path.
         self._deferred: dict[str, tuple[str, str]] = {}
         self._said_preparing = 0.0
 
@@ -123,23 +122,24 @@ class RunDriver:
         return self._ready(switches)
 
     def _ready(self, switches: dict[str, tuple[str, str]]) -> list[tuple[str, str]]:
-        """The switches that can apply at this token. One that needs a quantized-cache backend not yet built
-        or loaded in this process waits (kvscope.core.runtimes.transformers.prepare builds it on a thread of its own; the run goes on under
-        the current settings and the window is told every second) and applies at the first token after."""
+        """The switches that can apply at this token. One its runtime is still preparing for (its
+        ``prepare_switch`` hook: transformers builds a quantized cache's backend on a thread of its own) waits: the
+        run goes on under the current settings, the window is told every second, and it applies at the first
+        token after. A runtime without the hook applies every switch at once."""
         for axis, switch in switches.items():
             self._deferred.pop(axis, None)  # a newer press on the axis replaces one still waiting
             self._deferred[axis] = switch
         out: list[tuple[str, str]] = []
+        runtime = getattr(self.request, "runtime", None)
         for axis, (key, value) in list(self._deferred.items()):
-            backend = backend_needed(key, value)
-            if backend is None or is_ready(backend):
+            waiting = runtimes.prepare_switch(runtime, key, value)
+            if waiting is None:
                 out.append(self._deferred.pop(axis))
                 continue
-            prepare(backend)
             now = time.monotonic()
             if now - self._said_preparing >= 1.0:
                 self._said_preparing = now
-                self.send("progress", progress_text(backend))
+                self.send("progress", waiting)
         return out
 
     def run(self) -> None:
@@ -225,11 +225,8 @@ class _Sampler:
 
 
 def _auto_device() -> str:
-    """The device a run with ``--device auto`` gets here (cuda, mps or cpu)."""
-    try:
-        return resolve_device("auto")
-    except Exception:  # noqa: BLE001 - a torch that cannot tell: host memory is what there is
-        return "cpu"
+    """The device a run with ``--device auto`` gets here (cuda, mps or cpu), by the default runtime."""
+    return runtimes.auto_device()
 
 
 def _yield_cpu_to_the_window() -> None:
@@ -319,17 +316,12 @@ def serve(conn: Any, preload: Any = None) -> None:
             started.set()
             _yield_cpu_to_the_window()
 
-    from kvscope.core.runtimes.transformers.runtime import limit_cpu_threads  # torch: the engine process only
-
-    limit_cpu_threads("cpu")  # on this main thread, before any run: one core stays with the window
-    ensure_transformers()  # the slow imports now, while the window starts
+    runtimes.host_start()  # on this main thread, before any run: the runtimes' slow imports, their threads' share
     send("ready", os.getpid())
     send("device", _auto_device())
-    if preload is not None and getattr(preload, "runtime", None) == "transformers":
-        # The run the window is about to ask for: its "run" command waits in the pipe meanwhile.
-        from kvscope.core.runtimes.transformers.runtime import preload_model
-
-        preload_model(preload)
+    if preload is not None:
+        # The run the window is about to ask for (its runtime's ``preload``): its "run" command waits in the pipe.
+        runtimes.preload(preload)
     driver: RunDriver | None = None
     runner: threading.Thread | None = None
     sampler: _Sampler | None = None

@@ -6,7 +6,8 @@ loading the ML stack; only the engine (``kvscope.core.runtimes.transformers.engi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from kvscope.core.base.sample import Sample
@@ -38,17 +39,59 @@ class RunRequest:
     #: Also run every token through the model as loaded (teacher-forced, whatever was switched) and report top-1
     #: agreement and the KL divergence of the next-token distributions; costs a second forward pass and a second cache.
     quality_probe: bool = False
-    #: A name in ``kvscope.core.runtimes``' registry: "transformers" (the model in torch), "llama.cpp" (a GGUF in the
-    #: real llama.cpp, in a child process)...
+    #: A name in ``kvscope.core.runtimes``' registry (``kvscope.core.runtimes.names()``).
     runtime: str = "transformers"
-    #: llama.cpp's context options (``kvscope.core.prediction.llamacpp.LlamaCppOptions``) for a llama.cpp run.
-    llamacpp: Any = None
-    #: MLX's cache options (``kvscope.core.runtimes.mlx.switches.MlxOptions``: mlx-lm's flags) for an MLX run.
-    mlx: Any = None
+    #: Each runtime's own options, keyed by its registry name: a frozen dataclass the runtime owns (its command-line
+    #: flags and its Source entry make it; ``kvscope.core.runtimes.options_of`` gives the run's, or its default).
+    #: Given as a dict or pairs; kept as sorted (name, options) pairs so that the request stays hashable.
+    options: Any = ()
     #: What the user calls the model, where the source's own name says less (an installed model's repo id for a
     #: Hugging Face cache snapshot named by its hash, the Ollama tag for a blob named by its digest): shown as the
     #: model's label in the title, the badge and the events. None: the runtime's own label.
     label: str | None = None
+
+
+    def __post_init__(self) -> None:
+        pairs = self.options.items() if isinstance(self.options, Mapping) else (self.options or ())
+        object.__setattr__(self, "options", tuple(sorted(((str(k), v) for k, v in dict(pairs).items()),
+                                                          key=lambda kv: kv[0])))
+
+    def options_for(self, runtime: str) -> Any:
+        """The options given for ``runtime`` (its own frozen dataclass), or None where none were given."""
+        return dict(self.options).get(runtime)
+
+    def with_options(self, runtime: str, value: Any) -> "RunRequest":
+        """This request with ``value`` as the options of ``runtime`` (the others kept)."""
+        return replace(self, options={**dict(self.options), runtime: value})
+
+
+@dataclass(frozen=True)
+class RunForm:
+    """What the window's controls hold when Start is pressed, as plain data: a runtime's ``form_request`` hook
+    (``kvscope.core.runtimes.form_request``) turns it into that runtime's RunRequest."""
+
+    source: str = "embedded"
+    #: The Source entry chosen that runs the model in a runtime of its own (its ``SourceEntry.key``), or None.
+    entry: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    attention: str = ""  # the Attention combo ("": as built)
+    attn_impl: str = "sdpa"  # the Kernel combo
+    cache: str = "dynamic"  # the Cache combo: a key of the runtime shown last (it may be another runtime's)
+    max_context: int | None = None  # the Max context spin (None: the model's maximum)
+    #: The context the model's store sets (Ollama's num_ctx), used where Max context is left at the model's.
+    store_context: int | None = None
+    max_new_tokens: int = 128
+    prompt: str = ""  # "": the default prompt
+    memory_budget: int | None = None
+    quality_probe: bool = False
+
+    def common(self) -> dict[str, Any]:
+        """The RunRequest fields every runtime's request takes from the form: source, tokens and the prompt."""
+        out: dict[str, Any] = dict(source=self.source, max_new_tokens=self.max_new_tokens)
+        if self.prompt:
+            out["prompt"] = self.prompt
+        return out
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,11 @@
 Each entry is a ``RuntimeInfo`` (``kvscope.core.runtimes.base``): the name, where its ``open`` lives (imported only
 when a run starts, so the window's process never imports torch, llama_cpp or mlx) and what it can do.
 Nothing outside a runtime's own module compares a runtime's name: the command line, the engine process and
-the window ask this registry (``get``, ``runtime_for_source``, ``check_switch``) and read the answers.
+the window ask this registry (``get``, ``runtime_for_source``, ``check_switch``) and read the answers. A runtime
+brings everything a user touches through its entry: its options (a frozen dataclass, ``options_of``), its
+command-line flags (``add_flags``, parsed by its ``cli_options``), its Source list entries (``source_entries``) and
+how the window's form becomes its request (``form_request``), and the engine host's hooks (``host_start``,
+``preload``, ``prepare_switch``).
 
 Adding a runtime is one module (or package) implementing ``kvscope.core.runtimes.base.Runtime`` and one
 ``register(RuntimeInfo(...))`` line below (a test registers its own the same way, at run time).
@@ -15,12 +19,13 @@ import re
 from typing import Any
 
 from kvscope.core.model.attention import SettingsError
-from kvscope.core.runtimes.base import OPTIONS, Runtime, RuntimeInfo, resolve
+from kvscope.core.runtimes.base import OPTIONS, Runtime, RuntimeInfo, SourceEntry, resolve
 
 __all__ = ["OPTIONS", "Runtime", "RuntimeInfo", "DEFAULT", "register", "unregister", "get", "find", "names",
            "reloads_cache", "open_runtime",
            "runtime_for_source", "claimed_by", "check_switch", "parse_switch", "missing", "resolve",
-           "calculators", "switch_problem", "source_entry"]
+           "calculators", "switch_problem", "SourceEntry", "source_entries", "entry_runtime", "runs_kind",
+           "options_of", "add_flags", "form_request", "host_start", "preload", "prepare_switch", "auto_device"]
 
 #: The runtime of a run that names none (and of every recording made before runtimes had names).
 DEFAULT = "transformers"
@@ -110,10 +115,94 @@ def switch_problem(name: str | None, *args: Any, **kwargs: Any) -> str | None:
     return hook(*args, **kwargs) if hook is not None else None
 
 
-def source_entry(name: str | None) -> str | None:
-    """The window's Source list entry of the runtime ``name`` (``RuntimeInfo.source_entry``), or None."""
+def source_entries(name: str | None = None) -> list[tuple[str, SourceEntry]]:
+    """(runtime, entry) for each Source list entry the runtimes bring (``RuntimeInfo.source_entries``), in
+    registration order; only ``name``'s where given."""
+    out = []
+    for info in _REGISTRY.values():
+        hook = info.hook("source_entries")
+        if hook is not None and (name is None or info.name == (name or DEFAULT)):
+            out.extend((info.name, entry) for entry in hook())
+    return out
+
+
+def entry_runtime(key: str | None) -> str | None:
+    """The runtime the Source entry ``key`` runs, or None (an entry of the window's own: embedded, a folder...)."""
+    return next((name for name, entry in source_entries() if entry.key == key), None) if key else None
+
+
+def runs_kind(kind: str | None) -> SourceEntry | None:
+    """The Source entry whose runtime runs an installed model of ``kind`` (``InstalledModel.kind``: a GGUF, an MLX
+    folder), or None where the default runtime does."""
+    return next((entry for _, entry in source_entries() if kind and kind in entry.installed_kinds), None)
+
+
+def options_of(request: Any, name: str | None = None) -> Any:
+    """The options of the runtime ``name`` (default: the request's) in ``request``, else that runtime's defaults
+    (its ``options`` called with no argument); None for a runtime that takes none."""
+    name = name or getattr(request, "runtime", None) or DEFAULT
+    given = request.options_for(name) if hasattr(request, "options_for") else None
+    if given is not None:
+        return given
+    make = get(name).hook("options")
+    return make() if make is not None else None
+
+
+def add_flags(parser: Any, command: str) -> dict[str, tuple[float, float, str]]:
+    """Every runtime's own flags on ``parser`` (``run``'s or ``calc``'s: ``command``); the ranges of their whole
+    numbers, by dest."""
+    ranges: dict[str, tuple[float, float, str]] = {}
+    for info in _REGISTRY.values():
+        hook = info.hook("add_flags")
+        if hook is not None:
+            ranges.update(hook(parser, command) or {})
+    return ranges
+
+
+def form_request(name: str | None, form: Any) -> Any:
+    """The request the window's form (``kvscope.core.model.request.RunForm``) makes for the runtime ``name``
+    (its ``form_request``, else the default runtime's); SpecError where the runtime is not installed."""
+    info = get(name)
+    problem = missing(info.name)
+    if problem:
+        from kvscope.core.model.spec import SpecError
+
+        raise SpecError(problem)
+    hook = info.hook("form_request") or get(DEFAULT).hook("form_request")
+    return hook(form)
+
+
+def host_start() -> None:
+    """Every runtime's ``host_start`` hook, once, in the engine's process before its first command."""
+    for info in _REGISTRY.values():
+        hook = info.hook("host_start")
+        if hook is not None:
+            hook()
+
+
+def preload(request: Any) -> None:
+    """The request's runtime loads its model ahead, where it has a ``preload`` hook; nothing otherwise."""
+    info = find(getattr(request, "runtime", None))
+    hook = info.hook("preload") if info is not None else None
+    if hook is not None:
+        hook(request)
+
+
+def prepare_switch(name: str | None, key: str, value: str) -> str | None:
+    """None when the live switch ``key=value`` of a ``name`` run can apply now; else what it waits for (the
+    runtime's ``prepare_switch`` hook has started preparing it: ask again at the next token)."""
     info = find(name)
-    return info.source_entry if info is not None else None
+    hook = info.hook("prepare_switch") if info is not None else None
+    return hook(key, value) if hook is not None else None
+
+
+def auto_device() -> str:
+    """What ``--device auto`` means in this process, by the default runtime (``cpu`` where it cannot tell)."""
+    hook = get(DEFAULT).hook("auto_device")
+    try:
+        return hook() if hook is not None else "cpu"
+    except Exception:  # noqa: BLE001 - a runtime that cannot tell: host memory is what there is
+        return "cpu"
 
 
 def check_switch(name: str | None, key: str, value: str) -> tuple[str, Any]:
@@ -142,20 +231,26 @@ def parse_switch(text: str, runtime: str = DEFAULT) -> tuple[int, str, str]:
 
 register(RuntimeInfo(
     name="transformers", open="kvscope.core.runtimes.transformers.runtime:open_runtime",
-    label="transformers (the model in torch)", parse_switch="kvscope.core.model.settings:parse_switch_value",
+    label="transformers (the model in torch)", parse_switch="kvscope.core.runtimes.transformers.switches:parse_switch_value",
     supports=frozenset(OPTIONS), calculator="kvscope.core.runtimes.transformers.calc:RULES",
-    switch_problem="kvscope.core.model.settings:switch_problem"))
+    switch_problem="kvscope.core.runtimes.transformers.switches:switch_problem", form_request="kvscope.core.runtimes.transformers.form:form_request",
+    host_start="kvscope.core.runtimes.transformers.host:host_start", preload="kvscope.core.runtimes.transformers.runtime:preload_model",
+    prepare_switch="kvscope.core.runtimes.transformers.host:prepare_switch", auto_device="kvscope.core.runtimes.transformers.host:auto_device"))
 register(RuntimeInfo(
     name="llama.cpp", open="kvscope.core.runtimes.llamacpp.runtime:open_runtime",
     label="llama.cpp (a GGUF in the real llama.cpp, in its own process)",
     parse_switch="kvscope.core.runtimes.llamacpp.switches:parse_llamacpp_switch_value", claims="kvscope.core.model.gguf:is_gguf_source",
-    missing="kvscope.core.runtimes.llamacpp.switches:llamacpp_missing", cli_options="kvscope.core.runtimes.llamacpp.runtime:cli_options",
+    missing="kvscope.core.runtimes.llamacpp.switches:llamacpp_missing", options="kvscope.core.prediction.llamacpp:LlamaCppOptions",
+    add_flags="kvscope.core.runtimes.llamacpp.cli:add_flags", cli_options="kvscope.core.runtimes.llamacpp.cli:cli_options",
+    source_entries="kvscope.core.runtimes.llamacpp.cli:source_entries", form_request="kvscope.core.runtimes.llamacpp.cli:form_request",
     calc="kvscope.core.runtimes.llamacpp.calc:calc_text", calculator="kvscope.core.runtimes.llamacpp.calc:RULES",
-    source_entry="llamacpp", cache_switch_reloads=True, reserves_at_load=True,
+    cache_switch_reloads=True, reserves_at_load=True,
     switch_problem="kvscope.core.runtimes.llamacpp.switches:llamacpp_switch_problem"))
 register(RuntimeInfo(
     name="mlx", open="kvscope.core.runtimes.mlx.runtime:open_runtime",
     label="MLX (mlx-lm: Metal on a Mac, the CPU elsewhere)",
     parse_switch="kvscope.core.runtimes.mlx.switches:parse_switch", missing="kvscope.core.runtimes.mlx.switches:mlx_missing",
-    cli_options="kvscope.core.runtimes.mlx.switches:cli_options", calc="kvscope.core.runtimes.mlx.calc:calc_text",
-    source_entry="mlx", reserves_at_load=False))
+    options="kvscope.core.runtimes.mlx.switches:MlxOptions", add_flags="kvscope.core.runtimes.mlx.switches:add_flags",
+    cli_options="kvscope.core.runtimes.mlx.switches:cli_options", source_entries="kvscope.core.runtimes.mlx.switches:source_entries",
+    form_request="kvscope.core.runtimes.mlx.switches:form_request", calc="kvscope.core.runtimes.mlx.calc:calc_text",
+    reserves_at_load=False))

@@ -120,9 +120,16 @@ class RuntimeInfo:
     claims: "str | Callable[[str], bool] | None" = None
     #: ``missing() -> str | None``: why this runtime cannot run here (a package not installed), else None.
     missing: "str | Callable[[], str | None] | None" = None
-    #: ``cli_options(args) -> dict``: the ``RunRequest`` fields its own command-line flags give (llama.cpp's
-    #: llama-server flags -> ``llamacpp``); SettingsError to refuse. None: it has no flags of its own.
-    cli_options: "str | Callable[[Any], dict[str, Any]] | None" = None
+    #: ``options``: the runtime's options, a frozen dataclass it owns (called with no argument: the defaults); a run's
+    #: are ``RunRequest.options[name]`` (``kvscope.core.runtimes.options_of``). None: it takes none.
+    options: "str | type | None" = None
+    #: ``add_flags(parser, command) -> ranges``: its own command-line flags on ``run``'s or ``calc``'s parser
+    #: (``command``), in an argument group of its own; returns ``{dest: (lowest, highest, what it counts)}`` for
+    #: the whole-number flags, which the command line checks as it parses (``main.NUMBER_RANGES``'s rule).
+    add_flags: "str | Callable[[Any, str], dict[str, tuple[float, float, str]] | None] | None" = None
+    #: ``cli_options(args) -> options``: its options from its flags (SettingsError to refuse, e.g. another runtime's
+    #: flag given to it). None: it has no flags of its own.
+    cli_options: "str | Callable[[Any], Any] | None" = None
     #: ``calc(args, spec, contexts, gpu_memory) -> str``: ``calc --runtime NAME``'s answer (a table, or JSON with
     #: ``args.json``) from the predictor alone, with the runtime's own flags. None: calc answers for transformers.
     calc: "str | Callable[[Any, Any, list[int], int | None], str] | None" = None
@@ -138,13 +145,45 @@ class RuntimeInfo:
     #: ``switch_problem(spec, device, now, key, value, tokens) -> str | None``: why a live switch cannot run from the
     #: settings ``now``, judged before it is sent (the window greys what it cannot apply); None: not judged ahead.
     switch_problem: "str | Callable[..., str | None] | None" = None
-    #: The window's Source list entry that runs this runtime, where it has one of its own (``llamacpp``, ``mlx``).
-    source_entry: str | None = None
+    #: ``source_entries() -> tuple[SourceEntry, ...]``: the window's Source list entries that run this runtime.
+    source_entries: "str | Callable[[], tuple[SourceEntry, ...]] | None" = None
+    #: ``form_request(form) -> RunRequest``: the request the window's controls (a ``RunForm``) make for this
+    #: runtime; SettingsError / SpecError (one line) to refuse. None: the default runtime's.
+    form_request: "str | Callable[[Any], Any] | None" = None
+    #: ``host_start()``: once in the engine's process before any command (its slow imports, its threads).
+    host_start: "str | Callable[[], None] | None" = None
+    #: ``preload(request)``: load the model of the run the window is about to ask for, before it asks.
+    preload: "str | Callable[[Any], None] | None" = None
+    #: ``prepare_switch(key, value) -> str | None``: None when the live switch ``key=value`` can apply at the next
+    #: token; else what it waits for (its progress line: the engine host asks again each token while it builds).
+    prepare_switch: "str | Callable[[str, str], str | None] | None" = None
+    #: ``auto_device() -> str``: what ``--device auto`` means in this process (the engine host asks the default
+    #: runtime's).
+    auto_device: "str | Callable[[], str] | None" = None
 
     def hook(self, name: str) -> Any:
-        """The hook ``name`` (``open``, ``parse_switch``, ``claims``, ``missing``, ``cli_options``, ``calc``,
-        ``calculator``, ``switch_problem``) resolved, or None."""
+        """The hook ``name`` (``open``, ``parse_switch``, ``options``, ``add_flags``, ``source_entries``...) resolved,
+        or None."""
         return resolve(getattr(self, name))
+
+
+@dataclass(frozen=True)
+class SourceEntry:
+    """One entry of the window's Source list that runs a runtime of its own (plain data: the window draws it).
+
+    ``key`` is the entry's data (and its saved name); ``file_field`` gives it a path field with a browse button
+    (``placeholder``, ``file_filter``: the dialog's filter); ``installed_kinds``: the installed models'
+    ``InstalledModel.kind`` it runs (an Ollama GGUF, an MLX folder), each with its tooltip word in
+    ``kind_labels``."""
+
+    key: str
+    label: str
+    tooltip: str = ""
+    file_field: bool = False
+    placeholder: str = ""
+    file_filter: str = "All files (*)"
+    installed_kinds: tuple[str, ...] = ()
+    kind_labels: tuple[tuple[str, str], ...] = ()
 
 
 def resolve(ref: Any) -> Any:

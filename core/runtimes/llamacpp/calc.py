@@ -232,7 +232,7 @@ def calc_text(args: Any, spec: Any, contexts: list[int], gpu_memory: int | None)
     from kvscope.core.prediction.llamacpp import calculate_llamacpp, render_llamacpp_json, render_llamacpp_table
     from kvscope.core.prediction.table import bytes_cell
     from kvscope.core.runtimes.llamacpp import dryrun
-    from kvscope.core.runtimes.llamacpp.runtime import options_from_args
+    from kvscope.core.runtimes.llamacpp.cli import options_from_args
 
     result = calculate_llamacpp(args.model, spec, contexts, lambda n: options_from_args(args, n), gpu_memory,
                                 fit_target=max(0, args.fit_target) << 20)

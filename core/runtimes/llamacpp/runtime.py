@@ -28,9 +28,9 @@ from typing import Any, Callable
 from kvscope.core.base.errors import RuntimeCrashed
 from kvscope.core.base.sample import PHASE_EVENT, Sample
 from kvscope.core.model.attention import SettingsError, native_attention
-from kvscope.core.model.gguf import is_gguf_source, read_gguf
+from kvscope.core.model.gguf import read_gguf
 from kvscope.core.model.request import ModelInfo, RunRequest
-from kvscope.core.model.spec import human_bytes, parse_tokens
+from kvscope.core.model.spec import human_bytes
 from kvscope.core.prediction.llamacpp import CACHE_TYPES, LlamaCppOptions, plan
 from kvscope.core.runtimes.llamacpp.engine import OFFERED_CACHE_TYPES, RUNTIME as NAME, LlamaCppEngine, resolve_model
 
@@ -202,7 +202,7 @@ class LlamaCppRuntime:
     def __init__(self, request: RunRequest, progress: Callable[[str], None]) -> None:
         self.request = request
         self.progress = progress
-        self.options: LlamaCppOptions = request.llamacpp or LlamaCppOptions()
+        self.options: LlamaCppOptions = request.options_for(NAME) or LlamaCppOptions()
         self.path = resolve_model(request.source, progress)
         self.gguf = read_gguf(self.path)
         self.spec = self.gguf.spec()
@@ -380,31 +380,6 @@ class LlamaCppRuntime:
             except OSError:
                 pass
             self._stderr = None
-
-
-def options_from_args(args: Any, n_ctx: int) -> LlamaCppOptions:
-    """llama.cpp's context options from the command line's llama-server flags (``run`` and ``calc``)."""
-    return LlamaCppOptions(n_ctx=n_ctx, n_seq_max=args.parallel, kv_unified=args.kv_unified, type_k=args.cache_type_k,
-                           type_v=args.cache_type_v, flash_attn=args.flash_attn, swa_full=args.swa_full,
-                           n_batch=args.batch_size, n_ubatch=args.ubatch_size, n_gpu_layers=args.n_gpu_layers,
-                           offload_kqv=not args.no_kv_offload)
-
-
-def cli_options(args: Any) -> dict[str, Any]:
-    """The RunRequest fields of ``run --runtime llama.cpp``'s own flags: the model must be a GGUF (or the
-    embedded model, converted); ``-c`` defaults to 4096, and 0 is the file's trained context (llama-server's)."""
-    if args.model != "embedded" and not is_gguf_source(args.model):
-        raise SettingsError(f"--runtime llama.cpp runs a .gguf file, and {args.model} is not one (convert a "
-                            "transformers model with llama.cpp's convert_hf_to_gguf.py, or leave --model out for the "
-                            "embedded model)")
-    if args.max_context:
-        raise SettingsError("--max-context is for transformers runs, not --runtime llama.cpp (llama.cpp's context "
-                            "is --context)")
-    if args.context is None:
-        n_ctx = 4096
-    else:  # -c 0, as llama-server takes it: the file's trained context
-        n_ctx = 0 if str(args.context).strip() == "0" else parse_tokens(args.context)
-    return {"llamacpp": options_from_args(args, n_ctx)}
 
 
 def open_runtime(request: RunRequest, progress: Callable[[str], None]) -> LlamaCppRuntime:

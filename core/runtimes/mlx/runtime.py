@@ -31,7 +31,7 @@ class MlxRuntime:
     def __init__(self, request: RunRequest, progress: Callable[[str], None]) -> None:
         self.request = request
         self.progress = progress
-        self.options: MlxOptions = request.mlx or MlxOptions()
+        self.options: MlxOptions = request.options_for(NAME) or MlxOptions()
         self.cache = check_options(self.options)
         self.folder = resolve_model(request.source, progress, request.trust_remote_code)
         try:

@@ -1,5 +1,6 @@
-"""The MLX runtime's light half: its options, its command-line flags and its switches, checked without importing
-MLX (the command line and the window's process use them; ``kvscope.core.runtimes``' registry points here)."""
+"""The MLX runtime's light half: its options, its command-line flags, its Source list entry, the request the window's
+form makes and its switches, checked without importing MLX (the command line and the window's process use them;
+``kvscope.core.runtimes``' registry points here)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvscope.core.model.attention import SettingsError, parse_attention
+from kvscope.core.model.request import RunForm, RunRequest
+from kvscope.core.model.spec import SpecError
+from kvscope.core.runtimes.base import SourceEntry
 from kvscope.core.runtimes.mlx.predict import (DEFAULT_GROUP_SIZE, PREFILL_STEP, QUANTIZED, MlxCache, parse_cache,
                                                quantized_cache)
 
+NAME = "mlx"
+_MAX_COUNT = 2**31 - 1
 #: The switch keys an MLX run takes.
 KEYS = ("cache", "attention", "attn-impl")
 
@@ -60,6 +66,45 @@ def parse_switch(key: str, value: str) -> tuple[str, Any]:
                         "or attention (mha, gqa:N, mqa)")
 
 
+def add_flags(parser: Any, command: str) -> dict[str, tuple[float, float, str]]:
+    """MLX's cache options, spelled as mlx-lm's generate flags (``--runtime mlx``); ``calc`` takes the prompt's
+    tokens, ``run`` the prompt's chunk. Returns the whole-number flags' ranges (--kv-bits and --kv-group-size are
+    checked by mlx-lm's own rule, ``quantized_cache``)."""
+    g = parser.add_argument_group("--runtime mlx (mlx-lm's flags)")
+    g.add_argument("--max-kv-size", type=int, default=None, metavar="N",
+                   help="a RotatingKVCache of N tokens keeping the first 4 (default: a KVCache in 256-token steps)")
+    g.add_argument("--kv-bits", type=int, default=None, help="a QuantizedKVCache of 8, 4 or 2 bits")
+    g.add_argument("--kv-group-size", type=int, default=None, help="the quantized cache's group: 32, 64 or 128 (default 64)")
+    ranges = {"max_kv_size": (2, 1 << 24, "tokens of MLX's rotating cache")}
+    if command == "calc":
+        g.add_argument("--prompt-tokens", type=int, default=1, metavar="N",
+                       help="the prompt's tokens before the decode (a rotating cache depends on it; default 1)")
+        ranges["prompt_tokens"] = (1, _MAX_COUNT, "tokens of the prompt")
+    else:
+        g.add_argument("--prefill-step-size", type=int, default=None, metavar="N",
+                       help="the prompt's chunk (default 2048, mlx-lm's)")
+        ranges["prefill_step_size"] = (1, _MAX_COUNT, "tokens of each prompt chunk")
+    return ranges
+
+
+def source_entries() -> tuple[SourceEntry, ...]:
+    """The Source list's "MLX (mlx-lm)": the embedded model in MLX; installed MLX folders run in MLX too."""
+    return (SourceEntry(key="mlx", label="MLX (mlx-lm)", tooltip="MLX: the embedded model in mlx-lm (an installed "
+                        "MLX folder: Installed model).", installed_kinds=("mlx",),
+                        kind_labels=(("mlx", "MLX model folder"),)),)
+
+
+def form_request(form: RunForm) -> RunRequest:
+    """An MLX run of the form's model: the cache from the Cache combo where it names an MLX cache (else a KVCache:
+    a transformers or llama.cpp cache shown from the run before)."""
+    cache = form.cache
+    try:
+        cache = parse_cache(cache).key if cache and cache != "dynamic" else "kv"
+    except (SpecError, SettingsError):
+        cache = "kv"
+    return RunRequest(**form.common(), runtime=NAME, options={NAME: MlxOptions(cache=cache)})
+
+
 def options_from_args(args: Any) -> MlxOptions:
     """MlxOptions from ``--max-kv-size``, ``--kv-bits``, ``--kv-group-size`` and ``--prefill-step-size``."""
     max_kv = getattr(args, "max_kv_size", None)
@@ -83,8 +128,8 @@ def options_from_args(args: Any) -> MlxOptions:
     return MlxOptions(cache=cache, prefill_step_size=int(step))
 
 
-def cli_options(args: Any) -> dict[str, Any]:
-    """The RunRequest fields of ``run --runtime mlx``'s own flags (mlx-lm's spellings); the transformers-only
+def cli_options(args: Any) -> MlxOptions:
+    """The options of ``run --runtime mlx``'s own flags (mlx-lm's spellings); the transformers-only
     flags are refused with what to give instead."""
     if str(getattr(args, "cache", "dynamic") or "dynamic").strip().lower() != "dynamic":
         raise SettingsError("--runtime mlx builds mlx-lm's caches: --max-kv-size N (rotating), --kv-bits B "
@@ -103,7 +148,7 @@ def cli_options(args: Any) -> dict[str, Any]:
     if device not in ("auto", "cpu", "gpu", "mps"):
         raise SettingsError(f"--device {device}: MLX runs on cpu or gpu (Metal on a Mac); leave --device out for "
                             "MLX's default")
-    return {"mlx": options_from_args(args)}
+    return options_from_args(args)
 
 
 def check_options(options: MlxOptions) -> MlxCache:

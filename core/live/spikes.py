@@ -18,8 +18,9 @@ process when the device rose and this process did not.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-import statistics
+import itertools
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -100,6 +101,13 @@ class SpikeDetector:
         self.window_s = float(window_s)
         self.baseline_s = float(baseline_s)
         self._points: deque[tuple[float, int]] = deque()
+        # Every point costs the same whatever the density of the series (issue 38: a replay of 60k samples 0.1 ms
+        # apart took 345 s, each point scanning the 25k points of its window and sorting their slopes): the
+        # window's minimum from a monotonic deque, the trend's median from a sorted list kept as points come and go.
+        self._seq_front = 0  # the number of the point at self._points[0] (points are numbered as they come)
+        self._minima: deque[tuple[int, float, int]] = deque()  # (number, time, value), values rising, the latest of equals
+        self._slopes: deque[float] = deque()  # the slope of each interval of self._points, in order
+        self._sorted_slopes: list[float] = []
         self._floor_s = float("-inf")  # points before this belong to an already-reported spike
         self._pending: Spike | None = None  # a rise past the threshold that is still climbing
         self._pending_since = 0.0
@@ -112,10 +120,23 @@ class SpikeDetector:
             raise ValueError(f"times must increase: {time_s} after {self._points[-1][0]} in series {self.series!r}")
         value = int(value)
         prev = self._points[-1][1] if self._points else None
+        if self._points:
+            t0, v0 = self._points[-1]
+            slope = (value - v0) / (time_s - t0)
+            self._slopes.append(slope)
+            bisect.insort(self._sorted_slopes, slope)
+        number = self._seq_front + len(self._points)
         self._points.append((time_s, value))
+        while self._minima and self._minima[-1][2] >= value:
+            self._minima.pop()
+        self._minima.append((number, time_s, value))
         horizon = time_s - self.window_s - self.baseline_s
         while self._points and self._points[0][0] < horizon:
             self._points.popleft()
+            self._seq_front += 1
+            if self._slopes:  # the interval that began at the point that left
+                gone = self._slopes.popleft()
+                del self._sorted_slopes[bisect.bisect_left(self._sorted_slopes, gone)]
 
         done: Spike | None = None
         if self._pending is not None:
@@ -162,9 +183,9 @@ class SpikeDetector:
 
     def _check(self, time_s: float, value: int) -> Spike | None:
         window_start = max(time_s - self.window_s, self._floor_s)
-        in_window = [(t, v) for t, v in self._points if t >= window_start]
-        i_min = min(range(len(in_window)), key=lambda i: (in_window[i][1], -i))
-        t_min, v_min = in_window[i_min]
+        while self._minima[0][1] < window_start:  # the window's start only moves forward; the newest point stays
+            self._minima.popleft()
+        number_min, t_min, v_min = self._minima[0]  # the lowest value in the window, the latest of equals
         rise = value - v_min
         if rise <= 0:
             return None
@@ -175,7 +196,8 @@ class SpikeDetector:
         # token staircase the minimum itself may lie well before the jump.
         t_start, v_start = t_min, v_min
         sharp = self._sharp_step(rise)
-        for (t0, v0), (t1, v1) in zip(in_window[i_min:], in_window[i_min + 1:]):
+        after_min = itertools.islice(self._points, number_min - self._seq_front, None)
+        for (t0, v0), (t1, v1) in itertools.pairwise(after_min):
             if (v1 - v0) - trend * (t1 - t0) >= sharp:
                 t_start, v_start = t0, v0
                 break
@@ -190,9 +212,9 @@ class SpikeDetector:
         """
         if len(self._points) <= _MIN_TREND_INTERVALS:
             return 0.0
-        pts = list(self._points)
-        slopes = [(v1 - v0) / (t1 - t0) for (t0, v0), (t1, v1) in zip(pts, pts[1:])]
-        return max(statistics.median(slopes), 0.0)
+        slopes, n = self._sorted_slopes, len(self._sorted_slopes)
+        median = slopes[n // 2] if n % 2 else (slopes[n // 2 - 1] + slopes[n // 2]) / 2  # as statistics.median
+        return max(median, 0.0)
 
 
 def _duration(spike: Spike) -> float:
@@ -281,16 +303,20 @@ class SpikeMonitor:
         self._device = SpikeDetector("device", min_rise_bytes, window_s, min_rise_fraction, baseline_s)
         self._process = SpikeDetector("process", min_rise_bytes, window_s, min_rise_fraction, baseline_s)
         self.process_source: str | None = None
-        self._events: deque[Event] = deque()
+        # The app's events per kind, each in time order: a spike's cause is the latest event of each kind near it,
+        # found by bisection, so a spike costs the same whether a token came every 100 ms or every 0.1 ms.
+        self._events: dict[str, deque[Event]] = {}
         self._keep_events_s = keep_events_s
         self._history_s = window_s * 2 + baseline_s
         self._proc_points: deque[tuple[float, int]] = deque()
 
     def add_event(self, event: Event) -> None:
         """Record something the app did (load, prefill, switch, ...), in time order."""
-        self._events.append(event)
-        while self._events and self._events[0].time_s < event.time_s - self._keep_events_s:
-            self._events.popleft()
+        self._events.setdefault(event.kind, deque()).append(event)
+        oldest = event.time_s - self._keep_events_s
+        for events in self._events.values():
+            while events and events[0].time_s < oldest:
+                events.popleft()
 
     def feed(self, reading) -> list[Spike]:  # reading: kvscope.core.runtimes.probes.MemoryReading (kept duck-typed)
         """Add one reading; return the spikes that ended with it, causes attached."""
@@ -305,7 +331,7 @@ class SpikeMonitor:
         out: list[Spike] = []
         spike = self._process.feed(t, proc_value)
         if spike is not None:
-            out.append(spike.with_cause(attribute_cause(spike, self._events)))
+            out.append(spike.with_cause(attribute_cause(spike, self._events_near(spike))))
         spike = self._device.feed(t, reading.device_used)
         if spike is not None:
             out.extend(self._device_spike(spike))
@@ -316,21 +342,43 @@ class SpikeMonitor:
         out: list[Spike] = []
         spike = self._process.flush()
         if spike is not None:
-            out.append(spike.with_cause(attribute_cause(spike, self._events)))
+            out.append(spike.with_cause(attribute_cause(spike, self._events_near(spike))))
         spike = self._device.flush()
         if spike is not None:
             out.extend(self._device_spike(spike))
         return out
 
+    def _events_near(self, spike: Spike, lookback_s: float = 1.0) -> list[Event]:
+        """What ``attribute_cause`` would choose from for ``spike`` (with its default ``lookback_s``): of each kind,
+        the latest event from ``lookback_s`` before the rise began up to its end, if there is one. (Of events in time
+        order, as ``add_event`` takes them: the same cause as from all of them.)"""
+        start = (spike.start_s if spike.start_s is not None else spike.time_s) - lookback_s
+        near: list[Event] = []
+        for events in self._events.values():
+            i = bisect.bisect_right(events, spike.time_s, key=_event_time)
+            if i and events[i - 1].time_s >= start:
+                near.append(events[i - 1])
+        return near
+
     def _device_spike(self, spike: Spike) -> list[Spike]:
         if not self._proc_points:  # nothing to compare with: the events are all we know
-            return [spike.with_cause(attribute_cause(spike, self._events))]
-        times = [p[0] for p in self._proc_points]
-        values = [p[1] for p in self._proc_points]
+            return [spike.with_cause(attribute_cause(spike, self._events_near(spike)))]
         start = spike.start_s if spike.start_s is not None else spike.time_s
-        process_rise = rise_between(times, values, start, spike.time_s)
-        cause = attribute_cause(spike, self._events, process_rise=process_rise)
+        # rise_between over the points of the spike's own interval, read from the newest end
+        last, lowest = None, None
+        for t, v in reversed(self._proc_points):
+            if t < start:
+                break
+            if t <= spike.time_s:
+                last = v if last is None else last
+                lowest = v if lowest is None else min(lowest, v)
+        process_rise = None if last is None else int(last - lowest)
+        cause = attribute_cause(spike, self._events_near(spike), process_rise=process_rise)
         return [spike.with_cause(cause)] if cause == CAUSE_OTHER_PROCESS else []
+
+
+def _event_time(event: Event) -> float:
+    return event.time_s
 
 
 #: Spike thresholds: a GPU allocation worth a question, and on the CPU demo a few MiB of host memory.

@@ -37,7 +37,9 @@ the header (empty file, not a recording, unknown or newer version, a field of th
 range) raise :class:`RecordingError`, one line. Problems with a sample line are *skipped and
 counted* by default rather than stopping the read: one damaged line in a long recording must not
 make the rest unplayable, and skipping loses nothing that was readable (``strict=True`` raises
-instead); ``problem()`` says what was skipped in one line. A last line cut off without its
+instead); ``problem()`` says what was skipped in one line. Beside each field's own type and range, the
+fields that say how a run went are checked against each other and the header (``sample_rules``, one rule per
+field, the writer's too): see ``SAMPLE_RULES``. A last line cut off without its
 newline is the mark of a killed writer: it is reported as ``truncated``, not as corruption. A
 replay reads with ``max_text=MAX_TEXT_CHARS``: a text longer than that is cut and marked.
 
@@ -208,6 +210,44 @@ _HEADER_FIELDS: dict[str, dict[str, str]] = {
 }
 
 
+#: A runtime's name as the registry spells them (``transformers``, ``llama.cpp``, ``mlx``): a recording from a newer
+#: KV Scope may name one this build lacks (shown as data, its rules unknown), never an empty or control-character one.
+_RUNTIME_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
+
+#: What the reader decides per field of a sample, beyond the field's own type and range (``sample_from_json``): a
+#: line that breaks a rule is damage, skipped and counted (``problem()`` names the first), never drawn.
+#: ``quality_top1`` (0 or 1, never a bool), ``quality_kl`` (finite, >= 0), ``kv_bytes_held`` <= ``kv_bytes_reserved``
+#: and byte counts up to 2**63-1 are the field's own range, checked by ``sample_from_json``; a huge byte count the
+#: range allows is drawn (the axes print it). The rules here need another field or the header:
+SAMPLE_RULES = {
+    "quality_token": "an id of the recorded model's vocabulary (below the header's model.vocab_size)",
+    "quality_token_text": "only beside a quality_token (it is that token's text)",
+    "quality_kl": "only beside quality_top1 (the probe measures both on the same token)",
+    "runtime": "a runtime's name: a letter or digit, then letters, digits, '.', '_', '+' or '-' (at most 64)",
+}
+
+
+def sample_rules(sample: Sample, vocab_size: int | None) -> str | None:
+    """Which of ``SAMPLE_RULES`` ``sample`` breaks, in one line, or None. ``vocab_size``: the header's
+    ``model.vocab_size`` (None when the header does not say)."""
+    if sample.quality_token is not None and vocab_size is not None and sample.quality_token >= vocab_size:
+        return (f"sample field quality_token {sample.quality_token:,} is not a token of the recorded model "
+                f"(its vocabulary has {vocab_size:,})")
+    if sample.quality_token_text is not None and sample.quality_token is None:
+        return "sample field quality_token_text is set without a quality_token"
+    if sample.quality_kl is not None and sample.quality_top1 is None:
+        return "sample field quality_kl is set without quality_top1"
+    if sample.runtime != "transformers" and not _RUNTIME_NAME.fullmatch(sample.runtime):
+        return f"sample field runtime {short_repr(sample.runtime)} is not a runtime's name"
+    return None
+
+
+def _vocab_size(header: Mapping[str, Any]) -> int | None:
+    model = header.get("model")
+    vocab = model.get("vocab_size") if isinstance(model, Mapping) else None
+    return vocab if _count(vocab) and vocab > 0 else None
+
+
 def _count(value: Any) -> bool:
     """A count or a byte size: an int (not a bool) from 0 to MAX_INT."""
     return type(value) is int and 0 <= value <= MAX_INT
@@ -252,6 +292,7 @@ class RecordingWriter:
         except OutputError as exc:
             raise RecordingError(f"cannot create recording: {exc}") from None
         self.header = full
+        self._vocab = _vocab_size(full)
         # Header first in a temporary sibling, fsynced, then renamed: the path either does not exist or
         # starts with a complete header, whatever moment the process dies. (Reopen after the rename
         # rather than keep the handle: Windows cannot rename a file Python holds open.)
@@ -311,6 +352,9 @@ class RecordingWriter:
             # Refuse here what a reader would skip (a NaN time, an unknown phase, a wrong type): a
             # producer bug shows at once, and every line written is a line that replays.
             checked_fields(data)
+            broken = sample_rules(sample, self._vocab)
+            if broken:
+                raise ValueError(broken)
             line = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n"
         except (TypeError, ValueError) as exc:
             raise RecordingError(f"cannot record sample at token {getattr(sample, 'token', '?')}: {exc}") from None
@@ -516,6 +560,7 @@ class RecordingReader:
             self.close()
             raise
         self.version: int = self.header["version"]
+        self._vocab = _vocab_size(self.header)
 
     @property
     def model(self) -> dict[str, Any]:
@@ -573,6 +618,10 @@ class RecordingReader:
                     unreadable = (json.JSONDecodeError, UnicodeDecodeError, RecursionError)  # JSON is UTF-8
                     why = "not valid JSON" if isinstance(exc, unreadable) else str(exc)
                     self._bad_line(number, why.splitlines()[0] if why else "unreadable")
+                    continue
+                broken = sample_rules(sample, self._vocab)
+                if broken:
+                    self._bad_line(number, broken)
                     continue
                 if self.max_text is not None and len(sample.text) > self.max_text:
                     sample = dataclasses.replace(sample, text=elide(sample.text, self.max_text))

@@ -26,6 +26,7 @@ import time
 from typing import Any, Callable
 
 from kvscope.core.base.errors import RuntimeCrashed
+from kvscope.core.base.process_state import is_stopped
 from kvscope.core.base.sample import PHASE_EVENT, Sample
 from kvscope.core.model.attention import SettingsError, native_attention
 from kvscope.core.model.gguf import read_gguf
@@ -38,6 +39,8 @@ from kvscope.core.runtimes.llamacpp.engine import OFFERED_CACHE_TYPES, RUNTIME a
 POLL_S = 0.05
 #: How long the child may take to load before the call gives up (seconds): a huge GGUF on a slow disk.
 LOAD_TIMEOUT_S = 3600.0
+#: How long the child may stay stopped (SIGSTOP: it never answers) before the run ends it (seconds).
+STOPPED_S = 5.0
 
 
 # ---------------------------------------------------------------------------------------------------- the child
@@ -240,9 +243,15 @@ class LlamaCppRuntime:
 
     def _reply(self, timeout_s: float | None, doing: str) -> Any:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        stopped_since = None
         while not self._conn.poll(POLL_S):
             if not self._process.is_alive() and not self._conn.poll(0):
                 raise self._crash(doing)
+            if not is_stopped(self._process.pid):  # a stopped child (issue 38) hung the run forever
+                stopped_since = None
+            elif (stopped_since := stopped_since or time.monotonic()) < time.monotonic() - STOPPED_S:
+                self._process.kill()
+                raise self._crash(doing, f"its process stopped (SIGSTOP) for {STOPPED_S:.0f} s, so KV Scope ended it,")
             if deadline is not None and time.monotonic() > deadline:
                 self._process.kill()
                 raise self._crash(doing, f"no answer within {timeout_s:.0f} s")

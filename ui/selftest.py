@@ -3,9 +3,9 @@
 It goes the real way through: a Qt application on the offscreen platform, the generation engine
 in its own process (a child of this executable, as the window runs it), the embedded demo model built from ``assets/`` (so the bundle's data files are
 found), a prefill and 8 decoded tokens on the CPU, for every decoded token the observed KV bytes
-compared with the predicted ones, and a pyqtgraph plot of them rendered offscreen. Then, where llama.cpp is
-installed (the desktop bundle ships it), the embedded model's GGUF decodes a few tokens in llama.cpp the way
-``run --runtime llama.cpp`` runs it, and llama.cpp's allocation must equal the prediction; without it the
+compared with the predicted ones, and a pyqtgraph plot of them rendered offscreen. Then each runtime that brings
+a part of its own (its registry ``self_test``: the embedded model's GGUF, a few tokens, whose allocation must
+equal the prediction) runs it where it is installed (the desktop bundle ships them); where it is not, the
 line says that part was skipped. One line on stdout says what passed; on any failure one
 line says why and the exit status is 1. No display, GPU or network is needed.
 """
@@ -22,15 +22,12 @@ from kvscope.core import runtimes
 from kvscope.core.base.errors import INTERNAL, KVScopeError
 from kvscope.core.base.sample import PHASE_DECODE
 from kvscope.core.model.request import RunRequest
-from kvscope.core.prediction.llamacpp import LlamaCppOptions
 from kvscope.core.runtimes import missing
 
 #: Tokens the self-test decodes; each one must have observed KV bytes == predicted KV bytes.
 SELF_TEST_TOKENS = 8
 #: Loading includes building the embedded model on first use (a few seconds); generous for slow CI.
 SELF_TEST_TIMEOUT_S = 120.0
-#: Tokens the embedded model's GGUF decodes in llama.cpp, when llama.cpp is installed (the bundle has it).
-LLAMACPP_TOKENS = 4
 
 
 class SelfTestFailed(KVScopeError):
@@ -93,15 +90,13 @@ def _render_plot(values: list[int]) -> tuple[int, int]:
     return image.width(), image.height()
 
 
-def llamacpp_missing() -> str | None:
-    """Why llama.cpp cannot run here (llama-cpp-python not installed), else None. Never imports llama_cpp
-    (the window's process must not): the runtime registry's answer, else whether the module is there."""
+def runtime_missing(name: str) -> str | None:
+    """Why the runtime ``name`` cannot run here (a package not installed), else None. Never imports it (the window's
+    process must not): the runtime registry's answer (its light half not importable: said as the reason)."""
     try:
-        return missing("llama.cpp")
-    except ImportError:
-        import importlib.util
-
-        return None if importlib.util.find_spec("llama_cpp") is not None else "llama_cpp is not installed"
+        return missing(name)
+    except ImportError as exc:
+        return f"its light half does not import ({exc})"
 
 
 def _run(timeout_s: float, tokens: int) -> str:
@@ -113,32 +108,28 @@ def _run(timeout_s: float, tokens: int) -> str:
         raise SelfTestFailed(f"assets folder not found at {assets}")
     app = QApplication.instance() or QApplication(sys.argv[:1])
     line = _run_transformers(app, RunRequest(source="embedded", max_new_tokens=tokens, device="cpu"), timeout_s)
-    return f"{line}; {_llamacpp_part(app, timeout_s)}"
+    return "; ".join([line, *_runtime_parts(app, timeout_s)])
 
 
-def _llamacpp_part(app, timeout_s: float) -> str:
-    """The embedded model's GGUF through llama.cpp for a few tokens, the way ``run --runtime llama.cpp``
-    runs it: llama.cpp's allocation at load (observed) must equal the prediction at every token, and the
-    cells holding tokens must grow with each token. Skipped, and said so, without llama.cpp."""
-    why = llamacpp_missing()
-    if why:
-        return f"llama.cpp skipped: {why}"
-
-    request = RunRequest(source="embedded", runtime="llama.cpp", options={"llama.cpp": LlamaCppOptions(n_ctx=512)},
-                         max_new_tokens=LLAMACPP_TOKENS, device="cpu")
-    decoded, _controller, where = _generate(app, request, timeout_s, LLAMACPP_TOKENS, "llama.cpp")
-    used = [s.kv_bytes_held for s in decoded]
-    for sample, held in zip(decoded, used):
-        if sample.kv_bytes_reserved is None or sample.kv_bytes_reserved != sample.kv_bytes_predicted:
-            raise SelfTestFailed(f"llama.cpp token {sample.token}: KV reserved {sample.kv_bytes_reserved} B "
-                                 f"!= predicted {sample.kv_bytes_predicted} B")
-        if held is None or not 0 < held <= sample.kv_bytes_reserved:
-            raise SelfTestFailed(f"llama.cpp token {sample.token}: KV used {held} B is not within the "
-                                 f"{sample.kv_bytes_reserved:,} B reserved")
-    if any(b <= a for a, b in zip(used, used[1:])):
-        raise SelfTestFailed(f"llama.cpp's used KV bytes did not grow with each token: {used}")
-    return (f"llama.cpp {len(decoded)} tokens, KV {decoded[-1].kv_bytes_reserved:,} B reserved == predicted, "
-            f"{used[-1]:,} B used {where}")
+def _runtime_parts(app, timeout_s: float) -> list[str]:
+    """Each other runtime's own part (its registry ``self_test``: a short run the window's way and the check of its
+    decoded samples), skipped, and said so, where the runtime is not installed."""
+    parts = []
+    for name in runtimes.names():
+        hook = runtimes.get(name).hook("self_test")
+        if hook is None:
+            continue
+        why = runtime_missing(name)
+        if why:
+            parts.append(f"{name} skipped: {why}")
+            continue
+        request, check = hook()
+        decoded, _controller, where = _generate(app, request, timeout_s, request.max_new_tokens, name)
+        try:
+            parts.append(f"{check(decoded)} {where}")
+        except ValueError as exc:
+            raise SelfTestFailed(str(exc)) from None
+    return parts
 
 
 def _generate(app, request, timeout_s: float, tokens: int, what: str) -> tuple[list, object, str]:

@@ -243,6 +243,7 @@ register(RuntimeInfo(
     missing="kvscope.core.runtimes.llamacpp.switches:llamacpp_missing", options="kvscope.core.prediction.llamacpp:LlamaCppOptions",
     add_flags="kvscope.core.runtimes.llamacpp.cli:add_flags", cli_options="kvscope.core.runtimes.llamacpp.cli:cli_options",
     source_entries="kvscope.core.runtimes.llamacpp.cli:source_entries", form_request="kvscope.core.runtimes.llamacpp.cli:form_request",
+    self_test="kvscope.core.runtimes.llamacpp.cli:self_test",
     calc="kvscope.core.runtimes.llamacpp.calc:calc_text", calculator="kvscope.core.runtimes.llamacpp.calc:RULES",
     cache_switch_reloads=True, reserves_at_load=True,
     switch_problem="kvscope.core.runtimes.llamacpp.switches:llamacpp_switch_problem"))

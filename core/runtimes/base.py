@@ -157,6 +157,9 @@ class RuntimeInfo:
     #: ``prepare_switch(key, value) -> str | None``: None when the live switch ``key=value`` can apply at the next
     #: token; else what it waits for (its progress line: the engine host asks again each token while it builds).
     prepare_switch: "str | Callable[[str, str], str | None] | None" = None
+    #: ``self_test() -> (request, check)``: ``kvscope --self-test``'s part for this runtime: a short run and the check
+    #: of its decoded Samples (``check(decoded) -> str``, the summary; ValueError: the one line why it failed).
+    self_test: "str | Callable[[], tuple[Any, Callable[[list], str]]] | None" = None
     #: ``auto_device() -> str``: what ``--device auto`` means in this process (the engine host asks the default
     #: runtime's).
     auto_device: "str | Callable[[], str] | None" = None

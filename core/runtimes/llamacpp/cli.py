@@ -97,3 +97,30 @@ def form_request(form: RunForm) -> RunRequest:
     options = LlamaCppOptions(n_ctx=form.max_context or form.store_context or DEFAULT_CONTEXT, type_k=kv, type_v=kv)
     common = {**form.common(), "source": form.source or "embedded"}
     return RunRequest(**common, runtime=NAME, options={NAME: options})
+
+
+#: Tokens the embedded model's GGUF decodes in ``kvscope --self-test``, where llama.cpp is installed (the bundle has it).
+SELF_TEST_TOKENS = 4
+
+
+def self_test() -> tuple[RunRequest, Any]:
+    """``kvscope --self-test``'s llama.cpp part: the embedded model's GGUF for a few tokens, the way ``run --runtime
+    llama.cpp`` runs it, and the check of its decoded samples: llama.cpp's allocation at load (observed) equals the
+    prediction at every token and the cells holding tokens grow with each (ValueError: the one line why not)."""
+    request = RunRequest(source="embedded", runtime=NAME, options={NAME: LlamaCppOptions(n_ctx=512)},
+                         max_new_tokens=SELF_TEST_TOKENS, device="cpu")
+
+    def check(decoded: list) -> str:
+        used = [s.kv_bytes_held for s in decoded]
+        for sample, held in zip(decoded, used):
+            if sample.kv_bytes_reserved is None or sample.kv_bytes_reserved != sample.kv_bytes_predicted:
+                raise ValueError(f"{NAME} token {sample.token}: KV reserved {sample.kv_bytes_reserved} B "
+                                 f"!= predicted {sample.kv_bytes_predicted} B")
+            if held is None or not 0 < held <= sample.kv_bytes_reserved:
+                raise ValueError(f"{NAME} token {sample.token}: KV used {held} B is not within the "
+                                 f"{sample.kv_bytes_reserved:,} B reserved")
+        if any(b <= a for a, b in zip(used, used[1:])):
+            raise ValueError(f"{NAME}'s used KV bytes did not grow with each token: {used}")
+        return (f"{NAME} {len(decoded)} tokens, KV {decoded[-1].kv_bytes_reserved:,} B reserved == predicted, "
+                f"{used[-1]:,} B used")
+    return request, check

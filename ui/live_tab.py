@@ -29,6 +29,8 @@ COMPACT_W = 1400
 RIGHT_COMPACT_W = 230
 #: A plots' column narrower than this stacks the memory plot over the predicted-vs-observed pair.
 STACK_BELOW_W = 640
+#: The bottom row's panels shown below ``COMPACT_W`` (the memory and total plots); a plot added after them waits.
+BOTTOM_ROW_COMPACT = 2
 
 
 def _column(*widgets, stretch_last: bool = False, margins=(4, 4, 4, 0)) -> QWidget:
@@ -180,7 +182,8 @@ class LiveTab(QSplitter):
         """Below ``COMPACT_W`` (1024x768, 1280x720, 1366x768) the numbers column narrows and the memory plot gets
         60 % of the bottom row; where the plots' column is still under ``STACK_BELOW_W`` (1024 px with the
         controls shown) the memory plot and the predicted-vs-observed pair go one above the other, each the
-        column's whole width (side by side they got ~240 px each: titles, time axis and legend cut).
+        column's whole width (side by side they got ~240 px each: titles, time axis and legend cut); a bottom-row panel
+        of ``PANELS`` past those two shows from ``COMPACT_W`` up.
         Applied when the window crosses a width, so a splitter the user drags stays where it is meanwhile."""
         compact = width < COMPACT_W
         left = 0 if presenter else max(self.controls.minimumWidth(), 1)
@@ -193,11 +196,15 @@ class LiveTab(QSplitter):
             return
         self._layout_key = key
         bottom = self.plots.splitter.widget(1)
-        if isinstance(bottom, QSplitter):
+        if isinstance(bottom, QSplitter):  # the bottom row's panels, however many PANELS has
             bottom.setOrientation(Qt.Orientation.Vertical if stacked else Qt.Orientation.Horizontal)
-            bottom.setCollapsible(0, False)
-            bottom.setCollapsible(1, False)
-            bottom.setSizes([3000, 2000] if compact else [1000, 1000])  # in proportion
+            for i in range(bottom.count()):
+                bottom.setCollapsible(i, False)
+                # Compact, the row keeps its first two (the memory and total plots): a third squeezed the others' data
+                # areas to a few pixels at 1024x768 and cut their legends at 1280x720. The rest wait off screen (File ›
+                # Export and the summary image draw them there, LivePlots.rendered) until the window is wider.
+                bottom.widget(i).setVisible(i < BOTTOM_ROW_COMPACT or not compact)
+            bottom.setSizes([3000, 2000] + [0] * (bottom.count() - 2) if compact else [1000] * bottom.count())  # in proportion
         if stacked:
             self.centre_splitter.setSizes([8000, 2000])  # the plots take 80 % of the height, the events the rest
             self.plots.splitter.setSizes([3000, 5000])  # the KV plot over the two others

@@ -3,8 +3,9 @@
 Samples are appended to preallocated ring buffers as they arrive (cheap, any rate); a fixed-rate timer in the
 window calls ``LivePlots.redraw`` (about 30 Hz), which hands each changed curve its column decimated to one
 min/max pair per pixel column (``kvscope.ui.decimate``), so a 100,000-point curve is as cheap to draw as the plot is
-wide. A plot is one class (``kvscope.ui.plots.panel.PlotPanel``) and one entry in ``PANELS``: the columns it plots,
-its markers, its place (the top row, or side by side in the bottom row) and its frames come from there.
+wide. A plot is one class (``kvscope.ui.plots.panel.PlotPanel``) in a module of its own and one entry in ``PANELS``
+(its ``"module:class"``): the columns it plots, its markers, its place (the top row, or side by side in the bottom
+row), its frames, its export and its place in the summary image come from there (docs/extending.md, "a new plot").
 
 The top row is the KV plot with the quality strip under it (``kvscope.ui.plots.quality``) and the frontier
 (``kvscope.ui.plots.frontier``) to their right; the strip and the frontier show only once a Sample carries the
@@ -14,6 +15,7 @@ quality probe's figures (a run without the probe keeps the layout it had).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 
 import numpy as np
@@ -35,8 +37,15 @@ from kvscope.ui.theme import Theme, theme as make_theme
 
 DEFAULT_CAPACITY = 200_000  # points per curve kept in memory (about 1.6 MB per column)
 
-#: The plots, top row first. The first is drawn at every frame; the others take turns (see ``redraw``).
-PANELS: tuple[type[PlotPanel], ...] = (KVPlot, QualityPlot, FrontierPlot, MemoryPlot, TotalPlot)
+#: The plots, top row first, as ``"module:class"`` (imported when the plots are built, ``panel_classes``): a new plot
+#: is its module and one line here. The first is drawn at every frame; the others take turns (see ``redraw``).
+PANELS: tuple[str, ...] = (
+    "kvscope.ui.plots.kv:KVPlot",
+    "kvscope.ui.plots.quality:QualityPlot",
+    "kvscope.ui.plots.frontier:FrontierPlot",
+    "kvscope.ui.plots.memory:MemoryPlot",
+    "kvscope.ui.plots.total:TotalPlot",
+)
 #: The panels shown only while the run's Samples carry the quality probe's figures.
 QUALITY_PANELS = ("quality", "frontier")
 #: The strip and the frontier show where the plots are at least this wide (presenter mode at 1024 px: ~675 px).
@@ -44,6 +53,26 @@ QUALITY_PANELS = ("quality", "frontier")
 #: data area to a few pixels: there they wait off screen, the attention badge still says the figure, File › Export and
 #: the summary image still draw them (``rendered``), and F11 shows them.
 FRONTIER_MIN_W = 600
+
+
+def panel_classes(panels: tuple[str, ...] | None = None) -> tuple[type[PlotPanel], ...]:
+    """The classes ``panels`` (default ``PANELS``) name. Raises ValueError, in one line, for an entry that names no
+    ``PlotPanel``, or two panels with one ``key``."""
+    out: list[type[PlotPanel]] = []
+    for entry in PANELS if panels is None else panels:
+        module, _, name = str(entry).partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), name) if module and name else None
+        except ImportError as exc:
+            raise ValueError(f"plot {entry!r} cannot be imported: {exc}") from None
+        except AttributeError:
+            cls = None
+        if not (isinstance(cls, type) and issubclass(cls, PlotPanel)) or not cls.key:
+            raise ValueError(f"plot {entry!r} is not a 'module:class' of a PlotPanel with a key")
+        if any(c.key == cls.key for c in out):
+            raise ValueError(f"plot {entry!r}: another plot has the key {cls.key!r}")
+        out.append(cls)
+    return tuple(out)
 
 
 def _columns(first: str, panels, attribute: str) -> tuple[str, ...]:
@@ -56,16 +85,16 @@ def _columns(first: str, panels, attribute: str) -> tuple[str, ...]:
 class LivePlots(QWidget):
     """The live plots (``PANELS``) fed by ``add_samples`` and drawn by ``redraw``."""
 
-    #: What ``export_plot`` can write: one name per panel.
-    EXPORTABLE = tuple(cls.key for cls in PANELS)
     #: The running quality figure of the setting in force (a ``QualityFigure``), or None (no probe, a new run).
     quality_changed = Signal(object)
 
     def __init__(self, theme: Theme | None = None, capacity: int = DEFAULT_CAPACITY, parent: QWidget | None = None):
         super().__init__(parent)
         self.theme = theme or make_theme("dark")
-        self.tokens = RingBuffer(capacity, _columns("token", PANELS, "TOKEN_COLUMNS"))
-        self.times = RingBuffer(capacity, _columns("time", PANELS, "TIME_COLUMNS"))
+        classes = panel_classes()
+        self.exportable = tuple(cls.key for cls in classes)  # what ``export_plot`` can write: one name per panel
+        self.tokens = RingBuffer(capacity, _columns("token", classes, "TOKEN_COLUMNS"))
+        self.times = RingBuffer(capacity, _columns("time", classes, "TIME_COLUMNS"))
         # monotonic seconds (the probes' clock) of plot time 0; set by the window from the run's samples
         self.time_origin: float | None = None
         self.markers: list[Marker] = []
@@ -74,7 +103,7 @@ class LivePlots(QWidget):
 
         pg.setConfigOptions(antialias=False)  # antialiasing costs more than it buys at 30 Hz
         self.panels: list[PlotPanel] = []
-        for cls in PANELS:
+        for cls in classes:
             self.panels.append(cls(self.tokens, self.times, self.markers, self.theme, capacity))
         self._curves = {key: curve for panel in self.panels for key, curve in panel.curves.items()}
         self.kv, self.memory, self.total = (self.panel(cls.key) for cls in (KVPlot, MemoryPlot, TotalPlot))
@@ -232,18 +261,24 @@ class LivePlots(QWidget):
             self._show_quality(True)
 
     def rendered(self, panel: PlotPanel) -> PlotPanel:
-        """``panel`` as it is on screen, or, for the frontier where the window has no room for it, a copy of it drawn
-        off screen at a readable size (what exports and the summary image take)."""
-        if panel not in (self.frontier, self.quality) or not panel.isHidden():
+        """``panel`` as it is on screen, or, where the window has no room for it (the frontier, the quality strip, a
+        bottom-row panel past the second on a small screen), a copy of it drawn off screen at a readable size (what
+        exports and the summary image take)."""
+        if not panel.isHidden():
             return panel
         copy = type(panel)(self.tokens, self.times, [], self.theme)
         if panel is self.frontier:
             copy.points = {key: dataclasses.replace(point) for key, point in panel.points.items()}
             copy._version = 1
             size = (440, 320)  # (about its size beside the KV plot: a summary scales it, type and all)
-        else:
+        elif panel is self.quality:
             copy.figure, copy.seen = panel.figure, True
             size = (720, 150)
+        else:  # a panel that draws the shared buffers alone: its curves and the switches' lines
+            for marker in self.markers:
+                for _owner, line in copy.marker_lines(marker, None):
+                    copy.style_marker_line(marker, line)
+            size = (panel.sizeHint().width(), panel.sizeHint().height() * 3 // 2)
         copy.setAttribute(Qt.WidgetAttribute.WA_DontShowOnScreen)
         copy.resize(*size)
         copy.show()
@@ -390,7 +425,7 @@ class LivePlots(QWidget):
 
         panel = next((p for p in self.panels if p.key == which), None)
         if panel is None:
-            raise ValueError(f"unknown plot {which!r}; choose one of {', '.join(self.EXPORTABLE)}")
+            raise ValueError(f"unknown plot {which!r}; choose one of {', '.join(self.exportable)}")
         panel = self.rendered(panel)
         item = panel.export_item()
         if str(path).lower().endswith(".svg"):

@@ -3,7 +3,8 @@
 It renders ``kvscope.core.live.breakdown.Breakdown`` (the arithmetic lives there, without Qt): each part a segment of the
 bar in its own colour, with its bytes and where the figure comes from (measured, predicted, a measured
 remainder); a part the device does not say is listed as "n/a" and draws nothing; what the known parts leave
-of the total is a hatched segment "not attributed". Refreshed by the window's slow (about 1 Hz) timer.
+of the total is a hatched segment, "rest" (its row says how much, and when the parts count more than is resident, by
+how much and why). Refreshed by the window's slow (about 1 Hz) timer.
 """
 
 from __future__ import annotations
@@ -73,10 +74,11 @@ class BreakdownView(QGroupBox):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__("Where the memory went", parent)
         self.setToolTip("The observed total (GPU: NVML's device used; Apple: the MPS driver's allocation; CPU: this\n"
-                        "process's RSS) split into weights, KV, activations, the allocator's cache, the runtime's\n"
-                        "baseline (CUDA context, Python, libraries) and other processes. Each figure says where it\n"
-                        "comes from: meas. (measured), pred. (predicted), rest (the measured total less the parts\n"
-                        "above); n/a where the device does not say.")
+                        "process's RSS) split into weights, KV, activations, the allocator's cache (CPU: malloc's\n"
+                        "free pages), the runtime's baseline (CUDA context, Python, libraries; CPU: the process at\n"
+                        "the load less its weights) and other processes. Each figure says where it comes from:\n"
+                        "meas. (measured), pred. (predicted), rest (the measured total less the parts above);\n"
+                        "n/a where the device does not say.")
         layout = QVBoxLayout(self)
         layout.setContentsMargins(6, 4, 6, 4)
         layout.setSpacing(3)
@@ -96,9 +98,10 @@ class BreakdownView(QGroupBox):
             swatch = QLabel("\u25a0")
             color = PART_COLORS.get(name, "#9aa4b2")
             swatch.setStyleSheet(f"color: {color};")
-            label = ElidedLabel(SHORT_LABELS.get(name, "unattributed"))
+            label = ElidedLabel(SHORT_LABELS.get(name, "rest"))
             label.min_shown = 2
-            label.set_tip(LABELS.get(name, "what the known parts leave of the observed total"))
+            label.set_tip(LABELS.get(name, "rest: what the known parts leave of the observed total (on the CPU: "
+                                           "Python's objects, the profiler's buffers, malloc's fragmentation)"))
             value = QLabel("n/a")
             value.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
             source = QLabel("")
@@ -172,7 +175,7 @@ class BreakdownView(QGroupBox):
             for w in (*self.rows[name], self.swatches[name]):
                 if w.isVisibleTo(self) != on:
                     w.setVisible(on)
-        dropped = [SHORT_LABELS.get(n, "unattributed") for n in wanted if n not in keep]
+        dropped = [SHORT_LABELS.get(n, "rest") for n in wanted if n not in keep]
         self.setToolTip(self._tip + (f"\nNot shown for lack of room: {', '.join(dropped)}." if dropped else ""))
 
     def apply_theme(self, theme: Theme) -> None:
@@ -212,4 +215,4 @@ class BreakdownView(QGroupBox):
             self.rows[UNATTRIBUTED][1].setText(human_bytes(abs(rest)))
             why = "over the total: mapped, not resident" if b.total_source == "process RSS" else \
                 "over the total: read at other instants"
-            self.rows[UNATTRIBUTED][2].setText("measured" if rest > 0 else why)
+            self.rows[UNATTRIBUTED][2].setText("rest" if rest > 0 else why)

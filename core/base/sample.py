@@ -95,6 +95,12 @@ class Sample:
     # prefill and on a switch's re-run only: measured, and as kvscope.core.prediction.predict.prefill_peak replays it.
     peak_bytes_observed: int | None = None
     peak_bytes_predicted: int | None = None
+    # The host process's own figures where the runtime runs in the run loop's process (kvscope.core.base.host_memory):
+    # ``runtime_baseline`` the process without its model (torch, transformers, the tokenizer, the engine), measured at
+    # the load: the resident set less the weights and malloc's free pages then; ``host_retained`` the free pages
+    # glibc's malloc keeps now (resident, held by no tensor: what freed transients and a switch's copies leave).
+    runtime_baseline: int | None = None
+    host_retained: int | None = None
     # The runtime that made the sample (a name in kvscope.core.runtimes' registry): data to show, never a branch.
     runtime: str = "transformers"
 

@@ -8,14 +8,21 @@ The parts, in the order a stacked view draws them (bottom up)::
     activations       what the allocator holds beyond weights and KV (logits, temporaries): measured with a
                       device allocator; llama.cpp's compute buffer, measured (``activations_observed``: its
                       own memory breakdown); else predicted (the CPU allocator keeps no counters)
-    allocator_cache   reserved by torch's caching allocator but not allocated: measured (CUDA/MPS), else n/a
+    allocator_cache   reserved by torch's caching allocator but not allocated: measured (CUDA/MPS); on the CPU the
+                      free pages glibc's malloc keeps (``Sample.host_retained``: freed transients, a switch's
+                      copies), measured where the runtime runs in the run loop's process; else n/a
     runtime           the rest of this process: CUDA context, kernels, Python, libraries (NVML's process
-                      figure less the allocator's reserve; on the CPU the resident set less the parts above)
+                      figure less the allocator's reserve); on the CPU the runtime baseline measured at the load
+                      (``Sample.runtime_baseline``: the resident set then, less the weights and malloc's free pages:
+                      torch, transformers, the tokenizer, the engine), else the resident set less the parts above
     other_processes   the device's other users (NVML's device used less this process); n/a without NVML
 
 ``total`` is the observed figure the parts add up to: NVML's device used with a GPU, the MPS driver's
 allocation on Apple, the process RSS on the CPU. A part the device does not report is None ("n/a"),
-never 0; when some are n/a, ``unattributed`` is what the known parts leave of the total.
+never 0, and no part is ever negative; ``unattributed`` is what the known parts leave of the total: the rest
+(on the CPU with a measured baseline: what grew since the load that no part names, Python's objects, the
+profiler's buffers, the arenas' fragmentation), or, negative, what the parts count that is not resident (weights
+mapped from their file, llama.cpp's mmap).
 
 Plain Python (no Qt, no torch): the numbers panel, the stacked view and the Prometheus exporter render it.
 """
@@ -104,7 +111,7 @@ def memory_breakdown(s: Sample) -> Breakdown:
         cache = Part("allocator_cache", None, NA)
     else:  # the CPU: no allocator counters, so what transients hold is the prediction's
         activations = part("activations", s.activations_predicted, PREDICTED)
-        cache = Part("allocator_cache", None, NA)
+        cache = part("allocator_cache", s.host_retained, MEASURED)  # glibc malloc's free pages (host_memory)
     head = (part("weights", weights, MEASURED), part("kv_held", held, MEASURED),
             part("kv_reserved_free", kv_free, MEASURED), activations, cache)
 
@@ -115,11 +122,14 @@ def memory_breakdown(s: Sample) -> Breakdown:
     elif pool is not None:  # MPS: the driver's allocation for this process, no view of the others
         total, total_source = pool, "allocator reserved (driver)"
         runtime, others = Part("runtime", None, NA), Part("other_processes", None, NA)
-    else:  # the CPU: this process's resident set; the runtime is what the other parts leave of it
+    else:  # the CPU: this process's resident set; the runtime its baseline at the load, else what the parts leave
         total, total_source = s.process_rss, "process RSS"
-        known = [p.bytes for p in head]
-        rest = _minus(total, *[b or 0 for b in known]) if total is not None else None
-        runtime = part("runtime", rest, REMAINDER)
+        if s.runtime_baseline is not None and total is not None:
+            runtime = part("runtime", s.runtime_baseline, MEASURED)
+        else:
+            known = [p.bytes for p in head]
+            rest = _minus(total, *[b or 0 for b in known]) if total is not None else None
+            runtime = part("runtime", rest, REMAINDER)
         others = Part("other_processes", None, NA)
     return Breakdown(total=total, total_source=total_source if total is not None else NA,
                      parts=head + (runtime, others))

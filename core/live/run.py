@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from kvscope.core import __version__, runtimes
 from kvscope.core.base.errors import GenerationError, RuntimeCrashed, is_user_error
+from kvscope.core.base.host_memory import HostFigures
 from kvscope.core.base.sample import Sample
 from kvscope.core.model.attention import SettingsError
 from kvscope.core.model.request import ModelInfo, RunHooks, RunRequest  # noqa: F401 - RunHooks: its old home
@@ -86,7 +87,12 @@ def run_generation(request: RunRequest, hooks: RunHooks) -> list[Sample]:
         if request.record_path:
             writer = _open_writer(request, runtime, info)
 
+        # This process's resident set split further (Sample.runtime_baseline, host_retained) where the runtime runs here
+        host = HostFigures() if getattr(runtime, "runs_in_this_process", False) else None
+
         def emit(sample: Sample) -> None:
+            if host is not None:
+                sample = host.attach(sample)
             if writer is not None:
                 writer.write(sample)
             hooks.emit(sample)

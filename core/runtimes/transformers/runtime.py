@@ -143,6 +143,8 @@ class TransformersRuntime:
     """``kvscope.core.runtimes.transformers.engine.Engine`` as a ``kvscope.core.runtimes.base.Runtime``."""
 
     name = NAME
+    #: The model runs in the run loop's process: its resident set is this process's (kvscope.core.base.host_memory).
+    runs_in_this_process = True
 
     def __init__(self, request: RunRequest, progress: Callable[[str], None]) -> None:
         self.request = request

@@ -112,3 +112,44 @@ def test_batch_two_matches_the_allocator(one_thread, model_type: str, impl: str)
     one = calculate(spec, settings.with_(batch=1), [n], device="cpu", cpu_threads=one_thread).to_json()["rows"][0]
     assert row["kv_cache_bytes"] == 2 * one["kv_cache_bytes"]
     assert row["activation_bytes"] > one["activation_bytes"]
+
+
+def _sink_cache(model, sinks: int, window: int):
+    from kvscope.core.runtimes.transformers.sparse_caches import SinkWindowLayer, selecting_cache
+
+    return selecting_cache(model.config, lambda: SinkWindowLayer(sinks, window))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt_neox"])
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_a_sink_cache_prefill_and_step_match_the_allocator(one_thread, model_type: str, impl: str) -> None:
+    """Issue 24 left a re-run into a sink cache predicted as a dynamic one (+13%). A prefill of 150 tokens into a
+    sink:4+60 cache (the pass attends all 150, each layer keeps 64) and a decode step past its capacity, measured
+    under the profiler, equal the replay (``prefill_peak`` with the sink cache), which calc's total then uses."""
+    from kvscope.core.model.caches import parse_cache
+
+    model = archs.build_tiny_model(model_type)
+    model.set_attn_implementation(impl)
+    spec = spec_from_config(model.config.to_dict(), model_type)
+    n, sinks, window = 150, 4, 60
+    ids = torch.randint(0, 200, (1, n + 1), generator=torch.Generator().manual_seed(13))
+    cache = _sink_cache(model, sinks, window)
+    with torch.inference_mode():
+        _, pre = measure_peak(lambda: model(input_ids=ids[:, :n], cache=cache, use_cache=True, logits_to_keep=1),
+                              "cpu")
+        kv = cache_bytes(cache).logical
+        adopt = adopt_dynamic_cache(cache)
+        assert adopt is not None
+        _, step = measure_peak(lambda: model(input_ids=ids[:, n:], cache=cache, use_cache=True, logits_to_keep=1),
+                               "cpu", adopt=adopt)
+    settings = RunSettings(weight_dtype="float32", attn_impl=impl, cache=parse_cache(f"sink:{sinks}+{window}"))
+    predicted = prefill_peak(spec, settings, n, cpu_threads=one_thread)
+    dynamic = prefill_peak(spec, settings.with_(cache=parse_cache("dynamic")), n, cpu_threads=one_thread)
+    assert predicted.exact and predicted.end - predicted.logits == kv  # 64 tokens per layer kept
+    assert abs(predicted.peak - pre.peak) <= EXACT_SLACK, (predicted, pre)
+    assert abs(dynamic.peak - pre.peak) > 10 * EXACT_SLACK  # the dynamic replay was not it
+    one = decode_peak(spec, settings, n, cpu_threads=one_thread)  # the cache holds 64 of the 150
+    assert abs(one.peak - step.peak) <= EXACT_SLACK, (one, step)
+    row = calculate(spec, settings, [n], device="cpu", cpu_threads=one_thread).to_json()["rows"][0]
+    assert row["activations_source"] == "replay" and row["kv_cache_bytes"] == kv
+    assert abs(row["total_bytes"] - (model_weight_bytes(model) + max(pre.peak, kv + step.peak))) <= EXACT_SLACK

@@ -175,9 +175,11 @@ def peak_moments(spec: ModelSpec, settings: RunSettings, context: int, prompt: i
       of ``context``): the cache it starts from plus its replayed peak above that (the grown K/V of one layer held
       twice while the cat runs, the 1 x past scores in eager). A token-selecting cache's step attends its capacity,
       not the context (``past_tokens`` capped there).
-    The replay follows a dynamic cache's concatenation; ``exact`` is False for any other cache, a model type the
-    replay lends a Llama layer, or a step past a sliding window."""
-    dynamic = settings.cache.name == "dynamic"
+    The replay follows a dynamic cache's concatenation and a sink cache's (on full-attention layers); ``exact`` is
+    False for any other cache, a model type the replay lends a Llama layer, or a step past a sliding window."""
+    # the caches the replay follows as they allocate: a dynamic cache, a sink cache on full-attention layers
+    dynamic = settings.cache.name == "dynamic" or (settings.cache.name == "sink" and not
+                                                   effective_spec(spec, settings).num_sliding_layers)
     prefill_bytes = 0
     exact = dynamic
     if prompt > 0:
@@ -249,6 +251,9 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
     for the call ``generate()`` makes: ``model(input_ids, cache=DynamicCache(), use_cache=True,
     logits_to_keep=1)``. With ``past_tokens``, the same for ``prompt_tokens`` new tokens (1: a decode step) on a
     dynamic cache that already holds ``past_tokens`` (its per-layer cat allocates the grown K/V, then frees the old).
+    A sink cache (``sink:S+W``) on a model of full-attention layers is replayed as ``SinkWindowLayer`` runs: the whole
+    cat, and past its S + W tokens the kept sinks and window beside it to the end of the layer's attention (it holds
+    at most S + W of ``past_tokens``).
 
     The forward pass of transformers 5.24 is replayed tensor by tensor by the model type's recipe
     (``kvscope.core.prediction.replay.RECIPES``; Llama's layer for a type without one, ``exact`` False): the
@@ -267,8 +272,14 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
     dtype = settings.weight_dtype or spec.dtype
     kv_dt = kv_elem_bytes(spec, settings)
     recipe, own = recipe_for(spec.model_type)
+    cache = settings.cache
+    # A sink cache on a model of full-attention layers only is replayed as its layers run (SinkWindowLayer); else the
+    # replay's cache is a dynamic one's.
+    sink = (cache.sinks, cache.window) if cache.name == "sink" and not eff.num_sliding_layers else None
+    if sink is not None:
+        past_tokens = min(past_tokens, sum(sink))  # what the cache holds of them
     run = new_pass(spec, eff, settings.batch, dtype, kv_dt, spec.kernel_for(settings.attn_impl), prompt_tokens,
-                   past_tokens, device=device, threads=cpu_threads, matmul_scratch=matmul_scratch)
+                   past_tokens, device=device, threads=cpu_threads, matmul_scratch=matmul_scratch, sink=sink)
     logits = recipe.replay(run)
     # A decode step on sliding layers past their window: DynamicSlidingWindowLayer keeps W - 1 tokens, not replayed.
     exact = own and not (past_tokens and eff.num_sliding_layers)

@@ -137,10 +137,25 @@ def rope_fp32(p: Pass, nq: int, nk: int, copies: bool) -> tuple[int, int]:
 
 
 def cache_update(p: Pass) -> None:
-    """DynamicLayer.update: torch.cat into the cache, keys then values, each freeing the tensor it replaced."""
-    for _ in range(2):
-        p.heap.alloc(p.Kc)
-        p.heap.free(p.Kc_old)
+    """DynamicLayer.update: torch.cat into the cache, keys then values, each freeing the tensor it replaced.
+
+    A sink cache's layer (``kvscope.core.runtimes.transformers.sparse_caches.SinkWindowLayer``) cats keys and values
+    first; past its capacity it keeps a cat of the sinks and the window (keys, then values, each freeing the one it
+    replaced) and returns the whole cat, which the attention's locals hold to the end of the layer's attention."""
+    if p.sink is None:
+        for _ in range(2):
+            p.heap.alloc(p.Kc)
+            p.heap.free(p.Kc_old)
+        return
+    whole = [p.heap.alloc(p.Kc) for _ in range(2)]
+    capacity = sum(p.sink)
+    if p.kv > capacity:
+        for _ in range(2):
+            p.heap.alloc(p.b * p.kvh * capacity * p.hd * p.kv_dt)
+            p.heap.free(p.Kc_old)
+        p.kept.extend(whole)
+    else:
+        p.heap.free(p.Kc_old, p.Kc_old)
 
 
 def gated_mlp(p: Pass) -> int:

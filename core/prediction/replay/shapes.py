@@ -49,6 +49,8 @@ class Pass:
     device: str = "cpu"
     threads: int = 1
     matmul_scratch: Callable[..., int] | None = None
+    #: A sink cache's (sinks, window) on every layer (``SinkWindowLayer``), None: a dynamic cache's layers.
+    sink: tuple[int, int] | None = None
     heap: Heap = field(default_factory=Heap)
     embeddings: int = 0
     mask: int = 0

@@ -84,12 +84,18 @@ def measure_peak(call: Callable[[], Any], device: str, adopt: Callable[[], None]
     return result, PeakReading(peak=peak, end=now)
 
 
+#: The cache layers whose K/V ``adopt_dynamic_cache`` copies: transformers' dynamic layer, and KV Scope's sink layer
+#: (``kvscope.core.runtimes.transformers.sparse_caches.SinkWindowLayer``: keys and values only, like it).
+ADOPTED_LAYERS = ("DynamicLayer", "SinkWindowLayer")
+
+
 def adopt_dynamic_cache(cache: Any) -> Callable[[], None] | None:
     """For ``measure_peak``'s ``adopt``: a function that replaces every layer's K/V of a transformers dynamic cache by
     a copy (so the profiler sees the step free them), or None when the cache has layers of another kind (sliding,
-    quantized, offloaded: not measured on the CPU). Costs one copy of the cache, one layer at a time."""
+    quantized, offloaded, h2o: not measured on the CPU); a sink cache's layers are copied the same way. Costs one
+    copy of the cache, one layer at a time."""
     layers = getattr(cache, "layers", None)
-    if not layers or any(type(layer).__name__ != "DynamicLayer" for layer in layers):
+    if not layers or any(type(layer).__name__ not in ADOPTED_LAYERS for layer in layers):
         return None
 
     def adopt() -> None:

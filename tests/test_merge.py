@@ -118,9 +118,11 @@ def _align_heads(model) -> None:
                     proj.bias.reshape(2, 16)[1] = out[1][:, 0]
 
 
+@pytest.mark.parametrize("weighting", ["none", "queries"])
 @pytest.mark.parametrize("kind", ["llama", "stablelm"])
-def test_heads_that_are_one_head_merge_exactly_and_the_mean_does_not(kind, monkeypatch):
+def test_heads_that_are_one_head_merge_exactly_and_the_mean_does_not(kind, weighting, monkeypatch):
     monkeypatch.setattr(merge, "PRIOR_TOKENS", 0)  # the fit on the tokens alone (the prior pulls towards the mean)
+    monkeypatch.setattr(merge, "KEY_WEIGHTING", weighting)  # any weighting of the heads: the same exact fit
     torch.manual_seed(0)
     model = _tiny(kind)
     _align_heads(model)

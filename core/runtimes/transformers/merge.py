@@ -50,6 +50,14 @@ CALIBRATION_TOKENS = 1024
 #: prompt stays close to the mean (its fit of hundreds of dims on a few tokens would not carry to the next ones).
 PRIOR_TOKENS = 4
 
+#: How each head's key error is weighted in the fit of a rotary pair: "none" (every head alike) or "queries" (by the
+#: energy of the queries that read it on that pair, ``query_energy``: an error on a pair its queries weigh little
+#: costs the attention little). Measured with benchmarks/merge_weighting.py (SmolLM2 to MQA, teacher-forced, KL nats
+#: per token, unweighted -> the queries the prefix computed -> those the weights imply): 24+24 tokens 2.02 -> 2.06 /
+#: 2.49, 64+64 1.70 -> 1.49 / 1.72, 96+96 2.57 -> 2.44 / 2.59; the embedded model 64+64 0.314 -> 0.322 / 0.314. Not
+#: better everywhere, and the engine's calibration (the cache's K/V) holds no queries: "none" stays the default.
+KEY_WEIGHTING = "none"
+
 #: Names of a norm applied to queries or keys after their projection: the merge's maps cannot pass through it.
 QK_NORMS = ("k_norm", "q_norm", "k_layernorm", "q_layernorm", "key_norm", "query_norm")
 
@@ -128,6 +136,67 @@ def _text_config(model: nn.Module):
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
+def _norm_width(norm: nn.Module) -> int | None:
+    """The features a norm normalizes together (its weight's, else its ``normalized_shape``; None: unknown)."""
+    weight = getattr(norm, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 1:
+        return int(weight.shape[0])
+    shape = getattr(norm, "normalized_shape", None)
+    return int(shape[-1]) if shape else None
+
+
+def key_norm(model: nn.Module) -> tuple[str, str] | None:
+    """The norm a model applies to its queries or keys after their projection, as (its attribute, "per head" or
+    "over all heads"); None where there is none."""
+    from kvscope.core.runtimes.transformers.convert import _attention_modules, _head_dim
+
+    try:
+        modules = _attention_modules(model)
+    except SettingsError:
+        return None
+    config = _text_config(model)
+    for attn in modules:
+        for n in QK_NORMS:
+            norm = getattr(attn, n, None)
+            if isinstance(norm, nn.Module):
+                width = _norm_width(norm)
+                return n, "per head" if width in (None, _head_dim(attn, config)) else "over all heads"
+    return None
+
+
+def normalized_keys_reason(model: nn.Module) -> str | None:
+    """Why a cache of this model's K cannot have its heads merged or pooled in place (None: it can): keys normalized
+    after their projection are no linear map of the input, so neither a mean nor a merge of the cached, normalized
+    keys is what the model with fewer heads computes for the same tokens (tests/test_arch_qk_norm.py measured a
+    relative difference of 0.48-0.57 on tiny Qwen3, Gemma 3 and LFM2): the tokens so far must go through the model
+    with fewer heads again."""
+    found = key_norm(model)
+    if found is None:
+        return None
+    return (f"{type(model).__name__} normalizes its keys after their projection ({found[0]}): pooled cached keys "
+            "are not what the model with fewer heads computes")
+
+
+def normalized_keys_rerun(model: nn.Module, held: int | None, target: int, own: int) -> str | None:
+    """Why a cache of ``held`` K/V heads must be re-run, not converted in place, to hold ``target`` (None: it need
+    not): the model normalizes its keys after their projection and the cache would be pooled or merged (repeating
+    the model's own heads copies them, which is exact whatever the norm)."""
+    if held is None or held == target or (held % own == 0 and target % own == 0):
+        return None
+    why = normalized_keys_reason(model)
+    return f"{why}; the tokens so far go through the model with {target} K/V heads" if why else None
+
+
+def head_change_problem(model: nn.Module) -> str | None:
+    """Why this model cannot take fewer K/V heads at all (None: it can): a norm over all K/V heads at once (OLMo 2's
+    k_norm) is fitted to the model's own count; with fewer heads it would need a norm the model does not have."""
+    found = key_norm(model)
+    if found is None or found[1] == "per head":
+        return None
+    return (f"{type(model).__name__} normalizes its queries or keys over all heads at once ({found[0]}, fitted to "
+            "its own head count): fewer K/V heads would need a norm it does not have")
+
+
 def problem(model: nn.Module) -> str | None:
     """Why the aligned merge cannot fold its maps into ``model`` (None: it can)."""
     from kvscope.core.runtimes.transformers.convert import _attention_modules, _head_dim
@@ -162,12 +231,14 @@ def problem(model: nn.Module) -> str | None:
 @dataclass
 class Calibration:
     """One layer's sufficient statistics of its own K/V over ``tokens`` tokens (H own heads, P rotary pairs, dn plain
-    dims): ``pairs`` [P, H, H] complex (sum of conj(z_g) z_h), ``plain`` [H*dn, H*dn], ``values`` [H*d, H*d]."""
+    dims): ``pairs`` [P, H, H] complex (sum of conj(z_g) z_h), ``plain`` [H*dn, H*dn], ``values`` [H*d, H*d];
+    ``queries`` [Q, P], each query head's energy per pair (sum over tokens of |q_p|^2), where it was measured."""
 
     pairs: torch.Tensor
     plain: torch.Tensor
     values: torch.Tensor
     tokens: int
+    queries: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -192,6 +263,21 @@ def calibrate(keys: torch.Tensor, values: torch.Tensor, layout: Layout) -> Calib
     v = values.float().reshape(n, -1)
     # Kept on the CPU (a few MiB for a small model): the eigen-solves run there, and a GPU's memory stays the model's.
     return Calibration(pairs.cpu(), (plain.T @ plain).cpu(), (v.T @ v).cpu(), n)
+
+
+def query_energy(queries: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Each query head's energy per rotary pair, [Q, P], from queries [batch, Q, tokens, d] (rotated or not: a
+    position turns a pair without changing its length)."""
+    z = _pair_z(queries.float(), layout)  # [b, Q, N, P]
+    return (z.real ** 2 + z.imag ** 2).sum(dim=(0, 2)).cpu()
+
+
+def query_energy_of_weights(q_weight: torch.Tensor, layout: Layout, q_heads: int) -> torch.Tensor:
+    """Each query head's energy per rotary pair, [Q, P], for inputs of equal energy in every direction: the squared
+    norms of its rows of the pair in the query projection's weight (as loaded) [Q*d, hidden]."""
+    w = q_weight.detach().float().reshape(q_heads, layout.head_dim, -1)
+    rows = (w ** 2).sum(-1)  # [Q, d]
+    return (rows[:, layout.a] + rows[:, layout.b]).cpu()
 
 
 def _no_tokens(heads: int, layout: Layout) -> Calibration:
@@ -226,7 +312,8 @@ class LayerMerge:
     """The maps of one layer: ``target`` heads from ``own``. ``w`` [K, G, P] complex (each group's pair weights),
     ``up`` [K, G*dn, dn] and ``uv`` [K, G*d, d] (orthonormal bases of the plain dims and of the values)."""
 
-    def __init__(self, cal: Calibration, layout: Layout, own: int, target: int, q_heads: int) -> None:
+    def __init__(self, cal: Calibration, layout: Layout, own: int, target: int, q_heads: int,
+                 energy: torch.Tensor | None = None) -> None:
         self.layout, self.own, self.target, self.q_heads = layout, own, target, q_heads
         self.via, self.source = _expand_index(own, target)
         self.group = self.via // target
@@ -235,9 +322,29 @@ class LayerMerge:
         src = self.source.reshape(target, g).to(cal.pairs.device)  # [K, G]: each group's own heads
         pairs = cal.pairs[:, src[:, :, None], src[:, None, :]]  # [P, K, G, G]
         pairs = self._with_prior(pairs, torch.ones(g, g, dtype=pairs.dtype, device=pairs.device) / g)
-        self.w = _top_vectors(pairs, 1)[..., 0].permute(1, 2, 0).contiguous()  # [K, G, P]
+        # w merges the group's keys (k' = sum_g z_g w_g); r reads head g back (z_g ~ k' conj(r_g)), folded into the
+        # queries. Unweighted they are the same unit vector, the top eigenvector of the group's pair Gram matrix.
+        # Weighted by the energy s_g of head g's queries (the fit of sum_g s_g |z_g - k' conj(r_g)|^2): u, the top
+        # eigenvector of S^1/2 X^H X S^1/2, gives w = S^1/2 u and r = S^-1/2 u.
+        scale = self._query_scale(energy, src) if energy is not None and self.tokens else None  # [P, K, G]
+        if scale is not None:
+            pairs = pairs * (scale[..., :, None] * scale[..., None, :]).to(pairs.dtype)
+        u = _top_vectors(pairs, 1)[..., 0]  # [P, K, G]
+        self.w = (u * scale if scale is not None else u).permute(1, 2, 0).contiguous()  # [K, G, P]
+        self.r = (u / scale if scale is not None else u).permute(1, 2, 0).contiguous()
         self.up = self._basis(cal.plain, src, dn)
         self.uv = self._basis(cal.values, src, d)
+
+    def _query_scale(self, energy: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """sqrt of each expanded head's query energy per pair, [P, K, G], from ``energy`` [Q, P] (the query heads
+        that read it, summed), scaled to a mean of 1 over each group (only the ratios within a group matter)."""
+        per = torch.zeros(self.via, energy.shape[1], dtype=torch.float32)
+        for j in range(self.q_heads):
+            kk, gg = self._reader(j)
+            per[kk * self.group + gg] += energy[j].float()
+        per = per.reshape(self.target, self.group, -1).permute(2, 0, 1)  # [P, K, G]
+        per = per / per.mean(dim=-1, keepdim=True).clamp_min(1e-30)
+        return per.clamp_min(1e-6).sqrt().to(src.device)
 
     def _with_prior(self, block: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
         """``block`` (Gram matrices [..., n, n] over ``tokens``) plus ``PRIOR_TOKENS`` tokens' worth of ``mean``, the
@@ -303,7 +410,7 @@ class LayerMerge:
         xf = x.float()
         out = xf.clone()
         if len(a):
-            w = self.w.to(x.device)[kk, gg]  # [Q, P]
+            w = self.r.to(x.device)[kk, gg]  # [Q, P]
             z = torch.complex(xf[..., a], xf[..., b]) * w
             out[..., a], out[..., b] = z.real, z.imag
         if len(p):
@@ -369,7 +476,12 @@ def fit(model: nn.Module, origin, target: int, own_kv: dict[int, tuple[torch.Ten
         elif kept and idx in kept:
             data = kept[idx]
         tokens = min(tokens, data.tokens if data else 0) if tokens is not None else (data.tokens if data else 0)
-        merges[idx] = LayerMerge(data or _no_tokens(origin.heads, layout), layout, origin.heads, target, q_heads)
+        energy = None
+        if KEY_WEIGHTING == "queries" and len(layout.a):
+            energy = data.queries if data is not None and data.queries is not None else \
+                query_energy_of_weights(origin.queries[i][0], layout, q_heads)
+        merges[idx] = LayerMerge(data or _no_tokens(origin.heads, layout), layout, origin.heads, target, q_heads,
+                                 energy)
     return merges, made, int(tokens or 0)
 
 

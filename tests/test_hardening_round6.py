@@ -53,8 +53,8 @@ def test_a_stopped_llamacpp_child_ends_the_run_in_one_line_and_keeps_the_recordi
     def emit(sample):
         samples.append(sample)
         if sample.phase == "decode" and sample.token == 3:  # the child stops now (kill -STOP, a debugger)
-            for child in psutil.Process().children():
-                if child.pid not in before:
+            for child in psutil.Process().children():  # llama.cpp's child, not multiprocessing's resource tracker
+                if child.pid not in before and "spawn_main" in " ".join(child.cmdline()):
                     child.send_signal(signal.SIGSTOP)
             stopped_at.append(time.monotonic())
 
@@ -68,4 +68,57 @@ def test_a_stopped_llamacpp_child_ends_the_run_in_one_line_and_keeps_the_recordi
         back = list(reader)
     assert back == samples and back[-1].event == "error" and back[-1].token == 3 and "SIGSTOP" in back[-1].text
     assert not [p for p in psutil.Process().children() if p.pid not in before and p.is_running()
-                and p.status() != psutil.STATUS_ZOMBIE]  # the stopped child was ended, not left behind
+                and p.status() != psutil.STATUS_ZOMBIE
+                and "spawn_main" in " ".join(p.cmdline())]  # the stopped child was ended, not left behind
+
+
+# ---------------------------------------------------------------------------------------------------- calc
+
+
+def _calc(capsys, *args: str) -> tuple[int, str, str]:
+    from kvscope import main
+
+    code = main.main(["calc", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("max_context, contexts", [("16", "4096"), ("4k", "2k,8k")])
+def test_calc_refuses_a_static_cache_smaller_than_the_context(capsys, max_context, contexts):
+    from tests.helpers import one_line_error
+
+    line = one_line_error(*_calc(capsys, "--model", "llama-3-8b", "--cache", "static", "--max-context", max_context,
+                                 "--context", contexts)[::2])
+    largest = max(int(c.replace("k", "")) * (1024 if "k" in c else 1) for c in contexts.split(","))
+    assert f"cannot hold a context of {largest:,}" in line and "--max-context" in line
+
+
+def test_calc_still_answers_a_static_cache_that_holds_the_context(capsys):
+    code, out, err = _calc(capsys, "--model", "llama-3-8b", "--cache", "static", "--max-context", "8k", "--context",
+                           "4k,8k")
+    assert code == 0 and "8,192" in out, err
+
+
+def test_calc_says_when_the_largest_context_is_the_searchs_own_limit(capsys):
+    from kvscope.core.prediction.calc import SEARCH_LIMIT
+
+    code, out, err = _calc(capsys, "--model", "embedded", "--gpu-memory", "10000GiB")
+    assert code == 0, err
+    assert f"{SEARCH_LIMIT:,} tokens or more (the search stops there)" in out
+    code, out, err = _calc(capsys, "--model", "embedded", "--gpu-memory", "1GiB")  # an answer below it: plain
+    assert code == 0 and "Largest context that fits" in out and "or more" not in out, err
+
+
+@pytest.mark.parametrize("key, value", [("torch_dtype", "int4"), ("torch_dtype", "int8"), ("dtype", "q2")])
+def test_calc_refuses_weights_in_an_integer_dtype(capsys, tmp_path, key, value):
+    import json
+
+    from tests.helpers import one_line_error
+    from tests.real_models import smollm2_folder
+
+    config = json.loads((smollm2_folder() / "config.json").read_text())
+    config.pop("torch_dtype", None), config.pop("dtype", None)
+    config[key] = value
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    line = one_line_error(*_calc(capsys, "--model", str(tmp_path / "config.json"))[::2])
+    assert f"{key} {value!r} is not a dtype weights load in" in line

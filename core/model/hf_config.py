@@ -306,6 +306,11 @@ def check_config_values(cfg: dict[str, Any], name: str = "model") -> None:
                             "(null, or leaving it out, means no window)")
 
 
+def _first_key(cfg: dict[str, Any], *keys: str) -> str:
+    """The first of ``keys`` that ``cfg`` sets (not null), else the first."""
+    return next((k for k in keys if cfg.get(k) is not None), keys[0])
+
+
 def _missing_heads(name: str) -> SpecError:
     return SpecError(f"{name}: config is missing the number of attention heads")
 
@@ -328,6 +333,9 @@ def spec_from_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
         dtype = canonical_dtype(dtype_name)
     except SpecError:
         dtype = "float32"
+    if dtype.startswith("int"):  # issue 38: weights "int4" were predicted at half a byte, fractional activation bytes
+        raise SpecError(f"{name}: {_first_key(cfg, 'torch_dtype', 'dtype')} {dtype_name!r:.40} is not a dtype weights load "
+                        "in (float32, float16 or bfloat16; a quantized model gives its bits in quantization_config)")
 
     try:
         view = config_view(cfg, shipped=meta.get("view") if meta else None)

@@ -10,7 +10,7 @@ from typing import Any
 from kvscope.core.base.safe_text import NAME_LIMIT, safe_text
 from kvscope.core.model.caches import TokenSelecting, kv_layout
 from kvscope.core.model.settings import RunSettings, effective_spec
-from kvscope.core.model.spec import ModelSpec, human_bytes
+from kvscope.core.model.spec import ModelSpec, SettingsError, human_bytes
 from kvscope.core.prediction.parallel import (Parallelism, ParallelPrediction, describe, gpu_rows, max_context_per_gpu,
                                               predict_parallel)
 from kvscope.core.prediction.predict import (Prediction, decode_peak, kv_bytes, kv_elem_bytes, kv_overtakes_weights_at,
@@ -112,6 +112,10 @@ def calculate(spec: ModelSpec, settings: RunSettings, contexts: list[int], gpu_m
     ``cpu_threads``: where the forward passes run, for the activations, the totals and the largest context (the
     replayed peaks, ``kvscope.core.prediction.predict.predict``) and the JSON's prefill and decode peaks."""
     effective_spec(spec, settings)  # validates the attention mode against the model before any row
+    if settings.cache.name == "static" and settings.max_context and max(contexts, default=0) > settings.max_context:
+        # issue 38: a 16-slot static cache was predicted for 4,096 tokens (transformers' StaticCache refuses it)
+        raise SettingsError(f"a static cache of --max-context {settings.max_context:,} tokens cannot hold a context of "
+                            f"{max(contexts):,}: raise --max-context to at least that, or leave it out (each context's own)")
     if settings.cache.needs_attention_weights:
         settings = settings.with_(attn_impl="eager")  # as the engine runs h2o: its activations are eager's
     rows = []
@@ -259,6 +263,8 @@ def render_table(result: CalcResult) -> str:
             if result.max_context > spec.max_position_embeddings:
                 note = f" (beyond the model's trained maximum of {spec.max_position_embeddings:,})"
             per = f" on each of {result.parallelism.gpus} GPUs" if result.parallel else ""
+            if result.max_context >= SEARCH_LIMIT:  # issue 38: the search's own limit was shown as the answer
+                note = f" or more (the search stops there){note}"
             lines.append(f"Largest context that fits in {human_bytes(result.gpu_memory)} ({result.gpu_memory:,} B){per}: "
                          f"{result.max_context:,} tokens{note}.")
     if result.serving is not None:

@@ -17,6 +17,7 @@ from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, DynamicCache,
 
 from kvscope.core.model.attention import SettingsError, parse_attention
 from kvscope.core.model.caches import Dynamic, Quantized, Static, parse_cache
+from kvscope.core.runtimes.transformers.caches import build_cache, forward_context
 from kvscope.core.model.hf_config import spec_from_config
 from kvscope.core.model.settings import RunSettings
 from kvscope.core.model.sources import load_spec
@@ -410,18 +411,18 @@ def _selecting_rows(model, strategy, prompt: int, steps: int, batch: int = 1) ->
     """Like ``generate_and_compare``, with the strategy's own cache and forward context (h2o's attention hooks)."""
     spec = _spec(model)
     settings = RunSettings(batch=batch, cache=strategy)
-    cache = strategy.build(model.config, 512)
+    cache = build_cache(strategy, model.config, 512)
     rows = []
     ids = torch.randint(0, VOCAB, (batch, prompt), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
-        with strategy.forward_context(model, cache):
+        with forward_context(strategy, model, cache):
             out = model(ids, cache=cache, use_cache=True)
         for step in range(steps + 1):
             tokens = prompt + step
             assert cache.get_seq_length() == tokens  # every token counted, held or dropped: positions go on
             rows.append((tokens, cache_bytes(cache).logical, kv_bytes(spec, settings, tokens, prompt_tokens=prompt)))
             if step < steps:
-                with strategy.forward_context(model, cache):
+                with forward_context(strategy, model, cache):
                     out = model(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
     assert not any(m._forward_hooks for m in model.modules()), "the h2o hooks outlive the forward pass"
     return rows
@@ -463,7 +464,7 @@ def test_h2o_without_attention_weights_fails_loudly():
     """sdpa returns no attention weights: the heavy-hitter layer says so at the next token, never silently grows."""
     model = tiny_llama()
     strategy = parse_cache("h2o:2+2")
-    cache = strategy.build(model.config, 512)
+    cache = build_cache(strategy, model.config, 512)
     with torch.inference_mode():
         model(torch.zeros(1, 6, dtype=torch.long), cache=cache, use_cache=True)  # sdpa, no hooks
         with pytest.raises(RuntimeError, match="needs eager attention"):

@@ -12,7 +12,8 @@ import random
 import pytest
 
 from kvscope.core.model.caches import parse_cache
-from kvscope.core.model.settings import ATTN_IMPLS, attention_choices, cache_choices, native_attention, switch_problem
+from kvscope.core.model.settings import ATTN_IMPLS, attention_choices, cache_choices, native_attention
+from kvscope.core.runtimes.transformers.switches import switch_problem
 from kvscope.core.model.sources import load_spec
 from kvscope.ui.controls import SWITCH_KEYS, ControlsPanel
 from tests.synthetic import synthetic_samples

@@ -27,7 +27,7 @@ from typing import Any
 from kvscope.core.base.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
 from kvscope.core.live.spikes import (EVENT_LOAD, EVENT_SWITCH, Event, Spike, SpikeMonitor, reading_from_sample,
                                       spike_events, spike_threshold)
-from kvscope.core.model.settings import parse_switch_value
+from kvscope.core.runtimes.transformers.switches import parse_switch_value
 from kvscope.core.prediction.forecast import OOM_WARN_S, OomForecast, oom_forecast
 
 #: Run states. ``loading`` to ``running`` at the first sample (or the model's info), ``idle`` at the end.

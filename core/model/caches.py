@@ -2,17 +2,16 @@
 
 Every formula mirrors what the transformers 5.24 cache layer classes allocate
 (``transformers/cache_utils.py``, and ``core/runtimes/transformers/sparse_caches.py`` for the token-selecting layers built
-on them); the comment on each names the class it copies. Each strategy also builds its cache
-(``build``, importing transformers only then: this module stays plain arithmetic for the window and
-``calc``). Adding a strategy is one class here plus one entry in ``CACHE_STRATEGIES``.
+on them); the comment on each names the class it copies. Plain arithmetic for the window and ``calc``: the
+transformers cache objects are built by ``kvscope.core.runtimes.transformers.caches``. Adding a strategy is one
+class here, one entry in ``CACHE_STRATEGIES`` and its construction there.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from kvscope.core.model.spec import (INDEXED_ATTENTION, MAX_COUNT, NO_KV, SLIDING_ATTENTION, ModelSpec, SettingsError,
                                      shown_count)
@@ -83,17 +82,6 @@ class CacheStrategy:
     #: Most tokens a full-attention layer holds; None: every token (the cache grows with the context).
     capacity: ClassVar[int | None] = None
 
-    def build(self, config: Any, max_context: int) -> Any:
-        """A fresh transformers cache of this strategy for a model of ``config`` (``max_context``: what a
-        static cache preallocates)."""
-        from transformers import DynamicCache
-
-        return DynamicCache(config=config)
-
-    def forward_context(self, model: Any, cache: Any) -> contextlib.AbstractContextManager:
-        """What a forward pass of ``model`` on ``cache`` runs inside (the heavy-hitter cache's attention hooks)."""
-        return contextlib.nullcontext()
-
     @property
     def key(self) -> str:
         return self.name
@@ -143,11 +131,6 @@ class Dynamic(CacheStrategy):
 class Static(CacheStrategy):
     name: ClassVar[str] = "static"
     help: ClassVar[str] = "preallocated to the max context up front, like llama.cpp (transformers StaticCache)"
-
-    def build(self, config, max_context):
-        from transformers import StaticCache
-
-        return StaticCache(config=config, max_cache_len=max_context)
 
     def layer_bytes(self, layer, batch, tokens, elem_bytes, max_context, prompt_tokens):
         # StaticLayer.lazy_initialization: zeros([b, h, max_cache_len, d]) for K and for V, on first update.
@@ -208,14 +191,6 @@ class Quantized(CacheStrategy):
         if nbits not in allowed:
             raise SettingsError(f"{spelled!r}: {backend} stores {', '.join(map(str, allowed))} bits, not {nbits}")
         return cls(backend=backend, nbits=nbits)
-
-    def build(self, config, max_context):
-        from transformers import QuantizedCache
-
-        if self.backend == "fp8":
-            return QuantizedCache(backend="fp8", config=config)
-        return QuantizedCache(backend=self.backend, config=config, nbits=self.nbits,
-                              q_group_size=self.q_group_size, residual_length=self.residual_length)
 
     def split(self, tokens: int, prompt_tokens: int) -> tuple[int, int]:
         """(quantized tokens, residual full-precision tokens) after ``tokens`` tokens.
@@ -315,11 +290,6 @@ class Offloaded(CacheStrategy):
     help: ClassVar[str] = "keeps all but the running layers' K/V in CPU memory (CUDA only)"
     needs_cuda: ClassVar[bool] = True
 
-    def build(self, config, max_context):
-        from transformers import DynamicCache
-
-        return DynamicCache(config=config, offloading=True)
-
     def layer_bytes(self, layer, batch, tokens, elem_bytes, max_context, prompt_tokens):
         # DynamicCache(offloading=True): same tensors as a dynamic cache; all but the running and the
         # prefetched layer live in pinned CPU memory (see device_layers).
@@ -390,12 +360,6 @@ class SinkWindow(TokenSelecting):
         sinks, window = _two_counts(cls, arg, spelled, "sinks", "window")
         return cls(sinks=sinks, window=window)
 
-    def build(self, config, max_context):
-        from kvscope.core.runtimes.transformers.sparse_caches import (  # torch: only the engine builds a cache
-            SinkWindowLayer, selecting_cache)
-
-        return selecting_cache(config, lambda: SinkWindowLayer(self.sinks, self.window))
-
 
 @dataclass(frozen=True)
 class HeavyHitter(TokenSelecting):
@@ -425,18 +389,6 @@ class HeavyHitter(TokenSelecting):
     def parse(cls, arg, spelled):
         budget, window = _two_counts(cls, arg, spelled, "budget", "window")
         return cls(budget=budget, window=window)
-
-    def build(self, config, max_context):
-        from kvscope.core.runtimes.transformers.sparse_caches import (  # torch: only the engine builds a cache
-            HeavyHitterLayer, selecting_cache)
-
-        return selecting_cache(config, lambda: HeavyHitterLayer(self.budget, self.window))
-
-    def forward_context(self, model, cache):
-        from kvscope.core.runtimes.transformers.sparse_caches import (
-            observing_attention)  # torch: only the engine builds a cache
-
-        return observing_attention(model, cache)
 
     def layer_bytes(self, layer, batch, tokens, elem_bytes, max_context, prompt_tokens):
         kv = super().layer_bytes(layer, batch, tokens, elem_bytes, max_context, prompt_tokens)

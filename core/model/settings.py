@@ -1,9 +1,10 @@
-"""RunSettings: what the user chose for a run or a calculation, and parsing of live switches.
+"""RunSettings: what the user chose for a run or a calculation, and the choices on each axis.
 
 Spellings are canonical and shared by the command line, recordings and the window: attention
 ``mha``, ``gqa:2``, ``mqa``, ``mla``, ``window:256``; cache ``dynamic``, ``static``, ``quantized:4``,
 ``quantized:hqq:2``, ``quantized:fp8``, ``offloaded``, ``sink:4+252``, ``h2o:128+128``; attn-impl
-``eager``, ``sdpa``, ``flash``.
+``eager``, ``sdpa``, ``flash``. A live switch's grammar and rules are the runtime's
+(``kvscope.core.runtimes.transformers.switches``: ``plan`` and ``switch_problem``).
 """
 
 from __future__ import annotations
@@ -12,11 +13,9 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from kvscope.core.model.attention import MLA, AttentionMode, SettingsError, Window, native_attention, parse_attention
-from kvscope.core.model.caches import (CacheStrategy, Dynamic, Quantized, Static, TokenSelecting, kv_layout, parse_cache,
-                                       static_shortfall)
-from kvscope.core.model.hf_config import ViewNotKnown, known_views_only
-from kvscope.core.model.spec import INDEXED_ATTENTION, MAX_COUNT, ModelSpec, canonical_dtype, dtype_bytes, shown_count
+from kvscope.core.model.attention import AttentionMode, SettingsError, native_attention
+from kvscope.core.model.caches import CacheStrategy, Dynamic, parse_cache
+from kvscope.core.model.spec import MAX_COUNT, ModelSpec, canonical_dtype, shown_count
 
 ATTN_IMPLS = ("eager", "sdpa", "flash")
 
@@ -66,24 +65,6 @@ class RunSettings:
 
     def with_(self, **changes) -> "RunSettings":
         return dataclasses.replace(self, **changes)
-
-
-def parse_switch_value(key: str, value: str):
-    """Parse the value of a live switch ``KEY=VALUE`` (``attention``, ``attn-impl``, ``cache``)."""
-    k = key.strip().lower().replace("_", "-")
-    if k == "attention":
-        return "attention", parse_attention(value)
-    if k in ("attn-impl", "attn", "impl", "flash"):
-        if k == "flash":
-            v = value.strip().lower()
-            if v in ("on", "1", "true", "yes"):
-                return "attn_impl", "flash"
-            if v in ("off", "0", "false", "no"):
-                return "attn_impl", "sdpa"
-        return "attn_impl", parse_attn_impl(value)
-    if k == "cache":
-        return "cache", parse_cache(value)
-    raise SettingsError(f"unknown setting {key!r} to switch; use attention, attn-impl or cache")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -166,94 +147,3 @@ def _applied(spec: ModelSpec, mode: AttentionMode) -> ModelSpec:
     return mode.apply(spec)
 
 
-
-
-# ------------------------------------------------------------------------------------------------
-# What a key may offer from the settings in force (issue 25: C stuck on a quantized cache the engine refuses).
-
-#: The settings of a run, keyed by switch axis (``attention``, ``attn-impl``, ``cache``).
-Now = dict
-
-
-def switch_problem(spec: ModelSpec, device: str | None, now: Now, key: str, value: str,
-                   tokens: int = 0, max_context: int | None = None, ahead: int = 0) -> str | None:
-    """Why the engine would refuse ``key=value`` from the settings ``now`` (keyed ``attention``,
-    ``attn-impl``, ``cache``, canonical spellings as a Sample carries them), found from the spec and
-    the device alone: the same rules ``Engine._check_target`` applies first. None when they allow it
-    (the engine may still refuse what only the loaded model shows: fused projections, a backend that
-    cannot build; the window remembers those refusals). ``tokens``: the run's context so far (a quantized
-    cache's groups must divide what it quantizes at every flush up to ``max_context``, as the engine checks);
-    ``ahead``: the tokens the run will still generate (a static cache must hold them all)."""
-    try:
-        name, parsed = parse_switch_value(key, value)
-        mode = parsed if name == "attention" else parse_attention(now["attention"])
-        impl = parsed if name == "attn_impl" else parse_attn_impl(now["attn-impl"])
-        strategy = parsed if name == "cache" else parse_cache(now["cache"])
-    except (SettingsError, KeyError, ValueError) as exc:
-        return str(exc) or "not a setting of this run"
-    if name == "cache" and strategy.needs_attention_weights:
-        impl = "eager"  # a cache switch takes the kernel along (Engine.apply)
-    try:
-        eff = _applied_known(spec, mode)
-    except ViewNotKnown:
-        return None  # only transformers would tell (the engine process has it): the engine judges
-    except (SettingsError, ValueError) as exc:
-        return str(exc).splitlines()[0]
-    if strategy.needs_attention_weights and impl != "eager":
-        return f"the {strategy.key} cache needs eager attention (switch the cache first)"
-    if isinstance(strategy, TokenSelecting) and INDEXED_ATTENTION in eff.layer_types:
-        return f"a {strategy.name} cache cannot evict the DSA indexer keys"
-    if strategy.needs_cuda and not str(device or "").startswith("cuda"):
-        return "needs CUDA"
-    if isinstance(mode, Window) and mode.window < 2:
-        return "a window of at least 2 tokens"
-    if isinstance(mode, MLA) and impl == "flash" and not str(device or "").startswith("cuda"):
-        # SDPA's flash kernel off CUDA takes one head size for K and V; MLA's differ ("No available kernel").
-        return "SDPA's flash kernel off CUDA cannot run MLA's K/V head sizes"
-    if spec.is_mla and not isinstance(mode, MLA):
-        return "the model caches an MLA latent: no K/V heads to regroup"
-    if isinstance(mode, MLA) and not spec.is_mla and strategy.name != "dynamic":
-        # MLA on a model that is not MLA is a latent of the model's own K/V, a dynamic cache of its own (the engine's
-        # _check_target says the same): C offered static under it and the engine refused.
-        return ("MLA's latent is a dynamic cache of its own: leave MLA first" if parse_attention(now["attention"]) == mode
-                else f"MLA's latent is a dynamic cache of its own: the {strategy.key} cache cannot hold it (switch the "
-                     "cache to dynamic first)")
-    if name == "cache" and isinstance(strategy, Static) and tokens > 0:
-        shortfall = static_shortfall(int(max_context or spec.max_position_embeddings), tokens, ahead)
-        if shortfall:
-            return shortfall
-    if isinstance(strategy, Quantized):
-        if eff.num_sliding_layers:
-            return ("a quantized cache needs full-attention layers (the sliding window)" if isinstance(mode, Window)
-                    else "a quantized cache needs full-attention layers (this model slides)")
-        if eff.num_state_layers:
-            return "a quantized cache needs full-attention layers (this model keeps states)"
-        if strategy.backend != "fp8" and tokens > 0:
-            return _quantized_shape_problem(eff, strategy, dtype_bytes(spec.dtype), tokens,
-                                            int(max_context or spec.max_position_embeddings))
-    return None
-
-
-@functools.lru_cache(maxsize=256)
-def _applied_known(spec: ModelSpec, mode: AttentionMode) -> ModelSpec:
-    # The window's process asks this for every choice at every settings change, and never loads torch: a
-    # view transformers would have to find raises ViewNotKnown (an estimate swallowed inside apply is fine for these
-    # structural checks; kept apart from _applied, which the engine predicts with).
-    with known_views_only():
-        mode.check(spec)
-        return mode.apply(spec)
-
-
-@functools.lru_cache(maxsize=1024)
-def _quantized_shape_problem(eff: ModelSpec, strategy: Quantized, elem: float, tokens: int, limit: int) -> str | None:
-    # The engine's check (Engine._check_quantized_shapes): the backends' groups must divide what is quantized
-    # at each flush. Sizes at the flushes repeat modulo any group size after at most 64 flushes (groups are
-    # powers of two up to 64 here), so those are enough, and a key press never waits on thousands of them.
-    layout = kv_layout(eff)
-    step = strategy.residual_length
-    for n in range(tokens, min(max(limit, tokens), tokens + 64 * step) + 1, step):
-        try:
-            strategy.kv_bytes(layout, 1, n, elem, prompt_tokens=tokens)
-        except SettingsError as exc:
-            return str(exc).splitlines()[0]
-    return None

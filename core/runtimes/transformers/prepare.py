@@ -3,7 +3,7 @@
 The first quantized cache in a fresh install makes optimum-quanto build its C++ extension (minutes
 on a laptop's CPU) inside the first quantization. Done between two tokens, the run froze that long.
 Here a background thread of the engine's process builds and loads the backend (by quantizing one
-small tensor, as ``kvscope.core.runtimes.transformers.engine._backend_problem`` does); the run goes on under the current settings
+small tensor, as ``kvscope.core.runtimes.transformers.switch.backend_problem`` does); the run goes on under the current settings
 meanwhile, the driver says what is being prepared and for how long, and the switch applies at the
 first token after the backend is ready. Afterwards the backend is loaded in this process: the
 engine's own check at the switch takes milliseconds.
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from kvscope.core.model.attention import SettingsError
 from kvscope.core.model.caches import Quantized
-from kvscope.core.model.settings import parse_switch_value
+from kvscope.core.runtimes.transformers.switches import parse_switch_value
 
 #: What each backend builds or loads the first time, for the progress line.
 WHAT = {"quanto": "optimum-quanto's kernels (built once, minutes the first time)", "hqq": "the hqq backend"}
@@ -57,10 +57,10 @@ def warm_backend(backend: str, nbits: int = 4) -> str | None:
     import torch
     from transformers.cache_utils import HQQQuantizedLayer, QuantoQuantizedLayer
 
-    from kvscope.core.runtimes.transformers.engine import (
-        _backend_problem)  # torch: the engine process only (the window imports this module)
+    from kvscope.core.runtimes.transformers.switch import (
+        backend_problem)  # torch: the engine process only (the window imports this module)
 
-    problem = _backend_problem(backend)
+    problem = backend_problem(backend)
     if problem:
         return problem
     try:

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from kvscope.core.model.caches import Dynamic
+from kvscope.core.runtimes.transformers.caches import build_cache
 
 #: What the probe compares against, in the words of its note and its summary line.
 REFERENCE_WORDS = ("the model as loaded (its own K/V projections, attention and layer pattern, a full dynamic cache, "
@@ -71,7 +72,7 @@ class LoadedReference:
             self.logits = self._forward(seq[:, self.tokens:])
         else:
             self.cache = None
-            self.cache = Dynamic().build(self.model.config, self.max_context)
+            self.cache = build_cache(Dynamic(), self.model.config, self.max_context)
             self.rebuilds += 1
             self.logits = self._forward(seq)
         self.tokens = n

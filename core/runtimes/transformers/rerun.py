@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from kvscope.core.base.sample import PHASE_EVENT, Sample
+from kvscope.core.runtimes.transformers import conversions, predicted, switch
 from kvscope.core.runtimes.transformers.refusal import refuse
 
 if TYPE_CHECKING:
@@ -150,33 +151,12 @@ def can_prepare(engine: "Engine") -> str | None:
 
 
 def may_rerun(engine: "Engine", name: str, parsed: Any) -> bool:
-    """Whether switch ``name=parsed`` may re-run the tokens so far, judged from the settings alone (the engine's
-    own conversions decide; this only spares the others a shadow: a switch judged False applies at once, as it
-    always did, and one judged True that turns out not to re-run does too)."""
-    from kvscope.core.model.attention import MLA, latent_widths
-    from kvscope.core.model.settings import effective_spec
-    from kvscope.core.model.spec import INDEXED_ATTENTION
+    """Whether switch ``name=parsed`` may re-run the tokens so far, judged from the settings alone: the plan's answer
+    (``switches.plan``; the engine's own conversions decide: this only spares the others a shadow: a switch judged
+    False applies at once, as it always did, and one judged True that turns out not to re-run does too)."""
+    from kvscope.core.runtimes.transformers import switch
 
-    if name == "attn_impl":
-        return False
-    settings = engine.settings
-    if name == "attention":
-        if settings.cache.needs_attention_weights:
-            return True
-        if not engine.spec.is_mla and isinstance(parsed, MLA):  # MLA's latent of this model: in place, mostly
-            return engine._latent_rerun(parsed) is not None
-        if not engine.spec.is_mla and isinstance(engine.mode, MLA):  # leaving it: a re-run below full rank
-            return engine.cache is not None and engine._latent_rank() < min(latent_widths(engine.spec))
-        if engine._pooled_cache_rerun(parsed):  # a mean-pooled cache going back to the model's own heads, or up
-            return True
-        before = effective_spec(engine.spec, settings)
-        after = effective_spec(engine.spec, settings.with_(attention=parsed))
-        if (before.layer_types, before.sliding_window) == (after.layer_types, after.sliding_window):
-            return False
-        return engine._tokens_lost(before, after) or bool(engine._tokens_dropped(before)) or bool(before.layer_states)
-    after = effective_spec(engine.spec, settings.with_(cache=parsed))
-    return (INDEXED_ATTENTION in engine.spec.layer_types or bool(after.layer_states) or bool(engine._tokens_dropped())
-            or parsed.needs_attention_weights)
+    return switch.plan(engine, {"attn_impl": "attn-impl"}.get(name, name), parsed).reruns
 
 
 def frozen_cache(cache: Any) -> Any:
@@ -207,12 +187,12 @@ def worth_preparing(engine: "Engine", name: str, parsed: Any) -> bool:
 
     if isinstance(engine.settings.cache, TokenSelecting) or (name == "cache" and isinstance(parsed, TokenSelecting)):
         return False
-    if name == "attention" and engine._merging(parsed):
+    if name == "attention" and conversions.merging(engine, parsed):
         return True  # the aligned merge fits every layer's maps on the tokens so far: seconds on a real model
     from kvscope.core.prediction.predict import kv_bytes
 
     try:  # the tokens' K/V as a dynamic cache holds them: what a quantized cache dequantizes to convert
-        dense = kv_bytes(engine.spec, engine._prediction_settings().with_(cache=Dynamic()), engine.seq_len)
+        dense = kv_bytes(engine.spec, predicted.prediction_settings(engine).with_(cache=Dynamic()), engine.seq_len)
     except Exception:  # noqa: BLE001 - a prediction that cannot be made: the switch as it always was
         return False
     return dense >= PREPARE_BYTES
@@ -224,23 +204,24 @@ def begin(engine: "Engine", key: str, value: Any) -> "Sample | PreparedSwitch":
     Raises SettingsError (the refusal) with nothing changed, as ``Engine.apply``."""
     from kvscope.core.runtimes.transformers.transaction import CacheSnapshot
 
-    name, parsed, fields = engine._asked(key, value)
-    label, was, wanted = fields["switch_key"], fields["switch_before"], fields["switch_after"]
-    if wanted == was or can_prepare(engine) is not None:
+    asked = switch.plan(engine, key, value)
+    name, parsed, fields = asked.name, getattr(asked.target, asked.name), asked.fields()
+    label, wanted = asked.key, asked.after
+    if asked.no_change or can_prepare(engine) is not None:
         return engine.apply(key, value)  # "no change"; the old way
     rerun = may_rerun(engine, name, parsed)
     if not rerun and not worth_preparing(engine, name, parsed):
         return engine.apply(key, value)  # a switch with no re-run and a small cache: at once, as always
-    mode, impl, strategy, eager_for = engine._target_of(name, parsed)
-    engine._check_target(mode, impl, strategy)
+    eager_for = switch.checked(engine, key, value).eager_for
     try:
         shadow = copy.copy(engine)
+        shadow.state = engine.state.copy()  # the value the shadow converts and hands back (advance)
         shadow.base_model, shadow.model = shadow_models([engine.base_model, engine.model])
     except Exception:  # noqa: BLE001 - a model that cannot be copied structurally: the switch the old way
         return engine.apply(key, value)
     shadow._defer_rerun = True
     shadow._rerun_why = None
-    shadow._tokens_rerun = None
+    shadow.state.tokens_rerun = None
     shadow._peak_fields = {}
     shadow.progress = lambda text: None
     if not rerun:
@@ -252,7 +233,7 @@ def begin(engine: "Engine", key: str, value: Any) -> "Sample | PreparedSwitch":
     live_cache = CacheSnapshot(engine.cache)  # conversions before a re-run may rewrite the live cache in place
     try:
         with torch.inference_mode():
-            detail = shadow._convert(name, parsed, eager_for)
+            detail = conversions.convert_to(shadow, name, parsed, eager_for)
     except Exception as exc:  # noqa: BLE001 - the running engine is untouched; its cache fields put back
         live_cache.restore()
         del shadow
@@ -297,7 +278,7 @@ def _fill(prep: PreparedSwitch) -> None:
     try:
         if prep.convert is not None:  # the conversion first (a switch with no re-run: usually nothing follows)
             with torch.inference_mode():
-                prep.detail = shadow._convert(*prep.convert)
+                prep.detail = conversions.convert_to(shadow, *prep.convert)
             if shadow._rerun_why is None:
                 prep.layers_done = prep.layers
                 with torch.inference_mode():
@@ -311,7 +292,7 @@ def _fill(prep: PreparedSwitch) -> None:
             handles.append(layer.register_forward_hook(after))
         with torch.inference_mode(), shadow._forward_context():
             out = shadow._measured_forward()
-        shadow._next_logits = out.logits[:, -1, :].float()
+        shadow.state.next_logits = out.logits[:, -1, :].float()
         shadow.cache = out.cache if getattr(out, "cache", None) is not None else shadow.cache
         for handle in handles:
             handle.remove()
@@ -354,7 +335,7 @@ def _catch_up_behind(prep: PreparedSwitch) -> None:
             with shadow._forward_context():
                 out = shadow.model(input_ids=token, cache=shadow.cache, use_cache=True, logits_to_keep=1)
             shadow.ids = torch.cat([shadow.ids, token], dim=1)
-            shadow._next_logits = out.logits[:, -1, :].float()
+            shadow.state.next_logits = out.logits[:, -1, :].float()
             prep.caught_up += int(token.shape[1])
 
 
@@ -400,7 +381,7 @@ def advance(engine: "Engine", prep: PreparedSwitch) -> Sample | None:
             with shadow._forward_context():
                 out = shadow.model(input_ids=token, cache=shadow.cache, use_cache=True, logits_to_keep=1)
             shadow.ids = torch.cat([shadow.ids, token], dim=1)
-            shadow._next_logits = out.logits[:, -1, :].float()
+            shadow.state.next_logits = out.logits[:, -1, :].float()
             steps += int(token.shape[1])
     prep.caught_up += steps
     behind = engine.seq_len - shadow.seq_len
@@ -417,22 +398,21 @@ def advance(engine: "Engine", prep: PreparedSwitch) -> Sample | None:
     except Exception as exc:  # noqa: BLE001 - the running engine was never touched
         prep.shadow = None
         refuse(exc)
-    for name in engine._SWITCH_STATE + ("base_model", "_tokens_rerun"):
-        setattr(engine, name, getattr(shadow, name))
+    engine.state = shadow.state  # the shadow's state, handed back whole
     peak = shadow._take_peak()
     prep.shadow = None
     gc.collect()
     now_setting = engine._settings_now()[prep.axis.replace("-", "_")]
     detail = prep.detail
-    if prep.convert is not None and engine._tokens_rerun is None:
+    if prep.convert is not None and engine.state.tokens_rerun is None:
         detail += "; converted off the token path" + (f", {prep.caught_up:,} tokens generated meanwhile caught up"
                                                       if prep.caught_up else "")
     elif prep.caught_up:
         detail += f"; {prep.caught_up:,} tokens generated meanwhile caught up"
-        engine._tokens_rerun = prep.tokens + prep.caught_up
+        engine.state.tokens_rerun = prep.tokens + prep.caught_up
     text = f"{prep.axis}: {prep.fields['switch_before']} -> {now_setting} ({detail})"
     return engine._sample(PHASE_EVENT, text, event="switch", step_s=engine.clock() - prep.started,
-                          **(prep.fields | {"switch_after": now_setting, "tokens_rerun": engine._tokens_rerun}),
+                          **(prep.fields | {"switch_after": now_setting, "tokens_rerun": engine.state.tokens_rerun}),
                           **peak)
 
 

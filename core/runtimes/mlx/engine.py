@@ -22,19 +22,19 @@ This module imports mlx and mlx_lm: only the engine's side (a run) imports it.
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
 from kvscope.core.base.errors import GenerationError
 from kvscope.core.base.safe_text import safe_text
 from kvscope.core.base.sample import PHASE_DECODE, PHASE_EVENT, PHASE_PREFILL, Sample
-from kvscope.core.model.attention import SettingsError, native_attention, parse_attention
+from kvscope.core.model.attention import SettingsError, native_attention
 from kvscope.core.model.hf_config import read_config_json, spec_from_config
 from kvscope.core.model.request import ModelInfo
-from kvscope.core.model.spec import ModelSpec, SpecError, declared_max_positions, human_bytes
+from kvscope.core.model.spec import ModelSpec, SpecError, declared_max_positions
+from kvscope.core.runtimes.mlx.convert import (  # noqa: F401 - layer_nbytes and regroup: their old home
+    cache_nbytes, layer_nbytes, regroup, switch_attention, switch_cache)
 from kvscope.core.runtimes.mlx.predict import (KV, PREFILL_STEP, QUANTIZED, ROTATING, MlxCache, ModelTrack, layer_cache,
                                                layers_of, parse_cache, prefill_peak, prompt_chunks, quantize_problem)
 
@@ -91,25 +91,6 @@ def model_dtype(model: Any) -> Any:
     return mx.float32
 
 
-def layer_nbytes(c: Any) -> int:
-    """One cache's bytes as mlx-lm's ``nbytes`` counts them; an empty cache (``c.empty()``: no arrays yet) holds 0.
-
-    mlx-lm 0.32.2's ``QuantizedKVCache.nbytes`` reduces over ``(keys, values)`` with no guard, so before its first
-    update it raises ``AttributeError: 'NoneType' object has no attribute 'nbytes'`` (KVCache's and
-    RotatingKVCache's return 0 there). Only that state is read as 0: any other failure is raised as it is."""
-    try:
-        return int(c.nbytes)
-    except AttributeError:
-        if c.empty():
-            return 0
-        raise
-
-
-def cache_nbytes(cache: list[Any]) -> int:
-    """Bytes of the caches' arrays as mlx-lm's ``nbytes`` counts them (the observation)."""
-    return sum(layer_nbytes(c) for c in cache)
-
-
 def _float_dtype(itemsize: int) -> Any:
     import mlx.core as mx
 
@@ -155,23 +136,6 @@ def cache_used_bytes(cache: list[Any]) -> int:
         if slots:
             total += c.nbytes * min(int(c.offset), slots) // slots
     return total
-
-
-def regroup(x: Any, old: int, new: int, axis: int) -> Any:
-    """``x`` with ``old`` heads along ``axis`` made ``new`` (``kvscope.core.runtimes.transformers.convert.regroup_heads``' rules in MLX): up by
-    repeating each head in place, down by averaging consecutive heads in float32, otherwise through their lcm."""
-    import mlx.core as mx
-
-    if new == old:
-        return x
-    if new % old == 0:
-        return mx.repeat(x, new // old, axis=axis)
-    if old % new == 0:
-        shape = list(x.shape)
-        grouped = x.reshape(*shape[:axis], new, old // new, *shape[axis + 1:])
-        return grouped.astype(mx.float32).mean(axis=axis + 1).astype(x.dtype)
-    via = math.lcm(old, new)
-    return regroup(regroup(x, old, via, axis), via, new, axis)
 
 
 def cache_refusal(layers: Any, cache: MlxCache, dtype: Any = None) -> str | None:
@@ -442,180 +406,14 @@ class MlxEngine:
         k = fields["switch_key"]
         try:
             if k == "cache":
-                return self._switch_cache(parse_cache(str(value)), fields)
+                return switch_cache(self, parse_cache(str(value)), fields)
             if k == "attention":
-                return self._switch_attention(str(value), fields)
+                return switch_attention(self, str(value), fields)
             if k == "attn-impl":
                 raise SettingsError(f"MLX runs every attention with {KERNEL}: there is no other kernel to pick")
             raise SettingsError(f"{k} is not a setting an MLX run switches (cache, attention)")
         except SettingsError as exc:
             return self.event("refused", f"{k}={value} refused: {exc}", **fields)
-
-    def _switch_cache(self, target: MlxCache, fields: dict[str, Any]) -> Sample:
-        if target == self.cache_setting:
-            return self.event("note", f"the cache is already {target.key}: nothing to convert", **fields)
-        self._check_cache(target)
-        before = cache_nbytes(self.cache)
-        converted = [self._convert(c, layer_cache(layer, target)) for c, layer in zip(self.cache, self.layers)]
-        self.mx.eval([c.state for c in converted])
-        self.cache = converted
-        self.cache_setting = target
-        self.track = self.track.switched(target)
-        self.predictable = self._predictable()
-        after = cache_nbytes(self.cache)
-        fields["switch_after"] = target.key
-        return self.event("switch", f"cache: {fields['switch_before']} -> {target.key} ({target.describe()}): KV "
-                                    f"{human_bytes(before)} -> {human_bytes(after)}", **fields)
-
-    def _convert(self, c: Any, target: MlxCache) -> Any:
-        """One layer's cache as ``target``; SettingsError (nothing changed) where MLX cannot."""
-        mx = self.mx
-        from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
-
-        if isinstance(c, RotatingKVCache):
-            if target.kind == QUANTIZED:
-                raise SettingsError("mlx-lm does not quantize a RotatingKVCache ('RotatingKVCache Quantization NYI')")
-            dropped = c.offset > c.max_size if c.keys is not None else False
-            if target.kind == KV and dropped:
-                raise SettingsError(f"the rotating cache has dropped {c.offset - c.max_size:,} of the "
-                                    f"{c.offset:,} tokens; a KVCache needs them all")
-            keys = values = None
-            if c.keys is not None:
-                keys, values = c._temporal_order(c.keys), c._temporal_order(c.values)
-            if target.kind == KV:
-                out = KVCache()
-                if keys is not None:
-                    # The arrays as they were (the slots allocated ahead included): nothing was dropped.
-                    out.keys, out.values, out.offset = c.keys, c.values, c.offset
-                return out
-            return self._rotating_from(keys, values, c.offset, target)
-        if isinstance(c, QuantizedKVCache):
-            keys = values = None
-            if c.keys is not None:
-                keys = mx.dequantize(*c.keys, group_size=c.group_size, bits=c.bits)
-                values = mx.dequantize(*c.values, group_size=c.group_size, bits=c.bits)
-            if target.kind == KV:
-                out = KVCache()
-                if keys is not None:
-                    out.keys, out.values, out.offset = keys, values, c.offset
-                return out
-            if target.kind == QUANTIZED:
-                plain = KVCache()
-                if keys is not None:
-                    plain.keys, plain.values, plain.offset = keys, values, c.offset
-                return plain.to_quantized(group_size=int(target.group_size), bits=int(target.bits))
-            held = None if keys is None else (keys[..., :c.offset, :], values[..., :c.offset, :])
-            return self._rotating_from(*(held or (None, None)), c.offset, target)
-        if isinstance(c, KVCache):
-            if target.kind == QUANTIZED:
-                if c.keys is None:
-                    return QuantizedKVCache(group_size=int(target.group_size), bits=int(target.bits))
-                return c.to_quantized(group_size=int(target.group_size), bits=int(target.bits))
-            if target.kind == KV:
-                return c
-            held = None if c.keys is None else (c.keys[..., :c.offset, :], c.values[..., :c.offset, :])
-            return self._rotating_from(*(held or (None, None)), c.offset, target)
-        raise SettingsError(f"{type(c).__name__} is a cache KV Scope does not convert")
-
-    def _rotating_from(self, keys: Any, values: Any, offset: int, target: MlxCache) -> Any:
-        """A RotatingKVCache holding what it would keep of ``keys``/``values`` (tokens in time order, the last one
-        at ``offset``): the first ``keep`` and the last ``max_size - keep``."""
-        mx = self.mx
-        from mlx_lm.models.cache import RotatingKVCache
-
-        out = RotatingKVCache(max_size=int(target.max_size), keep=target.keep)
-        if keys is None:
-            return out
-        held = keys.shape[2]
-        m, keep = int(target.max_size), target.keep
-        if held > m:
-            keys = mx.concatenate([keys[..., :keep, :], keys[..., held - (m - keep):, :]], axis=2)
-            values = mx.concatenate([values[..., :keep, :], values[..., held - (m - keep):, :]], axis=2)
-        out.keys, out.values, out.offset, out._idx = keys, values, int(offset), int(keys.shape[2])
-        return out
-
-    def _attention_modules(self) -> list[Any]:
-        layers = getattr(getattr(self.model, "model", None), "layers", None) or getattr(self.model, "layers", [])
-        mods = [getattr(layer, "self_attn", None) for layer in layers]
-        if not mods or any(m is None or not hasattr(m, "k_proj") or not hasattr(m, "n_kv_heads") for m in mods):
-            raise SettingsError(f"{self.spec.label}'s attention in mlx-lm has no separate k_proj/v_proj with "
-                                "n_kv_heads to regroup")
-        return mods
-
-    def _switch_attention(self, spelled: str, fields: dict[str, Any]) -> Sample:
-        import mlx.nn as nn
-
-        mode = parse_attention(spelled)
-        if mode.name not in ("mha", "gqa", "mqa"):
-            raise SettingsError(f"{mode.key} is not a switch an MLX run makes (mha, gqa:N and mqa regroup the K/V "
-                                "heads; MLA and windows need another model)")
-        mode.check(self.spec_now)
-        new_spec = mode.apply(self.spec_now)
-        old_heads, new_heads = self.spec_now.num_kv_heads, new_spec.num_kv_heads
-        if new_heads == old_heads:
-            return self.event("note", f"attention is already {self.attention}: nothing to regroup", **fields)
-        merged = "mean-pooled"
-        if getattr(mode, "merge", "mean") != "mean" and new_heads % old_heads:
-            # The aligned merge folds maps into the query and output projections of a transformers model
-            # (kvscope.core.runtimes.transformers.merge); an MLX run mean-pools, and its setting says so.
-            mode = replace(mode, merge="mean")
-            merged = "mean-pooled: the aligned merge is the transformers runtime's"
-        if self.quantized_weights:
-            raise SettingsError("the model's K/V projections are quantized (QuantizedLinear): regrouping their heads "
-                                "needs float weights")
-        if self.own_caches:
-            raise SettingsError(f"{self.spec.label} builds its own caches (make_cache); KV Scope regroups only "
-                                "models with one plain cache per layer")
-        if self.cache_setting.kind == QUANTIZED:
-            raise SettingsError("the cache is quantized: switch the cache to kv first, then the attention")
-        mods = self._attention_modules()
-        updates = []
-        for m in mods:
-            hd = m.head_dim if hasattr(m, "head_dim") else self.spec_now.head_dim
-            for proj in (m.k_proj, m.v_proj):
-                if not isinstance(proj, nn.Linear):
-                    raise SettingsError(f"{type(proj).__name__} K/V projections cannot be regrouped")
-                w = proj.weight  # [heads * head_dim, hidden]
-                new_w = regroup(w.reshape(old_heads, hd, w.shape[-1]), old_heads, new_heads, 0)
-                b = getattr(proj, "bias", None) if "bias" in proj else None
-                new_b = None if b is None else regroup(b.reshape(old_heads, hd), old_heads, new_heads, 0).reshape(-1)
-                updates.append((proj, new_w.reshape(new_heads * hd, w.shape[-1]), new_b))
-        new_caches = []
-        for c in self.cache:
-            keys = getattr(c, "keys", None)
-            if keys is None:
-                new_caches.append(c)
-                continue
-            c2 = type(c).__new__(type(c))
-            c2.__dict__.update(c.__dict__)
-            c2.keys = regroup(c.keys, old_heads, new_heads, 1)
-            c2.values = regroup(c.values, old_heads, new_heads, 1)
-            new_caches.append(c2)
-        # Everything computed: now commit (nothing above touched the model or the caches).
-        self.mx.eval([w for _, w, _ in updates] + [b for _, _, b in updates if b is not None]
-                     + [c.state for c in new_caches])
-        before = cache_nbytes(self.cache)
-        for proj, w, b in updates:
-            proj.weight = w
-            if b is not None:
-                proj.bias = b
-        for m in mods:
-            m.n_kv_heads = new_heads
-        self.cache = new_caches
-        self.spec_now = new_spec
-        from mlx.utils import tree_flatten
-
-        self.weights = int(sum(p.nbytes for _, p in tree_flatten(self.model.parameters())))
-        self.layers = tuple(replace(layer, heads=new_heads) for layer in self.layers)
-        self.track = ModelTrack(self.layers, self.cache_setting,
-                                [t.copy() for t in self.track.tracks])
-        self.attention = mode.key
-        fields["switch_after"] = mode.key
-        after = cache_nbytes(self.cache)
-        how = "repeated" if new_heads > old_heads and new_heads % old_heads == 0 else merged
-        return self.event("switch", f"attention: {fields['switch_before']} -> {mode.key}: K/V heads {old_heads} -> "
-                                    f"{new_heads} ({how}, weights and cache); KV {human_bytes(before)} -> "
-                                    f"{human_bytes(after)}", **fields)
 
     # ------------------------------------------------------------------------------------ the window
 

@@ -153,3 +153,37 @@ def test_a_sink_cache_prefill_and_step_match_the_allocator(one_thread, model_typ
     row = calculate(spec, settings, [n], device="cpu", cpu_threads=one_thread).to_json()["rows"][0]
     assert row["activations_source"] == "replay" and row["kv_cache_bytes"] == kv
     assert abs(row["total_bytes"] - (model_weight_bytes(model) + max(pre.peak, kv + step.peak))) <= EXACT_SLACK
+
+
+@pytest.mark.parametrize("past", [31, 100])
+def test_an_eager_step_past_a_sliding_window_matches_the_allocator(one_thread, past: int) -> None:
+    """Issue 24 left decode steps past a sliding window unreplayed: every layer of a tiny Mistral slides (window 32),
+    DynamicSlidingWindowLayer holds W - 1 tokens, and an eager step on them equals the replay of a step on W - 1 (the
+    old replay of the whole past was 3x the allocator's at 100 tokens). The layers' K/V are copied into the profiler's
+    session as ``adopt_dynamic_cache`` copies a dynamic layer's (their keys are views of the last cat)."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    config = archs.tiny_config("mistral")
+    config.sliding_window = 32
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.set_attn_implementation("eager")
+    spec = spec_from_config(model.config.to_dict(), "mistral")
+    assert spec.num_sliding_layers == spec.num_layers and spec.sliding_window == 32
+    ids = torch.randint(0, 200, (1, past + 1), generator=torch.Generator().manual_seed(past))
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=ids[:, :past], cache=cache, use_cache=True, logits_to_keep=1)
+        assert all(type(layer).__name__ == "DynamicSlidingWindowLayer" for layer in cache.layers)
+
+        def adopt() -> None:
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+
+        _, step = measure_peak(lambda: model(input_ids=ids[:, past:], cache=cache, use_cache=True, logits_to_keep=1),
+                               "cpu", adopt=adopt)
+    settings = RunSettings(weight_dtype="float32", attn_impl="eager")
+    predicted = decode_peak(spec, settings, past, cpu_threads=one_thread)
+    assert predicted.exact
+    assert abs(predicted.peak - step.peak) <= EXACT_SLACK, (predicted, step)
+    assert not decode_peak(spec, settings.with_(attn_impl="sdpa"), past, cpu_threads=one_thread).exact

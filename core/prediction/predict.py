@@ -278,11 +278,17 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
     sink = (cache.sinks, cache.window) if cache.name == "sink" and not eff.num_sliding_layers else None
     if sink is not None:
         past_tokens = min(past_tokens, sum(sink))  # what the cache holds of them
+    # Every layer slides: DynamicSlidingWindowLayer holds at most W - 1 of the past tokens, and a step cats one onto
+    # those (eager's step then equals the allocator's; sdpa's with a window is not followed yet).
+    slides_past = bool(past_tokens and eff.num_sliding_layers and not eff.num_full_layers and eff.sliding_window)
+    if slides_past:
+        past_tokens = min(past_tokens, eff.sliding_window - 1)
     run = new_pass(spec, eff, settings.batch, dtype, kv_dt, spec.kernel_for(settings.attn_impl), prompt_tokens,
                    past_tokens, device=device, threads=cpu_threads, matmul_scratch=matmul_scratch, sink=sink)
     logits = recipe.replay(run)
-    # A decode step on sliding layers past their window: DynamicSlidingWindowLayer keeps W - 1 tokens, not replayed.
-    exact = own and not (past_tokens and eff.num_sliding_layers)
+    # A decode step on sliding layers: followed where every layer slides, past the window, in eager; else not exact.
+    kernel = spec.kernel_for(settings.attn_impl)
+    exact = own and (not (past_tokens and eff.num_sliding_layers) or (slides_past and kernel == "eager"))
     heap = run.heap
     return PrefillPeak(peak=heap.peak, end=heap.now, where=heap.where, exact=exact, logits=logits)
 

@@ -84,8 +84,9 @@ def measure_peak(call: Callable[[], Any], device: str, adopt: Callable[[], None]
     return result, PeakReading(peak=peak, end=now)
 
 
-#: The cache layers whose K/V ``adopt_dynamic_cache`` copies: transformers' dynamic layer, and KV Scope's sink layer
-#: (``kvscope.core.runtimes.transformers.sparse_caches.SinkWindowLayer``: keys and values only, like it).
+#: The cache layers whose K/V ``adopt_dynamic_cache`` copies: transformers' dynamic layer and KV Scope's sink layer
+#: (``kvscope.core.runtimes.transformers.sparse_caches.SinkWindowLayer``), whose steps the replay follows exactly. Not
+#: yet the sliding-window layer: the replay follows its step past the window in eager only.
 ADOPTED_LAYERS = ("DynamicLayer", "SinkWindowLayer")
 
 

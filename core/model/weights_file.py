@@ -130,6 +130,11 @@ def _checked_header(path: Path, name: str) -> dict[str, tuple[str, tuple[int, ..
     if not isinstance(header, dict):
         raise WeightsFileError(f"{bad}: its header is not a JSON object; it may be truncated or corrupt - download it again")
     data_size = size - 8 - length
+    metadata = header.get("__metadata__")
+    if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        # safetensors reads it as a map of text to text: anything else is its JSON error (tests/test_fuzz_weights.py)
+        raise WeightsFileError(f"{bad}: its __metadata__ is not a map of text to text; it may be truncated or corrupt "
+                               "- download it again")
     entries = []
     for key, entry in header.items():
         if key == "__metadata__":

@@ -21,22 +21,12 @@ from tests import archs
 NORMED = ("qwen3", "gemma3_text", "olmo2", "lfm2")
 PLAIN = ("llama",)
 
-#: Measured (this file, 2026-12-04): a live switch below the model's own heads mean-pools the cache's normalized
-#: keys in place (the aligned merge steps aside for the mean on these models), which is not what the pooled model
-#: computes from the same layer inputs: worst relative difference 0.48 (Qwen3), 0.50 (Gemma 3), 0.57 (LFM2); OLMo 2
-#: (one k_norm over all K/V heads at once) is refused by the trial pass with an internal error, not with the norm.
-#: The fix belongs to the switch rules (``switches.pooled_reason`` / the engine's re-run): re-run the tokens so far
-#: through the pooled model, or refuse, where the model normalizes K after its projection. Strict: a fix must shrink
-#: this table.
-KNOWN = {"qwen3": "the pooled normalized keys are not the pooled model's (0.48)",
-         "gemma3_text": "the pooled normalized keys are not the pooled model's (0.50)",
-         "lfm2": "the pooled normalized keys are not the pooled model's (0.57)",
-         "olmo2": "refused by the trial pass (k_norm over all heads has the old width), not with the norm"}
-
-
-def _cases():
-    return [pytest.param(t, marks=pytest.mark.xfail(reason=KNOWN[t], strict=True)) if t in KNOWN else t
-            for t in NORMED + PLAIN]
+#: Measured before the switch rules knew of it (2026-12-04): a live switch below the model's own heads mean-pooled the
+#: cache's normalized keys in place, which is not what the pooled model computes from the same layer inputs (worst
+#: relative difference 0.48 Qwen3, 0.50 Gemma 3, 0.57 LFM2), and OLMo 2 (one k_norm over all K/V heads at once) was
+#: refused by the trial pass with an internal error. Now the tokens so far re-run through the model with fewer heads
+#: (``merge.normalized_keys_rerun``), and OLMo 2 is refused with its norm named (``merge.head_change_problem``).
+REFUSED = ("olmo2",)
 
 
 def _engine(model_type: str, root):
@@ -123,7 +113,7 @@ def test_a_key_norm_is_named_where_it_is(model_type, root):
 
 
 @pytest.mark.parametrize("value", ["mqa", "mqa:mean"])
-@pytest.mark.parametrize("model_type", _cases())
+@pytest.mark.parametrize("model_type", NORMED + PLAIN)
 def test_fewer_heads_leave_the_cache_the_switched_model_computes_or_are_refused(model_type, value, root):
     from kvscope.core.model.attention import SettingsError
     from kvscope.core.runtimes.transformers import convert
@@ -137,10 +127,14 @@ def test_fewer_heads_leave_the_cache_the_switched_model_computes_or_are_refused(
     try:
         event = engine.apply("attention", value)
     except SettingsError as exc:
-        assert "norm" in str(exc), str(exc)  # the reason names the norm
+        assert model_type in REFUSED, f"{model_type} {value} refused: {exc}"
+        assert "k_norm" in str(exc) and "all heads" in str(exc), str(exc)  # the reason names the norm
         assert (engine.mode.key, engine.seq_len, convert.kv_heads_of(engine.base_model)) == before
         return
+    assert model_type not in REFUSED, event.text
     assert event.event == "switch", event.text
+    # A norm on K: the tokens so far go through the model with fewer heads again, and the event says why.
+    assert ("re-ran" in event.text and "normalizes its keys" in event.text) == (model_type in NORMED), event.text
     assert convert.kv_heads_of(engine.base_model) == 1
     # In place: each layer's K/V as the switched layer computes them from the loaded model's inputs to it; re-run:
     # as the switched model computes them from the tokens.

@@ -300,8 +300,14 @@ def pooled_cache_rerun(engine: "Engine", mode: AttentionMode, previous: Attentio
     origin = engine._kv_origin
     if origin is None or engine.cache is None or not engine.seq_len:
         return None
-    return switches.pooled_reason(engine.spec, previous or engine.mode, mode, convert.cache_heads(engine.cache),
-                                  origin.heads)
+    held = convert.cache_heads(engine.cache)
+    why = switches.pooled_reason(engine.spec, previous or engine.mode, mode, held, origin.heads)
+    if why is None and not isinstance(mode, MLA):  # keys normalized after their projection (Qwen3, Gemma 3: issue 34)
+        from kvscope.core.runtimes.transformers import merge
+
+        target = effective_spec(engine.spec, engine.settings.with_(attention=mode)).num_kv_heads
+        why = merge.normalized_keys_rerun(engine.base_model, held, target, origin.heads)
+    return why
 
 
 def merging(engine: "Engine", mode: AttentionMode | None) -> bool:

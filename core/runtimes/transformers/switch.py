@@ -90,6 +90,11 @@ def check_model(engine: "Engine", mode: AttentionMode, impl: str) -> None:
         convert.kv_heads_of(engine.base_model)  # SettingsError with the reason: fused QKV, MLA, MHA-only
         # ... or projections shared by several layers, or wider than the hidden state (the prediction's premise).
         convert.check_kv_projections(engine.base_model, engine.spec.num_kv_layers, engine.spec.hidden_size)
+        from kvscope.core.runtimes.transformers import merge
+
+        why = merge.head_change_problem(engine.base_model)  # a norm over all K/V heads at once (OLMo 2: issue 34)
+        if why:
+            raise SettingsError(why)
 
 
 def check_backend(strategy: CacheStrategy) -> None:

@@ -164,8 +164,8 @@ class CalcForm(FollowsInstalled, QWidget):
                                    "(replicated past the KV-head count), pipeline parallel splits the layers.\n"
                                    "With more than one, the numbers, the chart and what fits are the busiest GPU's; "
                                    "GPU memory is per GPU.")
-        # The runtimes the registry gives calculator rules (transformers' caches grow per token; llama.cpp
-        # allocates the whole context at load); the Cache list holds the runtime's own.
+        # The runtimes the registry gives calculator rules (transformers' caches grow per token; another runtime's may
+        # be the whole context's, allocated at load); the Cache list holds the runtime's own.
         self.runtime_combo = QComboBox()
         for name, rules in offered():
             self.runtime_combo.addItem(rules.label, name)
@@ -284,7 +284,7 @@ class CalcForm(FollowsInstalled, QWidget):
         return self.runtime_combo.currentData() or runtimes.DEFAULT
 
     def follow_runtime(self, source: str) -> None:
-        """A model its runtime claims (a GGUF: llama.cpp, as Ollama and LM Studio run it) shows that runtime's
+        """A model its runtime claims (a GGUF, as Ollama and LM Studio run it) shows that runtime's
         allocation, at the context its Ollama Modelfile sets (num_ctx) when it sets one."""
         model = next((m for m in self.installed_models() if m.source == source), None)
         gguf = self.spec.config.get("gguf") if isinstance(self.spec.config, dict) else None

@@ -142,7 +142,7 @@ class RunControl(QObject):
 
     def _hold_previous_run(self, request) -> None:
         """The live run shown (if it was one) stays on the KV plot, dotted, under the next live run of the same
-        model: run it with transformers, then with llama.cpp (or with two settings), and both curves are there.
+        model: run it in one runtime, then in another (or with two settings), and both curves are there.
         A replay, or another model, drops it (like with like)."""
         previous = self.session.request
         same = (self.session.mode == "live" and previous is not None and self.session.decode_tokens > 0

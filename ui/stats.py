@@ -42,7 +42,7 @@ class LiveStats:
     tokens: int | None = None
     tokens_per_s: float | None = None
     kv_error_pct: float | None = None
-    prepaid: bool = False  # llama.cpp: the whole context's KV was allocated at load (kv_now is that allocation)
+    prepaid: bool = False  # the runtime allocated the whole context's KV at load (kv_now is that allocation)
 
 
 @functools.lru_cache(maxsize=256)
@@ -83,7 +83,7 @@ def _kv_error_pct(last: Sample) -> float | None:
 
 def _prepaid_stats(last: Sample, max_ctx: int | None, host_available: int | None,
                    held_slope: float | None = None) -> LiveStats:
-    """The runtime set the whole context's cache aside at load (llama.cpp): the cache "now" and the KV at the max
+    """The runtime set the whole context's cache aside at load (reserves_at_load): the cache "now" and the KV at the max
     context are that reservation, the runtime's own allocation (issue 37: scaling held bytes per token by the
     context drifted from 72.0 to 30.9 MiB under a 27.0 MiB allocation, since sliding layers hold a window, not
     every token); a token adds no memory, it fills cells paid for already: KV per token is the growth of the held
@@ -120,8 +120,8 @@ def compute_stats(last: Sample | None, slope: float | None, spec: ModelSpec | No
     max_ctx = max_context or (spec.max_position_embeddings if spec else None)
     if (last.kv_bytes_reserved is not None and last.kv_bytes_held is not None and last.kv_bytes_reserved > last.kv_bytes_held
             and _reserves_at_load(last.runtime)):
-        # The whole context set aside ahead of the tokens. MLX reserves ahead too, but 256 token slots at a time:
-        # its KV at the max context is still to be paid, and predicted below.
+        # The whole context set aside ahead of the tokens. One that reserves ahead in steps (256 token slots at a
+        # time) is not prepaid: its KV at the max context is still to be paid, and predicted below.
         return _prepaid_stats(last, max_ctx, host_available, slope)
     kv_at_max = None
     if spec is not None and max_ctx:

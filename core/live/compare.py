@@ -13,7 +13,7 @@ def observed_and_predicted_total(s: Sample) -> tuple[int | None, int | None]:
       peak (weights, KV and the pass's temporaries) against ``total_predicted`` (weights + KV + the pass's
       activation peak beyond them, ``kvscope.core.prediction.predict.forward_activations``). Not the allocated bytes after the step:
       by then the temporaries are gone and the prediction counts them.
-    - llama.cpp (its compute buffer read back from llama.cpp, ``activations_observed``): the model buffers + KV
+    - A runtime that reads its compute buffer back (``activations_observed``): the model buffers + KV
       reserved + compute buffer against the predicted three (the output buffer is not read back, so it is in
       neither).
     - Otherwise (the CPU, where the resident set also holds Python, libraries and freed-but-cached blocks): the

@@ -84,7 +84,7 @@ class LoadWatch:
 
         os.write(2, f"kvscope: stopped by {_WATCHED[signum]} while the model was loading; nothing was generated "
                     "or recorded\n".encode())
-        for child in multiprocessing.active_children():  # llama.cpp's process, when it was loading there
+        for child in multiprocessing.active_children():  # a runtime's own process, when it was loading there
             with contextlib.suppress(Exception):
                 child.kill()
         os._exit(128 + signum)

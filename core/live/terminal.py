@@ -19,7 +19,7 @@ from kvscope.core.records.outputs import display_path
 COLUMNS = ("token", "phase", "KV observed", "KV predicted", "match", "allocator", "device used", "RSS", "tok/s")
 #: Added with --quality-probe: the run's next token against the model as loaded (teacher-forced, whatever was switched).
 QUALITY_COLUMNS = ("top-1", "KL (nats)")
-#: A runtime that reserves its KV cache at load (llama.cpp): what it reserved, and what the tokens hold of it.
+#: A runtime that reserves its KV cache at load (reserves_at_load): what it reserved, and what the tokens hold of it.
 RESERVED_COLUMNS = ("token", "phase", "KV reserved", "KV predicted", "match", "KV used", "RSS", "tok/s")
 
 
@@ -155,7 +155,7 @@ def run_terminal(request: RunRequest, out: TextIO | None = None, observers: tupl
                                          should_stop=lambda: stopping["flag"]))
     except StreamError as exc:  # the table's stream is full or failing: no summary there; the recording is kept
         raise StreamError(_stream_failure(exc, request, view)) from None
-    except Exception as exc:  # a user's error (a budget, a deleted recording, llama.cpp aborting): after the summary
+    except Exception as exc:  # a user's error (a budget, a deleted recording, a runtime's child aborting): after the summary
         if is_user_error(exc):
             try:
                 view.summary()

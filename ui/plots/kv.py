@@ -41,7 +41,7 @@ class KVPlot(PlotPanel):
         t = self.tokens
         self.add_curve("kv_observed", self.plot, t, "token", "kv_observed", "observed", z=1)
         self.add_curve("kv_predicted", self.plot, t, "token", "kv_predicted", "predicted", "dash", z=2)
-        # A runtime that reserves ahead (llama.cpp at load: flat, filled: the prepayment) and what the tokens hold.
+        # A runtime that reserves ahead (the context at load: flat, filled: the prepayment) and what the tokens hold.
         self.add_curve("kv_reserved", self.plot, t, "token", "kv_reserved", "reserved", fill=True, z=0,
                        color="kv_share")
         self.add_curve("kv_used", self.plot, t, "token", "kv_used", "used", z=3, color="allocated")
@@ -86,7 +86,7 @@ class KVPlot(PlotPanel):
                 self._fit_key = None
 
     def token_row(self, s: Sample) -> dict:
-        # A runtime that set more aside than the tokens hold (llama.cpp's context, reserved at load) gets two
+        # A runtime that set more aside than the tokens hold (a context reserved at load) gets two
         # curves, reserved (filled) and used; one that reserves nothing ahead, the one observed curve.
         ahead = (s.kv_bytes_reserved is not None and s.kv_bytes_held is not None
                  and s.kv_bytes_reserved != s.kv_bytes_held)
@@ -263,7 +263,7 @@ class KVPlot(PlotPanel):
         tok = self.tokens.column("token")[-4 * window:]
         kv = self.tokens.column("kv_observed")[-4 * window:]
         if len(kv) and np.isnan(kv[-1]):
-            # A runtime that reserved the context ahead (llama.cpp): what a token costs is the cells it fills, the
+            # A runtime that reserved the context at load: what a token costs is the cells it fills, the
             # growth of the held bytes (flat in the sliding layers once their window is full), not the reservation.
             kv = self.tokens.column("kv_used")[-4 * window:]
         if len(tok) < 2:

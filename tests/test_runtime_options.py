@@ -116,3 +116,15 @@ def test_the_engine_host_asks_each_runtime_what_a_switch_waits_for(paged):
     assert runtimes.prepare_switch("mlx", "cache", "quantized:4") is None
     assert runtimes.prepare_switch(paged_runtime.NAME, "cache", "quantized:4") is None
     assert sent == []
+
+
+def test_at_most_ten_lines_outside_the_runtimes_name_a_built_in_one():
+    """Issue 36's measure (``grep -rniE "llama\\.?cpp|llamacpp|\\bmlx\\b"`` over main.py, ui/, workers/, core/live/ and
+    the request): 124 lines before the registry carried options, flags, Source entries, requests and host hooks;
+    what is left is user text (the credits, a server's name) and comments, at most 10 lines."""
+    pattern = re.compile(r"llama\.?cpp|llamacpp|\bmlx\b", re.IGNORECASE)
+    files = [ROOT / "main.py", ROOT / "core" / "model" / "request.py",
+             *(p for d in ("ui", "workers", "core/live") for p in sorted((ROOT / d).rglob("*.py")))]
+    named = [f"{p.relative_to(ROOT)}:{n}: {line.strip()}" for p in files
+             for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if pattern.search(line)]
+    assert len(named) <= 10, "\n".join(named)

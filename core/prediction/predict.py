@@ -177,8 +177,8 @@ def peak_moments(spec: ModelSpec, settings: RunSettings, context: int, prompt: i
       not the context (``past_tokens`` capped there).
     The replay follows a dynamic cache's concatenation and a sink cache's (on full-attention layers); ``exact`` is
     False for any other cache, a model type the replay lends a Llama layer, or a step past a sliding window."""
-    # the caches the replay follows as they allocate: a dynamic cache, a sink cache on full-attention layers
-    dynamic = settings.cache.name == "dynamic" or (settings.cache.name == "sink" and not
+    # the caches the replay follows as they allocate: a dynamic cache, a sink or h2o cache on full-attention layers
+    dynamic = settings.cache.name == "dynamic" or (settings.cache.name in ("sink", "h2o") and not
                                                    effective_spec(spec, settings).num_sliding_layers)
     prefill_bytes = 0
     exact = dynamic
@@ -253,7 +253,8 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
     dynamic cache that already holds ``past_tokens`` (its per-layer cat allocates the grown K/V, then frees the old).
     A sink cache (``sink:S+W``) on a model of full-attention layers is replayed as ``SinkWindowLayer`` runs: the whole
     cat, and past its S + W tokens the kept sinks and window beside it to the end of the layer's attention (it holds
-    at most S + W of ``past_tokens``).
+    at most S + W of ``past_tokens``); an h2o cache (``h2o:B+W``) as ``HeavyHitterLayer`` runs: its scores, and the
+    forward hook's sums of the attention weights and eviction by gathers (``replay.blocks.h2o_observe``).
 
     The forward pass of transformers 5.24 is replayed tensor by tensor by the model type's recipe
     (``kvscope.core.prediction.replay.RECIPES``; Llama's layer for a type without one, ``exact`` False): the
@@ -276,19 +277,22 @@ def prefill_peak(spec: ModelSpec, settings: RunSettings, prompt_tokens: int, dev
     # A sink cache on a model of full-attention layers only is replayed as its layers run (SinkWindowLayer); else the
     # replay's cache is a dynamic one's.
     sink = (cache.sinks, cache.window) if cache.name == "sink" and not eff.num_sliding_layers else None
-    if sink is not None:
-        past_tokens = min(past_tokens, sum(sink))  # what the cache holds of them
+    h2o = (cache.budget, cache.window) if cache.name == "h2o" and not eff.num_sliding_layers else None
+    if sink is not None or h2o is not None:
+        past_tokens = min(past_tokens, sum(sink or h2o))  # what the cache holds of them
     # Every layer slides: DynamicSlidingWindowLayer holds at most W - 1 of the past tokens, and a step cats one onto
     # those (eager's step then equals the allocator's; sdpa's with a window is not followed yet).
     slides_past = bool(past_tokens and eff.num_sliding_layers and not eff.num_full_layers and eff.sliding_window)
     if slides_past:
         past_tokens = min(past_tokens, eff.sliding_window - 1)
     run = new_pass(spec, eff, settings.batch, dtype, kv_dt, spec.kernel_for(settings.attn_impl), prompt_tokens,
-                   past_tokens, device=device, threads=cpu_threads, matmul_scratch=matmul_scratch, sink=sink)
+                   past_tokens, device=device, threads=cpu_threads, matmul_scratch=matmul_scratch, sink=sink, h2o=h2o)
     logits = recipe.replay(run)
     # A decode step on sliding layers: followed where every layer slides, past the window, in eager; else not exact.
     kernel = spec.kernel_for(settings.attn_impl)
     exact = own and (not (past_tokens and eff.num_sliding_layers) or (slides_past and kernel == "eager"))
+    # An h2o step past the capacity: followed on Llama, 256 B to 16 KB short on GPT-NeoX's (tests/test_transformers_total)
+    exact = exact and not (h2o is not None and past_tokens)
     heap = run.heap
     return PrefillPeak(peak=heap.peak, end=heap.now, where=heap.where, exact=exact, logits=logits)
 

@@ -146,6 +146,10 @@ def cache_update(p: Pass) -> None:
         for _ in range(2):
             p.heap.alloc(p.Kc)
             p.heap.free(p.Kc_old)
+        if p.h2o is not None:  # HeavyHitterLayer: the same cats, then a zero score per new token cat onto its scores
+            new = p.heap.alloc(p.b * p.kvh * p.s * FP32)
+            p.heap.alloc(p.b * p.kvh * p.kv * FP32)
+            p.heap.free(p.b * p.kvh * p.past * FP32, new)
         return
     whole = [p.heap.alloc(p.Kc) for _ in range(2)]
     capacity = sum(p.sink)
@@ -156,6 +160,40 @@ def cache_update(p: Pass) -> None:
         p.kept.extend(whole)
     else:
         p.heap.free(p.Kc_old, p.Kc_old)
+
+
+def h2o_observe(p: Pass) -> None:
+    """HeavyHitterLayer.observe_attention, run by a forward hook when the attention module returns (its locals gone,
+    its weights held by the layer's binding): the weights summed over the queries (an fp32 copy first in another
+    dtype), then over the query heads of each KV head, added to the scores; past the capacity, ``_evict``: topk of the
+    older tokens' scores and their sort, the recent positions, the kept indices, and gathers of the scores, keys and
+    values (each freeing the one it replaces)."""
+    if p.h2o is None:
+        return
+    heap, b, kvh, held = p.heap, p.b, p.kvh, p.kv
+    up = heap.alloc(b * p.heads * p.s * held * FP32) if p.dt != FP32 else 0
+    r1 = heap.alloc(b * p.heads * held * FP32)
+    if up:
+        heap.free(up)
+    r2 = heap.alloc(b * kvh * held * FP32)
+    heap.free(r1)
+    heap.alloc(b * kvh * held * FP32)  # scores + received
+    heap.free(b * kvh * held * FP32)
+    budget, window = p.h2o
+    capacity = budget + window
+    if held > capacity:
+        topk = [heap.alloc(b * kvh * budget * FP32), heap.alloc(b * kvh * budget * 8)]
+        top, order = heap.alloc(b * kvh * budget * 8), heap.alloc(b * kvh * budget * 8)  # .indices.sort()
+        heap.free(*topk, order)
+        recent = heap.alloc(window * 8)
+        keep = heap.alloc(b * kvh * capacity * 8)
+        heap.alloc(b * kvh * capacity * FP32)  # scores.gather
+        heap.free(b * kvh * held * FP32)
+        for _ in range(2):  # keys.gather, values.gather
+            heap.alloc(b * kvh * capacity * p.hd * p.kv_dt)
+            heap.free(p.Kc)
+        heap.free(top, recent, keep)
+    heap.free(r2)
 
 
 def gated_mlp(p: Pass) -> int:

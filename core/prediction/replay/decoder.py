@@ -96,6 +96,7 @@ class Decoder:
         layer_locals = [normed, attn] if keep else []
         heap.free(out, qe, qkv, *p.kept, *([] if keep else [normed]))
         p.kept.clear()
+        blocks.h2o_observe(p)  # an h2o cache's forward hook, as the attention module returns
         heap.at = f"layer {layer + 1} mlp"
         h2, h3 = self.residual(p, attn, keep)
         heap.free(h2, weights, *layer_locals)

@@ -51,6 +51,8 @@ class Pass:
     matmul_scratch: Callable[..., int] | None = None
     #: A sink cache's (sinks, window) on every layer (``SinkWindowLayer``), None: a dynamic cache's layers.
     sink: tuple[int, int] | None = None
+    #: An h2o cache's (budget, window) on every layer (``HeavyHitterLayer``), None: not one.
+    h2o: tuple[int, int] | None = None
     heap: Heap = field(default_factory=Heap)
     embeddings: int = 0
     mask: int = 0

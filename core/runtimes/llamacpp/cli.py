@@ -4,14 +4,17 @@ request the window's form makes. The registry (``kvscope.core.runtimes``) hands 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvscope.core.model.attention import SettingsError
-from kvscope.core.model.gguf import is_gguf_source
 from kvscope.core.model.request import RunForm, RunRequest
-from kvscope.core.model.spec import parse_tokens
-from kvscope.core.prediction.llamacpp import CACHE_TYPES, LlamaCppOptions
 from kvscope.core.runtimes.base import SourceEntry
+
+if TYPE_CHECKING:
+    from kvscope.core.prediction.llamacpp import LlamaCppOptions
+
+# The GGUF reader and llama.cpp's rules (kvscope.core.prediction.llamacpp: 0.3 s of imports) load when a llama.cpp
+# request is made, not when ``run``'s or ``calc``'s parser gets these flags.
 
 NAME = "llama.cpp"
 #: ``-c`` when neither the command line nor the window's Max context (nor the model's store) sets it.
@@ -54,17 +57,22 @@ def add_flags(parser: Any, command: str) -> dict[str, tuple[float, float, str]]:
     return ranges
 
 
-def options_from_args(args: Any, n_ctx: int) -> LlamaCppOptions:
+def options_from_args(args: Any, n_ctx: int) -> "LlamaCppOptions":
     """llama.cpp's context options from the command line's llama-server flags (``run`` and ``calc``)."""
+    from kvscope.core.prediction.llamacpp import LlamaCppOptions
+
     return LlamaCppOptions(n_ctx=n_ctx, n_seq_max=args.parallel, kv_unified=args.kv_unified, type_k=args.cache_type_k,
                            type_v=args.cache_type_v, flash_attn=args.flash_attn, swa_full=args.swa_full,
                            n_batch=args.batch_size, n_ubatch=args.ubatch_size, n_gpu_layers=args.n_gpu_layers,
                            offload_kqv=not args.no_kv_offload)
 
 
-def cli_options(args: Any) -> LlamaCppOptions:
+def cli_options(args: Any) -> "LlamaCppOptions":
     """The options of ``run --runtime llama.cpp``'s own flags: the model must be a GGUF (or the embedded model,
     converted); ``-c`` defaults to 4096, and 0 is the file's trained context (llama-server's)."""
+    from kvscope.core.model.gguf import is_gguf_source
+    from kvscope.core.model.spec import parse_tokens
+
     if args.model != "embedded" and not is_gguf_source(args.model):
         raise SettingsError(f"--runtime llama.cpp runs a .gguf file, and {args.model} is not one (convert a "
                             "transformers model with llama.cpp's convert_hf_to_gguf.py, or leave --model out for the "
@@ -93,6 +101,8 @@ def form_request(form: RunForm) -> RunRequest:
     """A llama.cpp run of the form's GGUF (the embedded model converted where none is given): -c from Max context
     (else the model's store's, else 4096, as llama-server's), the K and V type from the Cache combo where it names
     one (else f16)."""
+    from kvscope.core.prediction.llamacpp import CACHE_TYPES, LlamaCppOptions
+
     kv = form.cache if form.cache in CACHE_TYPES else "f16"
     options = LlamaCppOptions(n_ctx=form.max_context or form.store_context or DEFAULT_CONTEXT, type_k=kv, type_v=kv)
     common = {**form.common(), "source": form.source or "embedded"}
@@ -107,6 +117,8 @@ def self_test() -> tuple[RunRequest, Any]:
     """``kvscope --self-test``'s llama.cpp part: the embedded model's GGUF for a few tokens, the way ``run --runtime
     llama.cpp`` runs it, and the check of its decoded samples: llama.cpp's allocation at load (observed) equals the
     prediction at every token and the cells holding tokens grow with each (ValueError: the one line why not)."""
+    from kvscope.core.prediction.llamacpp import LlamaCppOptions
+
     request = RunRequest(source="embedded", runtime=NAME, options={NAME: LlamaCppOptions(n_ctx=512)},
                          max_new_tokens=SELF_TEST_TOKENS, device="cpu")
 

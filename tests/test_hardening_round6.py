@@ -122,3 +122,32 @@ def test_calc_refuses_weights_in_an_integer_dtype(capsys, tmp_path, key, value):
     (tmp_path / "config.json").write_text(json.dumps(config))
     line = one_line_error(*_calc(capsys, "--model", str(tmp_path / "config.json"))[::2])
     assert f"{key} {value!r} is not a dtype weights load in" in line
+
+
+def _lying_gguf(path: Path, key: bytes, value: int) -> Path:
+    """The tiny llama GGUF with one uint32 of its header changed: KV Scope's header reader takes it, llama.cpp's loader
+    does not."""
+    import struct
+
+    from tests import gguf_models
+
+    data = bytearray(gguf_models.llama(path.with_name("honest.gguf")).read_bytes())
+    at = data.index(key) + len(key)
+    assert struct.unpack_from("<I", data, at)[0] == 4  # GGUF's uint32 type
+    struct.pack_into("<I", data, at + 4, value)
+    path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.mark.parametrize("key, value, reason", [(b"llama.block_count", 3, "tensor 'blk.2.attn_norm.weight' not found"),
+                                                (b"llama.embedding_length", 256, "invalid n_rot")])
+def test_calc_refuses_a_gguf_llamacpp_refuses_at_load(capsys, tmp_path, key, value, reason):
+    pytest.importorskip("llama_cpp", reason="the llamacpp extra (make test installs it)")
+    from tests.helpers import one_line_error
+
+    path = _lying_gguf(tmp_path / "lie.gguf", key, value)
+    line = one_line_error(*_calc(capsys, "--model", str(path), "--runtime", "llama.cpp", "--context", "512")[::2])
+    assert "llama.cpp could not load it" in line and reason in line and "no figure for it" in line
+    code, out, err = _calc(capsys, "--model", str(path.with_name("honest.gguf")), "--runtime", "llama.cpp",
+                           "--context", "512")
+    assert code == 0 and "dry run" in out, err  # the honest file still gets its figures

@@ -248,6 +248,9 @@ def calc_text(args: Any, spec: Any, contexts: list[int], gpu_memory: int | None)
         try:
             dry = dryrun.dry_run(args.model, [options_from_args(args, n) for n in contexts])
         except dryrun.DryRunError as exc:
+            if "llama.cpp could not load it" in str(exc):  # issue 38: figures for a file llama.cpp refuses at load
+                from kvscope.core.model.spec import SpecError
+                raise SpecError(f"{one_line(exc)} (llama.cpp refuses this file at load: no figure for it)") from None
             why_not = "failed: " + one_line(exc)
     isa = host_isa()
     comparison = compare(result, dry, isa)

@@ -128,3 +128,49 @@ def test_at_most_ten_lines_outside_the_runtimes_name_a_built_in_one():
     named = [f"{p.relative_to(ROOT)}:{n}: {line.strip()}" for p in files
              for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if pattern.search(line)]
     assert len(named) <= 10, "\n".join(named)
+
+
+def test_an_mlx_quantized_switch_in_the_engine_host_applies_without_quanto(monkeypatch):
+    """The bug the issue names, end to end: a live ``cache=quantized:4`` in a real MLX run through the engine host's
+    RunDriver reaches MLX at the next token (which answers for itself: the embedded model's head dim of 32 needs a
+    group of 32), and ``quantized:4:32`` switches; transformers' backend preparation (optimum-quanto's kernels),
+    which this spelling started before, never starts."""
+    import threading
+    import time
+
+    from kvscope.core.live.engine_process import RunDriver
+    from kvscope.core.runtimes.transformers import prepare
+
+    why = runtimes.missing("mlx")
+    if why:
+        pytest.skip(why)
+    monkeypatch.setattr(prepare, "_jobs", {})  # as in a fresh engine process: nothing prepared yet
+    messages: list = []
+    lock = threading.Lock()
+
+    def send(kind, payload):
+        with lock:
+            messages.append((kind, payload))
+
+    def samples():
+        with lock:
+            return [s for kind, batch in messages if kind == "samples" for s in batch]
+
+    driver = RunDriver(RunRequest(runtime="mlx", max_new_tokens=40, device="cpu"), send)
+    runner = threading.Thread(target=driver.run, name="test-mlx-run", daemon=True)
+    runner.start()
+    deadline = time.monotonic() + 120
+    while not any(s.phase == "decode" for s in samples()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    driver.command("switch", "cache", "quantized:4")
+    while not any(s.event == "refused" for s in samples()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    driver.command("switch", "cache", "quantized:4:32")
+    runner.join(120)
+    assert not runner.is_alive()
+    answers = [(s.event, s.switch_after, s.text) for s in samples() if s.event in ("switch", "refused")]
+    assert [a[:2] for a in answers] == [("refused", "quantized:4"), ("switch", "quantized:4:32")], answers
+    assert "group size" in answers[0][2] and "quanto" not in answers[0][2]
+    with lock:
+        progress = [p for kind, p in messages if kind == "progress"]
+    assert prepare._jobs == {} and not any("preparing quantized cache" in p for p in progress), progress

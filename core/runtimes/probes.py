@@ -137,7 +137,10 @@ class MemoryProbe:
         self._last_handle_error: str | None = None
         self._mem_v2 = True
         self._mem_v2_seen = False
-        self._process = psutil.Process(os.getpid())
+        try:
+            self._process: psutil.Process | None = psutil.Process(os.getpid())
+        except (psutil.Error, OSError):  # no /proc (a chroot, issue 38): this process's RSS is not available
+            self._process = None
         self._pid = os.getpid()
         torch = _torch() if self.device_type in ("cuda", "mps") else None
         self._cuda_ok = self.device_type == "cuda" and torch.cuda.is_available()
@@ -222,6 +225,8 @@ class MemoryProbe:
         now = time.monotonic()
 
         try:
+            if self._process is None:
+                raise OSError("no /proc to read it from")
             values["process_rss"] = int(self._process.memory_info().rss)
         except (psutil.Error, OSError) as exc:
             notes.append(f"process RSS not available: {exc}")

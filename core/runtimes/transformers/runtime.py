@@ -206,7 +206,10 @@ class TransformersRuntime:
         else:
             import psutil
 
-            total = int(psutil.virtual_memory().total)
+            try:
+                total = int(psutil.virtual_memory().total)
+            except (psutil.Error, OSError):  # no /proc (a chroot, issue 38): not available
+                total = None
         return ModelInfo(label=loaded.label, source=loaded.source, device=loaded.device,
                          device_name=_device_name(loaded.device), dtype=loaded.dtype, spec=spec, total_memory=total,
                          attention_choices=attention_choices(spec), cache_choices=cache_choices(loaded.device, spec),

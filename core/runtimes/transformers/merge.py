@@ -27,7 +27,10 @@ model's own K/V (its Gram matrices are kept for later merges), else on the last 
 
 Where the maps cannot be folded the merge refuses with its reason and the mean applies: a norm on the keys after
 their projection (q_norm/k_norm: Qwen3, Gemma 3, OLMo 2), query or output projections that are not per-head
-Linear layers, a rotary that is not pairs of dims.
+Linear layers, a rotary that is not pairs of dims. With a norm on K no cache can be pooled or merged in place
+either (the normalized keys are no linear map of the input): the tokens so far re-run through the model with fewer
+heads (``normalized_keys_rerun``), and a norm over all K/V heads at once refuses the head change
+(``head_change_problem``).
 """
 
 from __future__ import annotations

@@ -226,3 +226,31 @@ def test_an_h2o_prefill_matches_the_allocator(one_thread, model_type: str, dtype
     assert not one.exact
     if model_type == "llama":
         assert abs(one.peak - step.peak) <= EXACT_SLACK, (one, step)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: calc's total against torch's CUDA allocator")
+def test_calc_total_is_the_cuda_allocators_peak() -> None:
+    """On a GPU: the embedded model in float32, sdpa, a 512-token prefill and the step after it, measured by torch's
+    CUDA counters (``measure_peak``: max_memory_allocated above the start), against calc's default (GPU) total: within
+    5% (the caching allocator rounds blocks to 512 B, and cuBLAS's workspace comes from it on the first matmuls)."""
+    from transformers import DynamicCache
+
+    from kvscope.core.runtimes.transformers.loading import load_model
+
+    loaded = load_model("embedded", device="cuda", dtype="float32")
+    model, spec = loaded.model.eval(), loaded.spec
+    model.set_attn_implementation("sdpa")
+    n = 512
+    ids = torch.randint(0, 200, (1, n + 1), generator=torch.Generator().manual_seed(3)).to("cuda")
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=ids[:, :8], cache=DynamicCache(config=model.config), use_cache=True)  # cuBLAS set up
+        _, pre = measure_peak(lambda: model(input_ids=ids[:, :n], cache=cache, use_cache=True, logits_to_keep=1),
+                              "cuda")
+        kv = cache_bytes(cache).logical
+        _, step = measure_peak(lambda: model(input_ids=ids[:, n:], cache=cache, use_cache=True, logits_to_keep=1),
+                               "cuda")
+    row = calculate(spec, RunSettings(weight_dtype="float32", attn_impl="sdpa"), [n]).to_json()["rows"][0]
+    measured = model_weight_bytes(model) + max(pre.peak, kv + step.peak)
+    assert row["kv_cache_bytes"] == kv
+    assert abs(row["total_bytes"] - measured) <= 0.05 * measured, (row, pre, step)

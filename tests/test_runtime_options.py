@@ -174,3 +174,22 @@ def test_an_mlx_quantized_switch_in_the_engine_host_applies_without_quanto(monke
     with lock:
         progress = [p for kind, p in messages if kind == "progress"]
     assert prepare._jobs == {} and not any("preparing quantized cache" in p for p in progress), progress
+
+
+def test_a_runtime_entrys_file_is_kept_under_its_own_settings_key(qtbot, settings):
+    """An entry with a file field saves it under its ``SourceEntry.saved_as`` (llama.cpp's: ``gguf``, the key the
+    window used before the registry made the entry), so a user's chosen GGUF survives the change."""
+    from kvscope.ui.controls import ControlsPanel
+
+    (name, entry), = [(n, e) for n, e in runtimes.source_entries() if e.file_field]
+    settings.setValue("run/source_kind", entry.key)
+    settings.setValue(f"run/{entry.saved_as}", "/models/old.gguf")
+    panel = ControlsPanel()
+    qtbot.addWidget(panel)
+    panel.restore(settings)
+    assert panel.source_combo.currentData() == entry.key and entry.saved_as == "gguf"
+    assert panel.source.file_edit(entry.key).text() == "/models/old.gguf"
+    panel.source.file_edit(entry.key).setText("/models/new.gguf")
+    panel.save(settings)
+    assert settings.value(f"run/{entry.saved_as}") == "/models/new.gguf"
+    assert panel.build_request().source == "/models/new.gguf" and panel.build_request().runtime == name

@@ -138,6 +138,10 @@ class SourcePicker(FollowsInstalled, QObject):
                 edit.setText(path)
         return _with_browse(edit, f"Choose a file ({entry.label})", browse)
 
+    def _saved_as(self, key: str) -> str:
+        """The settings key of the runtime entry ``key``'s file field."""
+        return self.entries[key][1].saved_as or f"file_{key}"
+
     def file_edit(self, key: str) -> QLineEdit | None:
         """The file field of the runtime entry ``key`` (None: it has none)."""
         return self._entry_files.get(key)
@@ -320,7 +324,7 @@ class SourcePicker(FollowsInstalled, QObject):
         self.folder_edit.setText(str(s.value("folder", "") or ""))
         self.hub_edit.setText(str(s.value("hub_id", "") or ""))
         for key, edit in self._entry_files.items():
-            edit.setText(str(s.value(f"file_{key}", "") or ""))
+            edit.setText(str(s.value(self._saved_as(key), "") or ""))
         self._installed_wanted = str(s.value("installed", "") or "")
 
     def save(self, s) -> None:
@@ -328,5 +332,5 @@ class SourcePicker(FollowsInstalled, QObject):
         s.setValue("folder", self.folder_edit.text())
         s.setValue("hub_id", self.hub_edit.text())
         for key, edit in self._entry_files.items():
-            s.setValue(f"file_{key}", edit.text())
+            s.setValue(self._saved_as(key), edit.text())
         s.setValue("installed", self.installed_combo.currentData() or self._installed_wanted or "")

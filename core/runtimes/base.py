@@ -177,7 +177,7 @@ class SourceEntry:
     ``key`` is the entry's data (and its saved name); ``file_field`` gives it a path field with a browse button
     (``placeholder``, ``file_filter``: the dialog's filter); ``installed_kinds``: the installed models'
     ``InstalledModel.kind`` it runs (an Ollama GGUF, an MLX folder), each with its tooltip word in
-    ``kind_labels``."""
+    ``kind_labels``; ``saved_as``: the window's settings key of its file field (default ``file_<key>``)."""
 
     key: str
     label: str
@@ -187,6 +187,7 @@ class SourceEntry:
     file_filter: str = "All files (*)"
     installed_kinds: tuple[str, ...] = ()
     kind_labels: tuple[tuple[str, str], ...] = ()
+    saved_as: str = ""
 
 
 def resolve(ref: Any) -> Any:

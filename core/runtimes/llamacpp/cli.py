@@ -94,7 +94,7 @@ def source_entries() -> tuple[SourceEntry, ...]:
                                 "(its KV cache is reserved whole at load).",
                         file_field=True, placeholder="embedded model \u00b7 or /path/to/model.gguf",
                         file_filter="GGUF models (*.gguf);;All files (*)", installed_kinds=("gguf",),
-                        kind_labels=(("gguf", "GGUF file"),)),)
+                        kind_labels=(("gguf", "GGUF file"),), saved_as="gguf"),)  # the file chosen, as saved before
 
 
 def form_request(form: RunForm) -> RunRequest:

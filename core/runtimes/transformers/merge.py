@@ -187,7 +187,8 @@ def normalized_keys_rerun(model: nn.Module, held: int | None, target: int, own: 
     if held is None or held == target or (held % own == 0 and target % own == 0):
         return None
     why = normalized_keys_reason(model)
-    return f"{why}; the tokens so far go through the model with {target} K/V heads" if why else None
+    heads = f"{target} K/V head{'s' if target != 1 else ''}"
+    return f"{why}; the tokens so far go through the model with {heads}" if why else None
 
 
 def head_change_problem(model: nn.Module) -> str | None:

@@ -115,7 +115,7 @@ def set_attention(engine: "Engine", mode: AttentionMode, live: bool) -> str:
     try:
         current = convert.kv_heads_of(engine.base_model)
     except SettingsError:
-        # No regroupable heads (fused QKV) or layers of different head counts (MiMo-V2-Flash): _check_target
+        # No regroupable heads (fused QKV) or layers of different head counts (MiMo-V2-Flash): switch.check_model
         # refuses head changes for such a model, so its projections are still its own, as the target needs.
         current = None
     merged, merge_note = None, None

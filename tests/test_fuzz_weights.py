@@ -27,8 +27,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import pytest
-
 from kvscope.core.model.weights_file import WeightsFileError, check_safetensors
 from tests.fuzzing import Hang, category_table, guard
 

@@ -12,6 +12,8 @@ runs), how long each key takes to show its switch, and the longest gap between t
 * ``--steady N`` first: N tokens with no key pressed, their longest gap, tokens/s, and the profiled decode steps
   (the CPU measures a step's allocator peak under the profiler now and then: kvscope.core.runtimes.transformers.peak_cadence)
   with the gap each stood in;
+* ``--runtime llama.cpp --model x.gguf``: the same keys on a GGUF in llama.cpp (its switches reload into a second
+  context while the first keeps generating);
 * ``--model DIR`` a real pretrained folder instead of the embedded model (tests/real_models.smollm2_folder() is
   SmolLM2-135M), ``--lead N`` tokens before the first key (a cache that is large enough to matter), ``--cycle-cache``
   C pressed until every cache has run once, each answer its own row.
@@ -39,6 +41,8 @@ KEYS = ["1", "2", "3", "4", "5", "F", "C"]
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="embedded", help="the run's model: embedded, or a pretrained folder")
+    parser.add_argument("--runtime", default="transformers",
+                        help="the runtime that runs it (a name in kvscope.core.runtimes' registry: llama.cpp for a GGUF)")
     parser.add_argument("--steady", type=int, default=0, help="first, this many tokens with no key pressed")
     parser.add_argument("--lead", type=int, default=40, help="tokens before the first key")
     parser.add_argument("--cycle-cache", action="store_true", help="press C until every cache has run once")
@@ -73,7 +77,7 @@ def main() -> int:
     window.sample_observers.append(lambda s: profiled.append(len(arrivals) - 1)
                                    if s.phase == "decode" and s.peak_bytes_observed is not None else None)
     window.sample_observers.append(lambda s: answers.append((time.monotonic(), s)) if s.is_event and s.switch_key else None)
-    window.start_run(RunRequest(source=args.model, max_new_tokens=100_000))
+    window.start_run(RunRequest(source=args.model, runtime=args.runtime, max_new_tokens=100_000))
     if not wait_until(lambda: window.decode_tokens >= 8, 600):
         print("the run did not start")
         return 1
@@ -126,7 +130,7 @@ def main() -> int:
               f"(longest token gap meanwhile {gap}, {len(times) - 1} tokens): "
               f"{answers[before][1].text[:90] if len(answers) > before else ''}", flush=True)
     if args.no_mash:
-        print(json.dumps({"model": args.model, "steady": steady, "key_rows": rows}))
+        print(json.dumps({"model": args.model, "runtime": args.runtime, "steady": steady, "key_rows": rows}))
         window.stop_run()
         wait_until(lambda: window.state == "idle", 30)
         window.shutdown()
@@ -149,7 +153,7 @@ def main() -> int:
         per_axis[s.switch_key] = per_axis.get(s.switch_key, 0) + 1
     print(f"30-key mash: answers per axis {per_axis}; all answered after {mash_end - mash_start:.2f} s; "
           f"{len(times)} tokens meanwhile; longest gap between two tokens {max(gaps):.2f} s")
-    print(json.dumps({"model": args.model, "steady": steady, "key_rows": rows, "latency_s": latencies,
+    print(json.dumps({"model": args.model, "runtime": args.runtime, "steady": steady, "key_rows": rows, "latency_s": latencies,
                       "key_longest_gap_s": key_gaps, "mash_longest_gap_s": max(gaps), "mash_answers": per_axis}))
     window.stop_run()
     wait_until(lambda: window.state == "idle", 30)

@@ -18,7 +18,7 @@ Each GPU is predicted by ``kvscope.core.prediction.predict`` on a shard spec: th
 its heads, its share of the MLP, its parameters). KV bytes per GPU are then exact for the layout
 above; weights are exact where the parameter count decomposes into embedding + attention + norms +
 the rest (a dense decoder such as Llama), else the rest is assumed split evenly (said in ``notes``);
-activations remain the one-pass estimate of ``kvscope.core.prediction.predict``, per GPU (the gathered logits counted
+activations are ``kvscope.core.prediction.predict``'s replayed peaks of each shard, per GPU (the gathered logits counted
 in full on the last stage).
 """
 

@@ -167,3 +167,25 @@ def test_no_proc_leaves_this_process_memory_not_available_instead_of_a_traceback
     if done.returncode != 0 and "Operation not permitted" in done.stderr:
         pytest.skip("unshare is not permitted here (not root)")
     assert done.returncode == 0 and done.stdout.split()[-2:] == ["rss", "None"], done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("edit, named", [({"intermediate_size": 10**12}, "intermediate_size 1,000,000,000,000"),
+                                         ({"num_attention_heads": 2**31}, "num_attention_heads 2,147,483,648"),
+                                         ({"text_config": {"hidden_size": 2**40}}, "text_config.hidden_size")])
+def test_mlx_refuses_sizes_its_arrays_cannot_take(tmp_path, edit, named):
+    """intermediate_size 1e12 was mlx-lm's 'OverflowError: Integer value ... is outside the supported range'."""
+    import json
+
+    from kvscope.core.model.spec import SettingsError
+    from kvscope.core.runtimes.mlx.load import resolve_model
+    from tests.real_models import smollm2_folder
+
+    real = smollm2_folder()
+    for file in real.iterdir():
+        if file.name != "config.json":
+            (tmp_path / file.name).symlink_to(file)
+    (tmp_path / "config.json").write_text(json.dumps({**json.loads((real / "config.json").read_text()), **edit}))
+    with pytest.raises(SettingsError) as refused:
+        resolve_model(str(tmp_path))
+    assert named in str(refused.value) and "more than MLX's arrays take" in str(refused.value)
+    assert resolve_model(str(real)) == real  # the real folder's sizes pass

@@ -56,6 +56,7 @@ def resolve_model(source: str, progress: Callable[[str], None] | None = None, tr
         check_imported_names(path, source)
     if config.get("model_file") is None:  # a model file of its own builds the model whatever model_type says
         check_model_type(config, source)
+    check_array_sizes(config, source)
     try:  # a FIFO or a device in the folder, a header that lies: one line before mlx-lm opens anything
         check_weights(path, str(source), "model*.safetensors")
     except SpecError as exc:
@@ -97,6 +98,26 @@ def check_model_type(config: dict, source: str) -> None:
         raise SettingsError(f"{source}'s config.json has model_type {shown}, which is mlx-lm's helper module "
                             f"mlx_lm.models.{model_type}, not a model architecture; mlx-lm "
                             f"{_mlx_lm_version()} has no such model type")
+
+
+#: The largest size MLX takes for an array's dimension (its shapes are 32-bit ints).
+MLX_MAX_DIM = 2**31 - 1
+#: The config fields mlx-lm builds arrays of (a size, a dimension, a count), by how their names end or begin.
+_SIZE_SUFFIXES, _SIZE_PREFIXES = ("_size", "_dim", "_rank", "_layers", "_heads", "_experts"), ("num_", "n_")
+
+
+def check_array_sizes(config: dict, source: str) -> None:
+    """Refuse a config whose sizes MLX cannot build: a size, dimension or count (``intermediate_size``,
+    ``num_attention_heads``..., in the config or its ``text_config``) beyond ``MLX_MAX_DIM``. mlx-lm answered
+    ``intermediate_size: 1e12`` with ``OverflowError: Integer value ... is outside the supported range`` (issue 38).
+    SettingsError, one line, naming the field."""
+    blocks = [("", config)] + [(f"{k}.", v) for k, v in config.items() if k.endswith("_config") and isinstance(v, dict)]
+    for where, block in blocks:
+        for key, value in block.items():
+            if (type(value) is int and value > MLX_MAX_DIM
+                    and (key.endswith(_SIZE_SUFFIXES) or key.startswith(_SIZE_PREFIXES))):
+                raise SettingsError(f"{source}'s config.json has {where}{key} {value:,}, more than MLX's arrays take "
+                                    f"(at most {MLX_MAX_DIM:,} along a dimension)")
 
 
 def _mlx_lm_version() -> str:

@@ -1,9 +1,9 @@
 """What the quality probe costs per token: KV Scope's loop with and without ``--quality-probe``, same model, one run.
 
-    .venv/bin/python benchmarks/quality_probe.py [--tokens 128] [--rounds 3] [--device cpu] [--models embedded,smollm2]
+    .venv/bin/python benchmarks/quality_probe.py [--tokens 128] [--rounds 3] [--device cpu] [--models embedded,smollm2,gemma3]
 
-For each model (the embedded demo model, and SmolLM2-135M-Instruct from ``tests/real_models.py``: its converted
-folder, built once per machine), the engine generates exactly --tokens tokens after the same prompt, with the probe
+For each model (the embedded demo model, SmolLM2-135M-Instruct and Gemma 3 270M from ``tests/real_models.py``: their converted
+folders, built once per machine), the engine generates exactly --tokens tokens after the same prompt, with the probe
 off and on, rounds alternating (off, on, off, on...) so machine noise hits both; the median tokens/s of each and
 their ratio are printed side by side, with the probe's own cache at the last token. The probe runs one decode step
 of the model as loaded per token (``kvscope.core.runtimes.transformers.reference``), so the ratio is about 1/2 where
@@ -44,11 +44,12 @@ def time_loop(loaded, ids, tokens: int, probe, quality: bool) -> tuple[float, in
 
 
 def load(name: str, device: str):
-    """The embedded model, "smollm2" (tests/real_models.py's real weights), or any model source."""
-    if name == "smollm2":
+    """The embedded model, "smollm2" or "gemma3" (tests/real_models.py's real weights), or any model source."""
+    if name in ("smollm2", "gemma3"):
         from tests import real_models
 
-        return load_model(str(real_models.smollm2_folder()), device=device)
+        folder = real_models.smollm2_folder() if name == "smollm2" else real_models.gemma3_folder()
+        return load_model(str(folder), device=device)
     return load_model(name, device=device)
 
 

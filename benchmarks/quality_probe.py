@@ -3,13 +3,13 @@
     .venv/bin/python benchmarks/quality_probe.py [--tokens 128] [--rounds 3] [--device cpu]
         [--models embedded,smollm2,gemma3]
 
-For each model (the embedded demo model, SmolLM2-135M-Instruct and Gemma 3 270M from ``tests/real_models.py``:
-their converted folders, built once per machine), the engine generates exactly --tokens tokens after the same
-prompt, with the probe off and on, rounds alternating (off, on, off, on...) so machine noise hits both; the median
-tokens/s of each and their ratio are printed side by side, with the probe's own cache at the last token. The probe runs one decode step
-of the model as loaded per token (``kvscope.core.runtimes.transformers.reference``), so the ratio is about 1/2 where
-the model's own step is the time; the window turns it on by default only for small models (``ui/controls.py``,
-``PROBE_DEFAULT_MAX_BYTES``), where half of their tokens/s is still quick.
+For each model (the embedded demo model, SmolLM2-135M-Instruct and Gemma 3 270M from ``tests/real_models.py``: their
+converted folders, built once per machine), the engine generates exactly --tokens tokens after the same prompt, with
+the probe off and on, rounds alternating (off, on, off, on...) so machine noise hits both; the median tokens/s of
+each and their ratio are printed side by side, with the probe's own cache at the last token. The probe runs one
+decode step of the model as loaded per token (``kvscope.core.runtimes.transformers.reference``), so the ratio is
+about 1/2 where the model's own step is the time; the window turns it on by default only for small models
+(``ui/controls.py``, ``PROBE_DEFAULT_MAX_BYTES``), where half of their tokens/s is still quick.
 """
 
 from __future__ import annotations

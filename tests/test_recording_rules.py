@@ -127,3 +127,61 @@ def test_every_rule_is_named_and_none_fires_on_the_shipped_demo():
     samples = list(reader)
     assert len(samples) == 120 and reader.problem() is None
     assert all(sample_rules(s, VOCAB) is None for s in samples)
+
+
+# ---------------------------------------------------------------------------------------------------- a seeded fuzzer
+
+#: Per new field, values a file may hold: (value, allowed by the field's own type and range).
+POOLS = {
+    "quality_top1": [(0, True), (1, True), (None, True), (2, False), (-1, False), (True, False), (0.0, False)],
+    "quality_kl": [(0.0, True), (3.5, True), (None, True), (-1e-9, False), ("1", False), (float("inf"), False)],
+    "quality_token": [(0, True), (VOCAB - 1, True), (None, True), (VOCAB, True), (2**63, False), (-3, False)],
+    "quality_token_text": [(" the", True), (None, True), ("\x07", True), (3, False), ("y" * 300, False)],
+    "quality_kv_bytes": [(0, True), (2**62, True), (None, True), (-1, False), (1.5, False)],
+    "peak_bytes_observed": [(10, True), (None, True), (2**63 - 1, True), (2**63, False), (False, False)],
+    "peak_bytes_predicted": [(10, True), (None, True), (-2, False), ("10", False)],
+    "runtime": [("transformers", True), ("llama.cpp", True), ("mlx", True), ("x-1.2", True), ("", True),
+                ("a b", True), ("\x1b[0m", True), (None, False), (7, False), ("r" * 257, False)],
+}
+
+
+def _expected(line: dict) -> bool:
+    """Whether the reader must keep ``line``: every field's own rule, then the rules between fields (SAMPLE_RULES),
+    written here from the schema, independently of the reader."""
+    import re
+
+    for field, pool in POOLS.items():
+        if not dict((repr(v), ok) for v, ok in pool).get(repr(line[field]), True):  # the demo line's own: valid
+            return False
+    if line["quality_token"] is not None and line["quality_token"] >= VOCAB:
+        return False
+    if line["quality_token_text"] is not None and line["quality_token"] is None:
+        return False
+    if line["quality_kl"] is not None and line["quality_top1"] is None:
+        return False
+    return bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}", line["runtime"]))
+
+
+def test_seeded_combinations_of_new_field_values(tmp_path):
+    import random
+    import time
+
+    rng = random.Random(38)
+    lines, expected = [], []
+    base = _decode()
+    for i in range(400):
+        line = dict(base, token=base["token"] + i, context_tokens=base["context_tokens"] + i)
+        for field, pool in POOLS.items():
+            line[field] = rng.choice(pool)[0] if rng.random() < 0.2 else base.get(field, POOLS[field][0][0])
+        lines.append(line)
+        expected.append(_expected(line))
+    path = _write(tmp_path / "fuzz.jsonl", *lines)
+    started = time.monotonic()
+    reader = RecordingReader(path)
+    kept = [s.token for s in reader]
+    elapsed = time.monotonic() - started
+    want = [line["token"] for line, ok in zip(lines, expected) if ok]
+    print(f"\nnew-field fuzzer, seed 38: {len(lines)} lines, {len(want)} valid, {len(lines) - len(want)} damaged, "
+          f"read in {elapsed:.2f} s")
+    assert kept == want and reader.skipped == len(lines) - len(want)
+    assert 50 < len(want) < 350  # both outcomes are exercised

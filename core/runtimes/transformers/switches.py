@@ -319,10 +319,11 @@ def pooled_rerun(spec: ModelSpec, previous: AttentionMode, mode: AttentionMode, 
     return pooled_reason(spec, previous, mode, _effective(spec, previous, light).num_kv_heads, light=light) is not None
 
 
-def plan(spec: ModelSpec, state: SwitchState, key: str, value: Any) -> SwitchPlan:
+def plan(spec: ModelSpec, state: SwitchState, key: str, value: Any, foresee: bool = True) -> SwitchPlan:
     """Switch ``key=value`` from ``state``: its target, or the refusal and its reason; whether it may re-run the
-    tokens so far; what it converts. ``value`` is a spelling (parsed here) or a parsed value. SettingsError when
-    the key or the value does not parse (the grammar, before any rule)."""
+    tokens so far (``foresee``; False: not asked, the window's greying needs only the refusal); what it converts.
+    ``value`` is a spelling (parsed here) or a parsed value. SettingsError when the key or the value does not
+    parse (the grammar, before any rule)."""
     if isinstance(value, str):
         name, parsed = parse_switch_value(key, value)
     else:
@@ -345,9 +346,9 @@ def plan(spec: ModelSpec, state: SwitchState, key: str, value: Any) -> SwitchPla
     if eager_for:
         converts += ("kernel",)
     try:
-        reruns = may_rerun(spec, state, target, name)
-    except ViewNotKnown:
-        reruns = True  # only transformers knows the layout: the engine's conversions decide
+        reruns = foresee and may_rerun(spec, state, target, name)
+    except (ViewNotKnown, SettingsError, SpecError, ValueError):
+        reruns = True  # a layout only transformers knows (or a state no run holds): the engine's conversions decide
     return SwitchPlan(name=name, before=before, after=after, target=target, eager_for=eager_for, converts=converts,
                       reruns=reruns)
 
@@ -361,7 +362,7 @@ def switch_problem(spec: ModelSpec, device: str | None, now: Mapping[str, str], 
     so far; ``ahead``: the tokens the run will still generate (a static cache must hold them all)."""
     try:
         state = SwitchState.of(now, device, tokens=tokens, max_context=max_context, ahead=ahead, light=True)
-        answer = plan(spec, state, key, value)
+        answer = plan(spec, state, key, value, foresee=False)
     except (SettingsError, SpecError, KeyError, ValueError) as exc:
         return str(exc).splitlines()[0] if str(exc) else "not a setting of this run"
     return answer.refusal

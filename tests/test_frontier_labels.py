@@ -127,3 +127,28 @@ def test_points_on_one_dot_share_one_label(qtbot, settings):
     assert both[0].textItem.toPlainText().split("\n")[:2] == ["mqa", "mqa:mean"]
     assert len(shown) == 2
     w.shutdown()
+
+
+def test_labels_follow_the_points_on_a_slow_clock_and_settle_on_the_last(qtbot, settings):
+    """A placement costs tens of ms: while tokens come it runs at most every RELABEL_S, and once they stop the last
+    positions are placed too (a timer), every label still clear of the others."""
+    runs = EMBEDDED
+    samples = _probed(runs)
+    w = _window(qtbot, settings, samples)
+    frontier = w.plots.frontier
+    view = frontier.plot.getViewBox()
+    placed_at = frontier._placed_at
+    last = samples[-1]
+    more = [last.replace(token=last.token + i, context_tokens=last.context_tokens + i, quality_top1=0,
+                         kv_bytes_held=last.kv_bytes_held + 1024 * i, kv_bytes_reserved=last.kv_bytes_held + 1024 * i,
+                         time_s=last.time_s + 0.05 * i) for i in range(1, 25)]
+    w.add_samples(more)  # the last setting's top-1 falls from 75 % to 47 %: its dot moves down
+    w.plots.redraw(settle=True)
+    assert frontier._placed_geometry != frontier._geometry(view) or frontier._placed_at > placed_at
+    qtbot.waitUntil(lambda: frontier._placed_geometry == frontier._geometry(view),
+                    timeout=int(4000 * frontier.RELABEL_S))
+    assert frontier.unlabelled == []
+    shown = [item for item in frontier.labels.values() if item.isVisible()]
+    boxes = [item.mapRectToScene(item.boundingRect()) for item in shown]
+    assert all(not a.intersects(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    w.shutdown()

@@ -18,17 +18,21 @@ must; points on one dot share one label; a name with no room whole is elided, it
 from __future__ import annotations
 
 import html
+import logging
 import math
+import time
 from dataclasses import dataclass
 
 import pyqtgraph as pg
-from PySide6.QtCore import QRectF
+from PySide6.QtCore import QRectF, QTimer
 from PySide6.QtGui import QColor, QFont, QFontMetrics
 
 from kvscope.core.base.sample import Sample
 from kvscope.ui.axes import SparseAxis, format_bytes
 from kvscope.ui.plots.panel import PlotPanel
 from kvscope.ui.theme import Theme
+
+log = logging.getLogger(__name__)
 
 
 class Log2BytesAxis(pg.AxisItem):
@@ -114,6 +118,9 @@ class FrontierPlot(PlotPanel):
         self._last: tuple | None = None  # the last judged token's (attention, cache, context, held bytes)
         self._drawn = -1
         self._placed_key = None
+        self._placed_geometry: tuple = ()
+        self._placed_at = 0.0
+        self._relabel_pending = False
         self.unlabelled: list[tuple[str, str]] = []  # points whose label found no spot (declutter)
         self.placed: dict[tuple[str, str], QRectF] = {}  # each shown label's box, in scene coordinates
         self.empty_ranges()
@@ -193,12 +200,12 @@ class FrontierPlot(PlotPanel):
                 self.plot.addItem(leader, ignoreBounds=True)
                 item.setZValue(4)
                 self.plot.addItem(item, ignoreBounds=True)
-            item.point = point
-            item.setPos(math.log2(point.bytes_per_token), 100.0 * point.top1)
-            item.names = [self.label_of(point)]
+                item.point = point
+                item.setPos(math.log2(point.bytes_per_token), 100.0 * point.top1)
+                item.names = [self.label_of(point)]
+                self._style_label(item, point)
+                self._placed_key = None  # (a new point: every label placed again at once)
             item.setToolTip(self._tooltip(point))
-            self._style_label(item, point)
-        self._placed_key = None
         return 1
 
     def _tooltip(self, point: FrontierPoint) -> str:
@@ -260,6 +267,27 @@ class FrontierPlot(PlotPanel):
     #: A name elided to fit keeps at least this many characters, its ellipsis included (its tooltip says it whole).
     ELIDE_KEEP = 4
 
+    #: Seconds between two placements of the same plot's labels while its points move.
+    RELABEL_S = 0.5
+
+    def _relabel(self) -> None:
+        self._relabel_pending = False
+        try:
+            self.declutter()
+        except Exception:  # noqa: BLE001 - a timer slot: log, never raise inside Qt's event loop
+            log.exception("the frontier's labels could not be placed")
+
+    def _geometry(self, view) -> tuple:
+        """What a placement depends on besides the view: each point's dot (to 3 px), name and figures."""
+        out = []
+        for k, p in self.points.items():
+            if p.bytes_per_token is None or k not in self.labels:
+                continue
+            at = view.mapViewToScene(pg.Point(math.log2(p.bytes_per_token), 100.0 * p.top1))
+            out.append((k, round(at.x() / 3), round(at.y() / 3), self.label_of(p), f"{100 * p.top1:.0f}",
+                        f"{p.kl:.2g}"))
+        return tuple(out)
+
     def _groups(self, dots: dict[tuple[str, str], object], radius: float) -> list[list[tuple[str, str]]]:
         """Points whose dots overlap on screen, as groups (each one label naming them all), the highest first."""
         keys = sorted(dots, key=lambda k: -self.points[k].top1)
@@ -282,11 +310,21 @@ class FrontierPlot(PlotPanel):
         label beside its point adds its figures (top-1, KL) under the name. ``unlabelled`` lists what found no
         spot at all (none at 1024x768 in presenter mode with seven settings)."""
         view = self.plot.getViewBox()
-        key = (tuple(view.viewRange()[0]), tuple(view.viewRange()[1]), view.width(), view.height(), self._drawn,
-               self.type)
+        key = (tuple(view.viewRange()[0]), tuple(view.viewRange()[1]), view.width(), view.height(),
+               tuple(self.labels), self.type)
+        # The same plot: placed again only where a dot moved or a figure changed, at most every RELABEL_S (a
+        # placement costs tens of ms; as friture does, text follows the data on a slow clock).
+        geometry = self._geometry(view)
         if key == self._placed_key:
-            return
-        self._placed_key = key
+            if geometry == self._placed_geometry:
+                return
+            wait = self.RELABEL_S - (time.monotonic() - self._placed_at)
+            if wait > 0:
+                if not self._relabel_pending:  # (the last move of a run is placed too, once the clock allows)
+                    self._relabel_pending = True
+                    QTimer.singleShot(int(1000 * wait) + 1, self, self._relabel)
+                return
+        self._placed_key, self._placed_geometry, self._placed_at = key, geometry, time.monotonic()
         area = view.sceneBoundingRect()
         placed: dict[tuple[str, str], QRectF] = {}
         # The dots: no label covers one; a label keeps its dot's radius and a gap away from its point.

@@ -75,3 +75,25 @@ def test_parts_over_the_total_are_never_a_negative_row(qtbot) -> None:
     assert value == human_bytes(-b.unattributed) and not value.startswith("-")
     assert source == "over the total: mapped, not resident"
     assert all(not view.rows[name][1].text().startswith("-") for name in PARTS)
+
+
+def test_a_short_box_keeps_the_kv_cache_and_the_weights_rows(qtbot) -> None:
+    """Presenter mode at 1024x768 gives the box room for three rows: it showed the allocator's cache, the runtime
+    and the rest, and dropped the KV cache (the part the app is about) and the weights (what it is weighed
+    against). They stay; the largest of the others fill the room left; the tooltip names what is not shown."""
+    view = BreakdownView()
+    qtbot.addWidget(view)
+    view.show()
+    cpu = _sample(process_rss=460 * MiB, weights_bytes=13 * MiB, kv_bytes_held=2 * MiB, kv_bytes_reserved=2 * MiB,
+                  activations_predicted=MiB // 3)
+    view.show_breakdown(memory_breakdown(cpu))
+    full = view.sizeHint().height()
+    for rows in (1, 2, 3):
+        view.setFixedSize(260, full - (len(PARTS) - rows) * view._row_height())
+        qtbot.wait(10)
+        shown = [name for name in PARTS if view.rows[name][1].isVisibleTo(view)]
+        assert len(shown) <= rows + 1, shown
+        assert "kv_held" in shown, (rows, shown)
+        if rows >= 2:
+            assert "weights" in shown, (rows, shown)
+        assert "Not shown for lack of room" in view.toolTip()

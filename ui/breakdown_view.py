@@ -32,6 +32,8 @@ UNATTRIBUTED = "not attributed"
 #: The legend's words, short enough for the side panel (its tooltip says them in full).
 SHORT_LABELS = {"weights": "weights", "kv_held": "KV held", "kv_reserved_free": "KV reserved", "activations":
                 "activations", "allocator_cache": "alloc. cache", "runtime": "runtime", "other_processes": "others"}
+#: Where the box has room for only some rows, these stay, in this order, before the largest of the others.
+KEPT_FIRST = ("kv_held", "weights")
 SOURCE_SHORT = {"measured": "meas.", "predicted": "pred.", "measured remainder": "rest", NA: ""}
 
 
@@ -150,7 +152,7 @@ class BreakdownView(QGroupBox):
 
     def _fit_rows(self) -> None:
         """Show the rows that fit in the box's height, whole: where they do not all fit, n/a rows go first, then
-        the smallest parts; the tooltip lists what is not shown."""
+        the smallest parts, the KV cache and the weights last (``KEPT_FIRST``); the tooltip lists what is not shown."""
         layout = self.layout()
         # The layout's own rectangle: below the title, which the box's contentsRect does not leave out (the
         # total's line was drawn with its top under the title in presenter type).
@@ -169,7 +171,9 @@ class BreakdownView(QGroupBox):
         sizes = {p.name: p.bytes for p in self.breakdown.parts} if self.breakdown is not None else {}
         if self.breakdown is not None and self.breakdown.unattributed:
             sizes[UNATTRIBUTED] = abs(self.breakdown.unattributed)
-        keep = set(sorted(wanted, key=lambda n: -(sizes.get(n) if sizes.get(n) is not None else -1))[:room])
+        # The KV cache (what the app is about) and the weights (what it is weighed against) first, then the largest.
+        keep = set(sorted(wanted, key=lambda n: (KEPT_FIRST.index(n) if n in KEPT_FIRST else len(KEPT_FIRST),
+                                                 -(sizes.get(n) if sizes.get(n) is not None else -1)))[:room])
         for name in (*PARTS, UNATTRIBUTED):
             on = name in keep
             for w in (*self.rows[name], self.swatches[name]):

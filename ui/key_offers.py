@@ -47,7 +47,7 @@ class KeyOffers:
     def problem(self, key: str, value: str, now: dict[str, str] | None = None) -> str | None:
         """Why ``key=value`` cannot run from ``now`` (default: the settings ahead), or None: a refusal the
         engine gave from that state, else the runtime's own rules (its registry ``switch_problem``:
-        ``kvscope.core.model.settings.switch_problem`` for transformers). Only a run with a known model is judged, and only
+        ``kvscope.core.runtimes.transformers.switches.switch_problem`` for transformers). Only a run with a known model is judged, and only
         where its runtime judges ahead (a runtime whose own choices say what it reloads judges none)."""
         now = self.settings_ahead() if now is None else now
         info = runtimes.find(self.runtime)

@@ -29,6 +29,7 @@ from PySide6.QtGui import QColor, QFont, QFontMetrics
 
 from kvscope.core.base.sample import Sample
 from kvscope.ui.axes import SparseAxis, format_bytes
+from kvscope.ui.plots.frontier_labels import LabelPlacement
 from kvscope.ui.plots.panel import PlotPanel
 from kvscope.ui.theme import Theme
 
@@ -325,180 +326,27 @@ class FrontierPlot(PlotPanel):
                     QTimer.singleShot(int(1000 * wait) + 1, self, self._relabel)
                 return
         self._placed_key, self._placed_geometry, self._placed_at = key, geometry, time.monotonic()
-        area = view.sceneBoundingRect()
-        placed: dict[tuple[str, str], QRectF] = {}
-        # The dots: no label covers one; a label keeps its dot's radius and a gap away from its point.
-        radius = self.scatter.opts["size"] / 2 + 2
-        px, py = view.viewPixelSize()
-        shown = {k: p for k, p in self.points.items() if p.bytes_per_token is not None and k in self.labels}
-        centres = {k: view.mapViewToScene(pg.Point(math.log2(p.bytes_per_token), 100.0 * p.top1))
-                   for k, p in shown.items()}
-        dots = [QRectF(c.x() - radius + 2, c.y() - radius + 2, 2 * radius - 4, 2 * radius - 4)
-                for c in centres.values()]
         for k, item in self.labels.items():
             item.setVisible(False)
             self.leaders[k].setVisible(False)
-        groups = self._groups(centres, radius)
+        placement = LabelPlacement(self, view)
+        groups = self._groups(placement.centres, placement.radius)
         self.unlabelled = []
-
-        lines: list[tuple[float, float, float, float]] = []  # the leader lines drawn so far (scene)
-
-        def crosses(x0, y0, x1, y1, rect: QRectF) -> bool:
-            n = max(2, int(math.hypot(x1 - x0, y1 - y0) / 3))
-            return any(rect.contains(pg.Point(x0 + (x1 - x0) * i / n, y0 + (y1 - y0) * i / n)) for i in range(n + 1))
-
-        def free(rect: QRectF, others) -> bool:
-            return area.contains(rect) and not any(rect.intersects(o) for o in list(others) + dots) and \
-                not any(crosses(*line, rect) for line in lines)
-
-        def segment(centre, rect: QRectF) -> tuple[float, float, float, float] | None:
-            """The leader from the dot's edge to the nearest point of ``rect`` (None: the label touches its dot)."""
-            nx = min(max(centre.x(), rect.left()), rect.right())
-            ny = min(max(centre.y(), rect.top()), rect.bottom())
-            dx, dy = nx - centre.x(), ny - centre.y()
-            gap = math.hypot(dx, dy)
-            if gap <= radius:
-                return None
-            return centre.x() + dx * radius / gap, centre.y() + dy * radius / gap, nx, ny
-
-        def gap(rect: QRectF, at) -> float:
-            return math.hypot(at.x() - min(max(at.x(), rect.left()), rect.right()),
-                              at.y() - min(max(at.y(), rect.top()), rect.bottom()))
-
-        def nearer_another(rect: QRectF, item) -> bool:
-            """Whether a label without a leader is as near another dot as its own (it would read as that one's)."""
-            mine = gap(rect, item.centre)
-            return any(gap(rect, centres[k]) < mine + radius for k in centres if k not in item.group)
-
-        def beside(item, others) -> QRectF | None:
-            point = item.point
-            for anchor in self.ANCHORS:
-                item.setAnchor(anchor)
-                item.setPos(math.log2(point.bytes_per_token) + (0.5 - anchor[0]) * 2 * radius * px,
-                            100.0 * point.top1 + (anchor[1] - 0.5) * 2 * radius * py)
-                item.updateTransform(force=True)
-                rect = item.mapRectToScene(item.boundingRect())
-                if free(rect, others) and not nearer_another(rect, item):
-                    return rect
-            return None
-
-        def away(item, centre, others) -> QRectF | None:
-            """The nearest free spot on rings around ``centre`` (scene), the label centred on it, its leader crossing
-            no other label and no dot but its own (its group's)."""
-            own = [centres[k] for k in item.group]
-            blocks = list(others) + [d for d in dots if not any(d.contains(c) for c in own)]
-            item.setAnchor((0.5, 0.5))
-            item.setPos(view.mapSceneToView(centre))
-            item.updateTransform(force=True)
-            size = item.mapRectToScene(item.boundingRect())
-            w, h = size.width(), size.height()
-            reach = max(area.width(), area.height())
-            ring = radius + min(w, h) / 2 + 4
-            while ring < reach:
-                for i in range(self.RING_DIRECTIONS):
-                    turn = 2 * math.pi * i / self.RING_DIRECTIONS
-                    # (an ellipse as wide as the label: a spot straight left or right keeps the label's half width)
-                    cx = centre.x() + math.cos(turn) * (ring + (w - h) / 2 * abs(math.cos(turn)))
-                    cy = centre.y() - math.sin(turn) * ring
-                    rect = QRectF(cx - w / 2, cy - h / 2, w, h)
-                    line = segment(centre, rect)
-                    # (its leader crosses no other label and no other dot)
-                    if free(rect, others) and not (line and any(crosses(*line, o) for o in blocks)):
-                        item.setPos(view.mapSceneToView(pg.Point(cx, cy)))
-                        item.updateTransform(force=True)
-                        return item.mapRectToScene(item.boundingRect())
-                ring += max(h, radius)
-            return None
-
-        def lead(k, centre, rect: QRectF) -> None:
-            line = segment(centre, rect)
-            if line is None:
-                return
-            lines.append(line)
-            a, b = view.mapSceneToView(pg.Point(*line[:2])), view.mapSceneToView(pg.Point(*line[2:]))
-            leader = self.leaders[k]
-            leader.setData([a.x(), b.x()], [a.y(), b.y()])
-            leader.setVisible(True)
-
         heads = []
         for group in groups:
             head = group[0]
             item = self.labels[head]
             item.names = [self.label_of(self.points[k]) for k in group]
             item.group = group
-            item.centre = centres[head]
+            item.centre = placement.centres[head]
             item.setToolTip("\n".join(self._tooltip(self.points[k]) for k in group))
             item.setVisible(True)
             heads.append(head)
-        def attempt(order: list[tuple[str, str]]) -> list[tuple[str, str]]:
-            """Place the labels in ``order``; returns those with no spot."""
-            placed.clear()
-            lines.clear()
-            for k in order:
-                self.leaders[k].setVisible(False)
-            left = []
-            for k in order:  # beside its point
-                item = self.labels[k]
-                for step in self.STEPS:
-                    self._style_label(item, item.point, figures=False, step=step)
-                    spot = beside(item, placed.values())
-                    if spot is not None:
-                        placed[k], item.step, item.away = spot, step, False
-                        break
-                else:
-                    left.append(k)
-            # Then away from it, with a leader line (over no other dot: it would read as that one's); last, its
-            # name elided.
-            for elide, joined in ((0, False), (0, True), (6, False), (6, True), (self.ELIDE_KEEP, False),
-                                  (self.ELIDE_KEEP, True)):
-                still = []
-                for k in left:
-                    item = self.labels[k]
-                    if joined and len(item.names) == 1:
-                        still.append(k)  # (tried as it is)
-                        continue
-                    for step in self.STEPS:
-                        self._style_label(item, item.point, figures=False, step=step, elide=elide, joined=joined)
-                        spot = away(item, centres[k], placed.values())
-                        if spot is not None:
-                            placed[k], item.step, item.away = spot, step, True
-                            lead(k, centres[k], spot)
-                            break
-                    else:
-                        still.append(k)
-                left = still
-            return left
-
-        # The highest points first; a label left without a spot goes first in the next round (a few rounds, the
-        # best kept: fewest left, then fewest placed away from their points).
-        order, best, left = list(heads), None, []
-        for _ in range(min(len(heads), 4)):
-            left = attempt(order)
-            score = (len(left), sum(self.labels[k].away for k in placed), sum(self.labels[k].step for k in placed))
-            if best is None or score < best[0]:
-                best = (score, list(order))
-            if not left:
-                break
-            order = left + [k for k in order if k not in left]
-        if best is not None and (order != best[1] or left):
-            left = attempt(best[1])
-        for k in left:
+        for k in placement.place(heads):
             self.labels[k].setVisible(False)
             self.unlabelled.extend(self.labels[k].group)
-        for k in list(placed):
-            item = self.labels[k]
-            if item.step or item.away or len(item.names) > 1:
-                continue  # (no room for its figures: it had none for its name in the theme's type)
-            name_spot = placed[k]
-            self._style_label(item, item.point, figures=True)
-            spot = beside(item, [r for o, r in placed.items() if o != k])
-            if spot is not None:
-                placed[k] = spot
-                continue
-            self._style_label(item, item.point, figures=False)  # back to the name where it was
-            beside(item, [r for o, r in placed.items() if o != k])  # (the first free spot: the one it had)
-            placed[k] = name_spot
-        self.placed = placed
+        placement.add_figures()
+        self.placed = placement.placed
 
     def restyle_labels(self) -> None:
         for key, item in self.labels.items():

@@ -36,7 +36,10 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                         "(default: embedded)")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
     p.add_argument("--dtype", default=None, help="weights dtype: fp32, fp16, bf16 (default: the model's)")
-    p.add_argument("--attention", default=None, help="mha | gqa:N | mqa | mla | window:W (default: as the model is built)")
+    from kvscope.core.model.attention import attention_spellings  # (no torch: a ModelSpec rewrite)
+
+    p.add_argument("--attention", default=None,
+                   help=f"{attention_spellings(sep=' | ', last=' | ')} (default: as the model is built)")
     p.add_argument("--cache", default="dynamic",
                    help="dynamic | static | quantized[:4|:2|:hqq:4|:fp8] | offloaded | sink:S+W | h2o:B+W")
     p.add_argument("--attn-impl", default="sdpa", help="eager | sdpa | flash (default sdpa)")
@@ -387,7 +390,7 @@ def _settings_from(args: argparse.Namespace):
 #: model (while calc refused it): each is refused the same way by calc and run (_refuse_empty_values).
 _NOT_EMPTY = {
     "model": None,  # the message of kvscope.core.model.spec.check_model_name, as the window's calculator says it
-    "dtype": "fp32, fp16 or bf16", "kv_dtype": "fp16, bf16, fp8, int8 or int4", "attention": "mha, gqa:N, mqa, mla or window:W",
+    "dtype": "fp32, fp16 or bf16", "kv_dtype": "fp16, bf16, fp8, int8 or int4", "attention": None,  # the modes' own spellings (attention_spellings)
     "cache": "dynamic, static, quantized, offloaded, sink:S+W or h2o:B+W", "attn_impl": "eager, sdpa or flash",
     "device": "auto, cpu, cuda, cuda:N or mps", "context": "token counts such as 4k,32k", "max_context": "a token count such as 4k",
     "gpu_memory": "a size such as 24GiB", "memory_budget": "a size such as 64MiB", "prompt_file": "a text file",
@@ -399,10 +402,14 @@ def _refuse_empty_values(args: argparse.Namespace) -> None:
     """One place for calc and run: an option given an empty value is refused, not read as "not given"."""
     from kvscope.core.model.spec import check_model_name
 
+    from kvscope.core.model.attention import attention_spellings
+
     for dest, instead in _NOT_EMPTY.items():
         value = getattr(args, dest, None)
         if isinstance(value, str) and not value.strip():
-            if instead is None:
+            if dest == "attention":
+                instead = attention_spellings()
+            elif instead is None:
                 check_model_name(value)  # SpecError: "empty model name; give a preset name, ..."
             raise CliError(f"--{dest.replace('_', '-')} is empty; give {instead}, or leave the option out")
     for switch in getattr(args, "switch", None) or ():

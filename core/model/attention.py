@@ -39,11 +39,19 @@ class AttentionMode:
 
     name: ClassVar[str] = ""
     help: ClassVar[str] = ""
+    #: How the mode is written, for messages and help: the first is its plain form (``gqa:N``), any others follow.
+    spellings: ClassVar[tuple[str, ...]] = ()
 
     @property
     def key(self) -> str:
         """Canonical spelling, as on the command line."""
         return self.name
+
+    @classmethod
+    def choices(cls, spec: ModelSpec) -> list[str]:
+        """The spellings the window's Attention combo and the calculator offer for ``spec``, in the order keys
+        cycle (most K/V first); ``[name]`` by default."""
+        return [cls.name]
 
     @classmethod
     def parse(cls, arg: str | None, spelled: str) -> "AttentionMode":
@@ -77,7 +85,7 @@ def merge_arg(arg: str | None, spelled: str) -> str:
     return arg.strip()
 
 
-def _with_kv_heads(spec: ModelSpec, kv_heads: int) -> ModelSpec:
+def with_kv_heads(spec: ModelSpec, kv_heads: int) -> ModelSpec:
     """The spec with ``kv_heads`` K/V heads; k_proj/v_proj parameters change with it (one
     ``hidden x head_dim`` matrix, plus a bias row when the model has one, per head per layer).
 
@@ -111,9 +119,10 @@ def _every_kv_layer(spec: ModelSpec, kind: str) -> ModelSpec:
 class MHA(AttentionMode):
     name: ClassVar[str] = "mha"
     help: ClassVar[str] = "multi-head: one K/V head per query head"
+    spellings: ClassVar[tuple[str, ...]] = ("mha",)
 
     def apply(self, spec: ModelSpec) -> ModelSpec:
-        return _with_kv_heads(spec, spec.num_query_heads)
+        return with_kv_heads(spec, spec.num_query_heads)
 
 
 @dataclass(frozen=True)
@@ -121,12 +130,17 @@ class GQA(AttentionMode):
     name: ClassVar[str] = "gqa"
     help: ClassVar[str] = ("grouped-query: N K/V heads shared by groups of query heads (N divides the query heads); "
                            "fewer than the model's own are aligned and merged (gqa:N:mean mean-pools them)")
+    spellings: ClassVar[tuple[str, ...]] = ("gqa:N", "gqa:N:mean")
     kv_heads: int = 1
     merge: str = MERGES[0]
 
     @property
     def key(self) -> str:
         return f"gqa:{self.kv_heads}" + ("" if self.merge == MERGES[0] else f":{self.merge}")
+
+    @classmethod
+    def choices(cls, spec: ModelSpec) -> list[str]:
+        return [f"gqa:{n}" for n in sorted(spec.gqa_group_counts(), reverse=True) if 1 < n < spec.num_query_heads]
 
     @classmethod
     def parse(cls, arg: str | None, spelled: str) -> "GQA":
@@ -143,7 +157,7 @@ class GQA(AttentionMode):
 
     def apply(self, spec: ModelSpec) -> ModelSpec:
         self.check(spec)
-        return _with_kv_heads(spec, self.kv_heads)
+        return with_kv_heads(spec, self.kv_heads)
 
 
 @dataclass(frozen=True)
@@ -151,6 +165,7 @@ class MQA(AttentionMode):
     name: ClassVar[str] = "mqa"
     help: ClassVar[str] = ("multi-query: a single K/V head for all query heads, the model's own aligned and merged "
                            "(mqa:mean mean-pools them)")
+    spellings: ClassVar[tuple[str, ...]] = ("mqa", "mqa:mean")
     merge: str = MERGES[0]
 
     @property
@@ -162,7 +177,7 @@ class MQA(AttentionMode):
         return cls(merge_arg(arg, spelled))
 
     def apply(self, spec: ModelSpec) -> ModelSpec:
-        return _with_kv_heads(spec, 1)
+        return with_kv_heads(spec, 1)
 
 
 def latent_widths(spec: ModelSpec) -> list[int]:
@@ -183,6 +198,7 @@ class MLA(AttentionMode):
     name: ClassVar[str] = "mla"
     help: ClassVar[str] = ("multi-head latent: a DeepSeek model's own latent; any other model caches a low-rank latent "
                            "of its own K/V per layer (mla:RANK; default half its KV, full rank exact)")
+    spellings: ClassVar[tuple[str, ...]] = ("mla", "mla:RANK")
     rank: int | None = None
 
     @property
@@ -234,11 +250,16 @@ class MLA(AttentionMode):
 class Window(AttentionMode):
     name: ClassVar[str] = "window"
     help: ClassVar[str] = "sliding window: every layer attends to (and caches) only the last W tokens"
+    spellings: ClassVar[tuple[str, ...]] = ("window:W",)
     window: int = 4096
 
     @property
     def key(self) -> str:
         return f"window:{self.window}"
+
+    @classmethod
+    def choices(cls, spec: ModelSpec) -> list[str]:
+        return [f"window:{w}" for w in window_choices(spec)]
 
     @classmethod
     def parse(cls, arg: str | None, spelled: str) -> "Window":
@@ -248,18 +269,41 @@ class Window(AttentionMode):
         return _every_kv_layer(replace(spec, sliding_window=self.window), SLIDING_ATTENTION)
 
 
+#: Every attention mode, in the order the window offers them (most K/V first) and messages name them: a new mode is
+#: its class and one entry here (docs/extending.md, recipe 3; tests/test_attention_recipe.py adds one).
 ATTENTION_MODES: list[type[AttentionMode]] = [MHA, GQA, MQA, MLA, Window]
 
 
+def attention_spellings(every: bool = False, sep: str = ", ", last: str = " or ") -> str:
+    """The modes as a user writes them, for messages and help: ``mha, gqa:N, mqa, mla or window:W`` (``every``:
+    each mode's other spellings too, ``gqa:N:mean``...)."""
+    words = [w for mode in ATTENTION_MODES for w in (mode.spellings if every else mode.spellings[:1]) or (mode.name,)]
+    return words[0] if len(words) == 1 else sep.join(words[:-1]) + last + words[-1]
+
+
 def parse_attention(text: str) -> AttentionMode:
-    """Parse ``mha``, ``gqa:N[:mean]``, ``mqa[:mean]``, ``mla[:RANK]`` or ``window:W``. Raises SettingsError."""
+    """Parse ``mha``, ``gqa:N[:mean]``, ``mqa[:mean]``, ``mla[:RANK]``, ``window:W`` (or another mode of
+    ``ATTENTION_MODES``). Raises SettingsError."""
     spelled = str(text).strip().lower()
     name, _, arg = spelled.partition(":")
     for mode in ATTENTION_MODES:
         if mode.name == name:
             return mode.parse(arg or None, spelled)
-    raise SettingsError(f"unknown attention mode {text!r}; use mha, gqa:N, gqa:N:mean, mqa, mqa:mean, mla, "
-                        "mla:RANK or window:W")
+    raise SettingsError(f"unknown attention mode {text!r}; use {attention_spellings(every=True)}")
+
+
+#: Windows offered besides a model's own: one short enough to see the plateau in a live demo of a
+#: few hundred tokens, one the size real sliding-window models use (Mistral 7B).
+DEMO_WINDOW, COMMON_WINDOW = 256, 4096
+
+
+def window_choices(spec: ModelSpec) -> list[int]:
+    """Sliding windows worth offering for ``spec``, largest first: its own, and 4096 and 256 where
+    they are at most half its context (else a quarter of its context)."""
+    context = spec.max_position_embeddings
+    sizes = {spec.sliding_window} if spec.sliding_window else set()
+    sizes |= {w for w in (COMMON_WINDOW, DEMO_WINDOW) if 2 * w <= context}
+    return sorted(sizes or {max(16, context // 4)}, reverse=True)
 
 
 def native_attention(spec: ModelSpec) -> AttentionMode:

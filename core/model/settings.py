@@ -13,7 +13,8 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from kvscope.core.model.attention import AttentionMode, SettingsError, native_attention
+from kvscope.core.model.attention import (ATTENTION_MODES, COMMON_WINDOW, DEMO_WINDOW, AttentionMode, SettingsError,  # noqa: F401 (re-exported)
+                                          native_attention, window_choices)
 from kvscope.core.model.caches import CacheStrategy, Dynamic, parse_cache
 from kvscope.core.model.spec import MAX_COUNT, ModelSpec, canonical_dtype, shown_count
 
@@ -70,10 +71,6 @@ class RunSettings:
 # ------------------------------------------------------------------------------------------------
 # The choices on each axis: one list each for the command line's help, the window and the calculator.
 
-#: Windows offered besides a model's own: one short enough to see the plateau in a live demo of a
-#: few hundred tokens, one the size real sliding-window models use (Mistral 7B).
-DEMO_WINDOW, COMMON_WINDOW = 256, 4096
-
 #: Cache strategies in the order the C key cycles through them; the token-selecting ones follow, sized
 #: for the model (``selecting_cache_keys``).
 CACHE_KEYS = ("dynamic", "static", "quantized:4", "quantized:2", "quantized:hqq:4", "quantized:fp8", "offloaded")
@@ -82,20 +79,11 @@ CACHE_KEYS = ("dynamic", "static", "quantized:4", "quantized:2", "quantized:hqq:
 SINK_TOKENS = 4
 
 
-def window_choices(spec: ModelSpec) -> list[int]:
-    """Sliding windows worth offering for ``spec``, largest first: its own, and 4096 and 256 where
-    they are at most half its context (else a quarter of its context)."""
-    context = spec.max_position_embeddings
-    sizes = {spec.sliding_window} if spec.sliding_window else set()
-    sizes |= {w for w in (COMMON_WINDOW, DEMO_WINDOW) if 2 * w <= context}
-    return sorted(sizes or {max(16, context // 4)}, reverse=True)
-
-
 def attention_choices(spec: ModelSpec) -> tuple[str, ...]:
-    """Attention modes for ``spec`` from the most KV to the least: mha, gqa:N (N descending), mqa, mla,
-    windows (largest first); the model's own mode first when it is none of these."""
-    out = ["mha"] + [f"gqa:{n}" for n in sorted(spec.gqa_group_counts(), reverse=True) if 1 < n < spec.num_query_heads]
-    out += ["mqa", "mla"] + [f"window:{w}" for w in window_choices(spec)]
+    """Attention modes for ``spec`` from the most KV to the least, each mode's ``choices`` in ``ATTENTION_MODES``'
+    order: mha, gqa:N (N descending), mqa, mla, windows (largest first); the model's own mode first when it is none
+    of these."""
+    out = [choice for mode in ATTENTION_MODES for choice in mode.choices(spec)]
     native = native_attention(spec).key
     return tuple(out if native in out else [native, *out])
 

@@ -168,7 +168,7 @@ def kv_heads_of(model: nn.Module) -> int:
 def check_kv_projections(model: nn.Module, kv_layers: int, hidden_size: int) -> None:
     """Refuse (SettingsError) a K/V head change whose weights the prediction cannot follow.
 
-    The prediction (``kvscope.core.model.attention._with_kv_heads``) counts, per K/V head added or removed, one ``hidden_size``-wide
+    The prediction (``kvscope.core.model.attention.with_kv_heads``) counts, per K/V head added or removed, one ``hidden_size``-wide
     row of ``k_proj`` and of ``v_proj`` (``head_dim`` outputs each) in each of the ``kv_layers`` layers that cache
     K/V. That holds when each such layer owns its projections and they read the hidden state; it does not when
     projections serve several cache layers (one attention block shared by a hybrid's layers, Zamba; layers run in

@@ -772,9 +772,15 @@ def test_the_issues_files_through_real_calc_and_run_processes(tmp_path):
                                   capture_output=True, timeout=60, preexec_fn=_limited_memory)
             elapsed = time.monotonic() - t0
             out, err = proc.stdout.decode(), proc.stderr.decode()
-            assert proc.returncode == status, (what, command, proc.returncode, err)
             assert b"\x1b" not in proc.stdout + proc.stderr and b"\r" not in proc.stdout + proc.stderr, what
             assert elapsed < 30, (what, elapsed)  # a hang guard; the reading itself takes milliseconds
+            if status == 0 and "llama.cpp" in command and proc.returncode == 2:
+                # A readable header llama.cpp's own loader refuses (no vocabulary: issue 38's dry run says so, with no
+                # figure): one line, its reason, escaped.
+                lines = [x for x in err.splitlines() if x.strip()]
+                assert len(lines) == 1 and "llama.cpp refuses this file at load" in lines[0] and out == "", (what, err)
+                continue
+            assert proc.returncode == status, (what, command, proc.returncode, err)
             if status == 2:
                 lines = [x for x in err.splitlines() if x.strip()]
                 assert len(lines) == 1 and lines[0].startswith("kvscope: ") and says in lines[0], (what, lines)

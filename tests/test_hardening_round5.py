@@ -315,6 +315,15 @@ def test_signal_while_loading_ends_promptly(signum, real):
         took = time.monotonic() - sent
     finally:
         proc.kill()
+    from kvscope.core.live.load_watch import GRACE_S
+
+    if code == 0:
+        # The model was ready within the watch's grace after the signal (a quiet machine loads SmolLM2 in about a
+        # second): the run's own stop applied at its first token, as designed. Still prompt; the old bug (the
+        # signal waited for the whole load, then the run) fails the bound wherever the load is slower than the grace.
+        assert any(line.startswith("ready:") for line in err.splitlines()), err
+        assert took < GRACE_S + 5, took
+        return
     assert code == 128 + signum, (code, err)
     assert err.strip().splitlines()[-1] == (f"kvscope: stopped by {signal.Signals(signum).name} while the model was "
                                             "loading; nothing was generated or recorded"), err

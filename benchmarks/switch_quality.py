@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -57,8 +58,7 @@ def one(model: str, setting: str, prefix: int, after: int, out: Path) -> dict:
     cmd = [sys.executable, str(ROOT / "main.py"), "run", "--model", model, "--device", "cpu", "--tokens",
            str(prefix + after), "--quality-probe", "--switch", f"{prefix}:{setting}", "--record", str(record),
            "--force"]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={"HF_HUB_OFFLINE": "1", **dict(
-        __import__("os").environ)})
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     if done.returncode != 0:
         return {"setting": setting, "error": (done.stderr.strip().splitlines() or ["?"])[-1]}
     rows = [json.loads(line) for line in record.read_text().splitlines()[1:]]

@@ -13,8 +13,8 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from kvscope.core.model.attention import (ATTENTION_MODES, COMMON_WINDOW, DEMO_WINDOW, AttentionMode, SettingsError,  # noqa: F401 (re-exported)
-                                          native_attention, window_choices)
+from kvscope.core.model.attention import (ATTENTION_MODES, DEMO_WINDOW, AttentionMode, SettingsError,  # noqa: F401
+                                          native_attention, window_choices)  # (SettingsError, AttentionMode: re-exported)
 from kvscope.core.model.caches import CacheStrategy, Dynamic, parse_cache
 from kvscope.core.model.spec import MAX_COUNT, ModelSpec, canonical_dtype, shown_count
 
